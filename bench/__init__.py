@@ -1,0 +1,1 @@
+"""Benchmarks: figures, never pass/fail. ``make bench`` runs them all (``python -m bench``)."""

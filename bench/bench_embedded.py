@@ -1,0 +1,159 @@
+"""Embedded-mode benchmarks (issue 3).
+
+* ``embedded.throughput``: N timer messages all due at once, simulated clock: messages/s from
+  the engine's start to the last delivery, beside a plain LocalCommitLog read-then-write
+  pass-through of the same records measured in the same run (the ratio is the figure).
+* ``embedded.burst``: 1,000,000 messages due in the same tick: drain time and peak RSS
+  (bounded by the queue bounds, not by the burst).
+* ``embedded.lateness``: real clock, 1,000 messages/s for 60 s, tick 100 ms: lateness
+  p50 / p99 / max and early deliveries.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from timerwheel import SimulatedClock, Timer
+from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.records import OutRecord
+from timerwheel.transports.local import LocalCommitLog
+
+from bench.common import emit, peak_rss_mb, percentile, say
+
+START = 1_700_000_000_000
+
+
+def fill(tw: EmbeddedTimerwheel, n: int, deliver_at: int) -> None:
+    batch = 5_000
+    for i in range(0, n, batch):
+        tw.schedule_many([Timer("dest", b"x" * 100, key=str(j).encode(), deliver_at_ms=deliver_at)
+                          for j in range(i, min(n, i + batch))])
+
+
+def pass_through(directory: Path, n: int) -> float:
+    """Read n records of 100 bytes from one topic and write them to another, in batches."""
+    log = LocalCommitLog(directory, fsync=False)
+    log.ensure_topic("src", 1)
+    for i in range(0, n, 5_000):
+        log.append([OutRecord("src", str(j).encode(), b"x" * 100, (("h", b"v"),)) for j in range(i, min(n, i + 5_000))])
+    consumer = log.consumer("src", {0: 0})
+    t0 = time.perf_counter()
+    moved = 0
+    while moved < n:
+        records = consumer.poll(500, 0.1)
+        log.append([OutRecord("dst", r.key, r.value, r.headers) for r in records])
+        moved += len(records)
+    elapsed = time.perf_counter() - t0
+    consumer.close()
+    log.close()
+    return n / elapsed
+
+
+def delivered_count(tw: EmbeddedTimerwheel, topic: str) -> int:
+    return sum(tw.commit_log.end_offsets(topic).values()) if topic in _topics(tw) else 0
+
+
+def _topics(tw: EmbeddedTimerwheel) -> set[str]:
+    return {p.name for p in (Path(tw.config.data_dir) / "log").iterdir() if p.is_dir()}
+
+
+def throughput(n: int = 100_000) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="tw-bench-"))
+    try:
+        clock = SimulatedClock(START)
+        settings = dict(tick_ms=100, roll_window_ms=86_400_000, shards=2, fsync=False)
+        tw = EmbeddedTimerwheel(tmp / "tw", clock=clock, start=False, **settings)
+        # Fill the timer topic before the engine starts, so only the pipeline is timed.
+        tw.commit_log = LocalCommitLog(tmp / "tw" / "log", fsync=False, clock=clock)
+        from timerwheel.client import TimerClient
+        client = TimerClient(tw.commit_log, tw.config, clock)
+        for i in range(0, n, 5_000):
+            client.schedule_many([Timer("dest", b"x" * 100, key=str(j).encode(), deliver_at_ms=START + 100)
+                                  for j in range(i, min(n, i + 5_000))])
+        tw.commit_log.close()
+        clock.advance(1_000)
+        t0 = time.perf_counter()
+        tw.start()
+        while delivered_count(tw, "dest") < n:
+            time.sleep(0.01)
+        elapsed = time.perf_counter() - t0
+        tw.close()
+        rate = n / elapsed
+        base = pass_through(tmp / "plain", n)
+        say(f"embedded pipeline {rate:,.0f} msg/s; plain LocalCommitLog pass-through {base:,.0f} msg/s")
+        emit("embedded.throughput", rate, "messages/s", messages=n, passthrough_per_s=round(base),
+             ratio=round(rate / base, 3), seconds=round(elapsed, 2))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def burst_child(n: int) -> None:
+    """Runs in a child process so that its peak RSS is its own."""
+    tmp = Path(tempfile.mkdtemp(prefix="tw-burst-"))
+    try:
+        clock = SimulatedClock(START)
+        with EmbeddedTimerwheel(tmp, clock=clock, tick_ms=100, roll_window_ms=86_400_000, shards=2, fsync=False) as tw:
+            t0 = time.perf_counter()
+            fill(tw, n, START + 50)
+            scheduled_s = time.perf_counter() - t0
+            tw.wait_idle(600)
+            clock.advance(200)
+            t1 = time.perf_counter()
+            while delivered_count(tw, "dest") < n:
+                time.sleep(0.05)
+            drain = time.perf_counter() - t1
+        emit("embedded.burst", n / drain, "messages/s", messages=n, drain_s=round(drain, 2),
+             enqueue_s=round(scheduled_s, 2), peak_rss_mb=round(peak_rss_mb(), 1))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def lateness(rate: int = 1_000, seconds: int = 60) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="tw-late-"))
+    rng = random.Random(1)
+    try:
+        with EmbeddedTimerwheel(tmp, tick_ms=100, roll_window_ms=3_600_000, shards=2, fsync=True) as tw:
+            due: dict[str, int] = {}
+            t0 = time.monotonic()
+            sent = 0
+            while time.monotonic() - t0 < seconds:
+                target = int((time.monotonic() - t0) * rate)
+                if target > sent:
+                    k = target - sent
+                    tickets = tw.schedule_many([Timer("late", b"x" * 100, delay_ms=rng.randint(200, 5_000))
+                                                for _ in range(k)])
+                    for t in tickets:
+                        due[t.message_id] = t.deliver_at_ms
+                    sent += k
+                time.sleep(0.005)
+            deadline = time.monotonic() + 30
+            while delivered_count(tw, "late") < sent and time.monotonic() < deadline:
+                time.sleep(0.05)
+            records = tw.read("late")
+        late = sorted(int(r.header("tw-delivered-at") or 0) - due[(r.header("tw-id") or b"").decode()]
+                      for r in records)
+        early = sum(1 for x in late if x < 0)
+        emit("embedded.lateness.p99", percentile(late, 0.99), "ms", p50=percentile(late, 0.5),
+             max=late[-1] if late else None, early=early, scheduled=sent, delivered=len(late), tick_ms=100,
+             rate_per_s=rate, seconds=seconds)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    throughput()
+    n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
+    subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],
+                   check=True, cwd=Path(__file__).resolve().parent.parent)
+    lateness()
+
+
+if __name__ == "__main__":
+    main()

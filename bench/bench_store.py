@@ -1,0 +1,232 @@
+"""Store benchmarks: append, reading slot chains, recovery (figures, never pass/fail).
+
+Each benchmark says what it measured (stderr) and, last, prints one JSON line (``bench.common.emit``)
+such as ``{"bench": "store.recovery", "value": 1234567, "unit": "records/s", ...}``.
+
+Setting: tick 100 ms, a wheel for a 2-day roll window (3,456,000 slots, 4-day span), 64 MiB
+segments, delays log-uniform from 100 ms to 2 days (many short, some long: every batch touches
+slots all over the wheel). Data lives in a temp dir under /tmp, deleted afterwards. Recovery runs
+in a child process so that its peak RSS (VmHWM) is its own.
+
+``python -m bench store`` runs them; ``python -m bench.bench_store --quick`` runs smaller sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+from timerwheel.store import EnqueueCheckpoint, Flag, Shard, TimerRecord, records_array
+from timerwheel.store.checkpoint import save_enqueue
+
+from bench.common import emit, say
+
+TICK_MS = 100
+SLOTS = 3_456_000
+SEGMENT_BYTES = 64 * 1024 * 1024
+MAX_DELAY_MS = 2 * 86_400_000
+NOW_MS = 1_700_000_000_000
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _delays(rng: np.random.Generator, n: int) -> np.ndarray:
+    return np.exp(rng.uniform(np.log(100), np.log(MAX_DELAY_MS), n)).astype(np.int64)
+
+
+def _records(rng: np.random.Generator, n: int, start_offset: int = 0) -> list[TimerRecord]:
+    deliver = (NOW_MS + _delays(rng, n)).tolist()
+    ids = rng.integers(0, 2**63, n).tolist()
+    return [
+        TimerRecord(Flag.NORMAL, NOW_MS, deliver[i], i % 8, start_offset + i, 512, 7, ids[i])
+        for i in range(n)
+    ]
+
+
+def _open(directory: str, **kw: Any) -> Shard:
+    return Shard.open(directory, tick_ms=TICK_MS, slots=SLOTS, segment_bytes=SEGMENT_BYTES, **kw)
+
+
+def bench_append(tmp: str, total: int, batch: int = 1000, wheel_sync_records: int | None = None) -> None:
+    """Shard.append + Shard.flush (one fdatasync of the TimerLog) per batch of ``batch`` records.
+
+    Two passes of ``total`` records: the first on a fresh wheel (each 4 KiB page of the wheel file is
+    touched for the first time: page faults, block allocation), the second as a running shard sees it.
+    The TimerRecords are built before the clock starts.
+    """
+    rng = np.random.default_rng(1)
+    directory = os.path.join(tmp, "append")
+    kw = {} if wheel_sync_records is None else {"wheel_sync_records": wheel_sync_records}
+    shard = _open(directory, fsync=True, **kw)
+    passes = []
+    for n_pass in range(2):
+        batches = [_records(rng, batch, (n_pass * total) + k * batch) for k in range(total // batch)]
+        flush_s = []
+        started = time.perf_counter()
+        for records in batches:
+            shard.append(records)
+            t = time.perf_counter()
+            shard.flush()
+            flush_s.append(time.perf_counter() - t)
+        passes.append((time.perf_counter() - started, flush_s))
+    shard.close()
+    shutil.rmtree(directory)
+    (cold_s, _), (seconds, flush_s) = passes
+    rate = total / seconds
+    name = "store.append" if wheel_sync_records is None else "store.append_wheel_msync_every_flush"
+    say(f"{name}: {total} records in batches of {batch}, one flush each: {seconds:.2f} s, {rate:,.0f} records/s "
+          f"(fresh wheel: {total / cold_s:,.0f} records/s), flush p50 {np.median(flush_s) * 1e3:.2f} ms, "
+          f"p99 {np.percentile(flush_s, 99) * 1e3:.2f} ms")
+    emit(name, round(rate), "records/s", records=total, batch=batch, fresh_wheel_records_per_s=round(total / cold_s),
+         flush_p50_ms=round(float(np.median(flush_s)) * 1e3, 3),
+         flush_p99_ms=round(float(np.percentile(flush_s, 99)) * 1e3, 3))
+
+
+def bench_read_chains(tmp: str, slots_used: int, per_slot: int) -> None:
+    """read_slot over every used slot, following prev_pos links (one pread + CRC per record)."""
+    rng = np.random.default_rng(2)
+    directory = os.path.join(tmp, "read")
+    shard = _open(directory, fsync=False)
+    total = slots_used * per_slot
+    slot_times = NOW_MS + TICK_MS * rng.permutation(slots_used)
+    deliver = np.repeat(slot_times, per_slot)
+    rng.shuffle(deliver)
+    for c0 in range(0, total, 65536):
+        d = deliver[c0 : c0 + 65536]
+        shard.append_array(records_array(flags=1, enqueue_ms=NOW_MS, deliver_ms=d, src_partition=0,
+                                         src_offset=np.arange(c0, c0 + len(d)), src_size=100, topic_hash=1, id_hash=2))
+        shard.flush()
+    started = time.perf_counter()
+    read = 0
+    for t in slot_times.tolist():
+        for _pos, _record in shard.read_slot(t):
+            read += 1
+    seconds = time.perf_counter() - started
+    shard.close()
+    shutil.rmtree(directory)
+    assert read == total, (read, total)
+    rate = read / seconds
+    say(f"store.read_slot: {read} records in {slots_used} chains of {per_slot}: {seconds:.2f} s, {rate:,.0f} records/s")
+    emit("store.read_slot", round(rate), "records/s", records=read, chains=slots_used)
+
+
+def bench_read_burst(tmp: str, burst: int, others: int) -> None:
+    """read_slot of one slot holding ``burst`` records due at one instant, written among ``others``
+    records of other slots (PITFALLS: 500k messages due in one second). A dense slot is read by a
+    vectorised scan of its stretch of the TimerLog rather than a pread per link."""
+    rng = np.random.default_rng(4)
+    directory = os.path.join(tmp, "burst")
+    shard = _open(directory, fsync=False)
+    total = burst + others
+    deliver = np.full(total, NOW_MS + 60_000, dtype=np.int64)
+    deliver[rng.permutation(total)[:others]] = NOW_MS + _delays(rng, others)
+    for c0 in range(0, total, 65536):
+        d = deliver[c0 : c0 + 65536]
+        shard.append_array(records_array(flags=1, enqueue_ms=NOW_MS, deliver_ms=d, src_partition=0,
+                                         src_offset=np.arange(c0, c0 + len(d)), src_size=100, topic_hash=1, id_hash=2))
+        shard.flush()
+    started = time.perf_counter()
+    read = sum(1 for _ in shard.read_slot(NOW_MS + 60_000))
+    seconds = time.perf_counter() - started
+    shard.close()
+    shutil.rmtree(directory)
+    rate = read / seconds
+    say(f"store.read_slot_burst: one slot of {read:,} records among {others:,} others: {seconds:.2f} s, "
+          f"{rate:,.0f} records/s")
+    emit("store.read_slot_burst", round(rate), "records/s", records=read, other_records=others)
+
+
+def _build_log(directory: str, total: int) -> None:
+    """A TimerLog of ``total`` linked records, as enqueue-put would write them (fsync off to save time)."""
+    rng = np.random.default_rng(3)
+    shard = _open(directory, fsync=False, wheel_sync_records=1 << 62)
+    chunk = 65536
+    for c0 in range(0, total, chunk):
+        n = min(chunk, total - c0)
+        enqueue = NOW_MS + (np.arange(c0, c0 + n, dtype=np.int64) // 10)  # 10,000 records/s of traffic
+        shard.append_array(records_array(
+            flags=1, enqueue_ms=enqueue, deliver_ms=enqueue + _delays(rng, n), src_partition=np.arange(n) % 16,
+            src_offset=np.arange(c0, c0 + n) // 16, src_size=512, topic_hash=7, id_hash=rng.integers(0, 2**63, n)))
+        shard.flush()
+    shard.close()
+
+
+def _peak_rss_kb() -> int:
+    """Peak RSS of this process image: VmHWM (ru_maxrss would include the forking parent's, kept over exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _recover_child(directory: str) -> None:
+    """Child process: open the shard as the writer (runs recovery), print figures as JSON."""
+    before = _peak_rss_kb()
+    started = time.perf_counter()
+    shard = _open(directory, fsync=True)
+    seconds = time.perf_counter() - started
+    report = shard.recovery
+    assert report is not None
+    peak = _peak_rss_kb()
+    shard.close()
+    print(json.dumps({"open_seconds": seconds, "recovery_seconds": report.seconds,
+                      "records": report.records_checked, "relinked": report.relinked,
+                      "rss_before_kb": before, "peak_rss_kb": peak}))
+
+
+def bench_recovery(tmp: str, total: int) -> None:
+    """Recovery of a ``total``-record TimerLog from a checkpoint at its start, wheel rebuilt from nothing."""
+    directory = os.path.join(tmp, f"recover-{total}")
+    t = time.perf_counter()
+    _build_log(directory, total)
+    built = time.perf_counter() - t
+    # Worst case: the wheel is gone too, so every record is checked and linked again.
+    os.unlink(os.path.join(directory, "wheel"))
+    save_enqueue(os.path.join(directory, "enqueue.ckpt"),
+                            EnqueueCheckpoint(flushed_pos=0, write_ms=NOW_MS, next_offsets={}, epoch=1))
+    subprocess.run(["sync"], check=False)
+    out = subprocess.run([sys.executable, "-m", "bench.bench_store", "--recover-child", directory],
+                         cwd=REPO, check=True, capture_output=True, text=True)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    shutil.rmtree(directory)
+    rate = figures["records"] / figures["recovery_seconds"]
+    say(f"store.recovery: {figures['records']:,} records ({total * 64 / 2**20:,.0f} MiB, built in {built:.1f} s) "
+          f"checked and re-linked in {figures['recovery_seconds']:.2f} s = {rate:,.0f} records/s; "
+          f"peak RSS {figures['peak_rss_kb'] / 1024:.0f} MiB (after imports {figures['rss_before_kb'] / 1024:.0f} MiB)")
+    name = "store.recovery" if total >= 10_000_000 else f"store.recovery_{total // 1_000_000}m"
+    emit(name, round(rate), "records/s", records=figures["records"], relinked=figures["relinked"],
+         seconds=round(figures["recovery_seconds"], 3), peak_rss_mb=round(figures["peak_rss_kb"] / 1024, 1),
+         rss_after_imports_mb=round(figures["rss_before_kb"] / 1024, 1), wheel_slots=SLOTS)
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    tmp = tempfile.mkdtemp(prefix="tw-bench-store-", dir="/tmp")
+    try:
+        bench_append(tmp, 100_000 if quick else 300_000)
+        bench_append(tmp, 20_000 if quick else 50_000, wheel_sync_records=0)
+        bench_read_chains(tmp, 200 if quick else 1000, 100 if quick else 300)
+        bench_read_burst(tmp, 100_000 if quick else 500_000, 25_000 if quick else 125_000)
+        bench_recovery(tmp, 1_000_000)
+        if not quick:
+            bench_recovery(tmp, 10_000_000)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--recover-child":
+        _recover_child(sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,10 @@
+"""End-to-end fixtures: the real Kafka and Redis servers, shared with tests/ (tests/infra.py)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from infra import kafka_bootstrap, kafka_control, redis_control, redis_url  # noqa: E402
+
+__all__ = ["kafka_bootstrap", "kafka_control", "redis_control", "redis_url"]

@@ -1,0 +1,19 @@
+"""timerwheel: arbitrary-delay timer messages for Kafka (RocketMQ RIP-43: TimerLog + TimerWheel)."""
+
+from timerwheel.client import Timer, TimerClient
+from timerwheel.clock import Clock, SimulatedClock, SystemClock
+from timerwheel.config import TimerConfig
+from timerwheel.errors import ConfigError, TimerwheelError
+from timerwheel.wire import Ticket
+
+__all__ = ["Clock", "ConfigError", "EmbeddedTimerwheel", "SimulatedClock", "SystemClock", "Ticket", "Timer",
+           "TimerClient", "TimerConfig", "TimerwheelError"]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy, so that `import timerwheel` stays light for clients that only produce.
+    if name == "EmbeddedTimerwheel":
+        from timerwheel.embedded import EmbeddedTimerwheel
+
+        return EmbeddedTimerwheel
+    raise AttributeError(name)

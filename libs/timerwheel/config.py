@@ -1,0 +1,211 @@
+"""One validated configuration object, built at the edge (flags, environment) and passed in.
+
+Every check lives in ``TimerConfig.__post_init__``; a bad value raises ``ConfigError`` naming
+the field. ``TimerConfig.from_env`` maps the documented ``TW_*`` environment variables onto
+the same fields, so an env var and a keyword argument are validated by the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from timerwheel.errors import ConfigError
+
+ALLOWED_TICKS_MS = (10, 100, 200, 500, 1000)
+RECORD_SIZE = 64
+DAY_MS = 86_400_000
+
+#: RocketMQ 4.x delay levels 1..18.
+DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+#: Internal topics (``__*``) are denied unless an allow pattern names them.
+DEFAULT_ALLOW_TOPICS = (r"(?!__).+",)
+
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": DAY_MS}
+
+
+def parse_duration_ms(text: str) -> int:
+    """``"1s"`` -> 1000, ``"2h"`` -> 7200000, ``"250ms"`` -> 250, ``"1500"`` -> 1500."""
+    match = re.fullmatch(r"\s*(\d+)\s*(ms|s|m|h|d)?\s*", text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r}")
+    return int(match.group(1)) * _UNITS_MS[match.group(2) or "ms"]
+
+
+def parse_delay_levels(text: str) -> tuple[int, ...]:
+    return tuple(parse_duration_ms(part) for part in text.split())
+
+
+@dataclass(frozen=True, slots=True)
+class TimerConfig:
+    data_dir: str = "./data"
+    shards: int = 1
+    tick_ms: int = 100
+    roll_window_ms: int = 2 * DAY_MS
+    #: Span of the wheel; 0 means twice the roll window (the minimum).
+    wheel_span_ms: int = 0
+    segment_bytes: int = 64 * 1024 * 1024
+    max_delay_ms: int = 400 * DAY_MS
+    delay_levels_ms: tuple[int, ...] = field(default_factory=lambda: parse_delay_levels(DEFAULT_DELAY_LEVELS))
+    allow_topics: tuple[str, ...] = DEFAULT_ALLOW_TOPICS
+    timer_topic: str = "__timer"
+    dlq_topic: str = "__timer_dlq"
+    timer_partitions: int = 4
+    max_record_bytes: int = 1024 * 1024
+    #: Entries a work-queue partition holds before its producer blocks (flow control).
+    queue_bound: int = 64
+    #: Requests per work-queue entry / per TimerLog append batch.
+    batch_size: int = 500
+    #: Messages a shard's dequeue-get may have sent but not yet seen delivered.
+    max_in_flight: int = 20_000
+    #: Seconds a put into a full queue waits before it gives up and retries.
+    queue_put_timeout_s: float = 5.0
+    fsync: bool = True
+    #: Seconds a shard lease lasts without renewal; a paused owner is fenced after it.
+    lease_ttl_ms: int = 10_000
+    #: Shards this process may own (enqueue-put, dequeue-get); empty: all.
+    own_shards: tuple[int, ...] = ()
+    #: enqueue-get replicas split the timer partitions: p % replicas == replica_index.
+    replica_index: int = 0
+    replicas: int = 1
+    kafka_bootstrap: str = ""
+    redis_url: str = ""
+    http_port: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(name, message)
+
+        need(bool(self.data_dir), "data_dir", "must not be empty")
+        need(1 <= self.shards <= 4096, "shards", f"must be 1..4096, got {self.shards}")
+        need(
+            self.tick_ms in ALLOWED_TICKS_MS,
+            "tick_ms",
+            f"must be one of {', '.join(map(str, ALLOWED_TICKS_MS))} ms, got {self.tick_ms}",
+        )
+        need(
+            self.roll_window_ms >= 10 * self.tick_ms and self.roll_window_ms % self.tick_ms == 0,
+            "roll_window_ms",
+            f"must be a multiple of tick_ms ({self.tick_ms}) and at least 10 ticks, got {self.roll_window_ms}",
+        )
+        span = self.wheel_span_ms or 2 * self.roll_window_ms
+        need(
+            span >= 2 * self.roll_window_ms and span % self.tick_ms == 0,
+            "wheel_span_ms",
+            f"must be a multiple of tick_ms and at least twice roll_window_ms ({2 * self.roll_window_ms}), got {span}",
+        )
+        need(
+            self.segment_bytes >= RECORD_SIZE and self.segment_bytes % RECORD_SIZE == 0,
+            "segment_bytes",
+            f"must be a positive multiple of the record size {RECORD_SIZE}, got {self.segment_bytes}",
+        )
+        need(self.max_delay_ms > 0, "max_delay_ms", f"must be > 0, got {self.max_delay_ms}")
+        need(len(self.delay_levels_ms) > 0, "delay_levels", "must name at least one level")
+        need(all(d > 0 for d in self.delay_levels_ms), "delay_levels", "every level must be > 0")
+        for pattern in self.allow_topics:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError("allow_topics", f"bad regular expression {pattern!r}: {exc}") from None
+        need(bool(self.timer_topic), "timer_topic", "must not be empty")
+        need(bool(self.dlq_topic), "dlq_topic", "must not be empty")
+        need(self.dlq_topic != self.timer_topic, "dlq_topic", "must differ from timer_topic")
+        need(1 <= self.timer_partitions <= 10_000, "timer_partitions", f"must be 1..10000, got {self.timer_partitions}")
+        need(self.max_record_bytes >= 1024, "max_record_bytes", f"must be >= 1024, got {self.max_record_bytes}")
+        need(self.queue_bound >= 1, "queue_bound", f"must be >= 1, got {self.queue_bound}")
+        need(1 <= self.batch_size <= 100_000, "batch_size", f"must be 1..100000, got {self.batch_size}")
+        need(self.max_in_flight >= self.batch_size, "max_in_flight", f"must be >= batch_size, got {self.max_in_flight}")
+        need(self.queue_put_timeout_s > 0, "queue_put_timeout_s", "must be > 0")
+        need(self.lease_ttl_ms >= 1000, "lease_ttl_ms", f"must be >= 1000, got {self.lease_ttl_ms}")
+        need(all(0 <= s < self.shards for s in self.own_shards), "own_shards",
+             f"every shard must be 0..{self.shards - 1}, got {list(self.own_shards)}")
+        need(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
+        need(0 <= self.replica_index < self.replicas, "replica_index",
+             f"must be 0..{self.replicas - 1}, got {self.replica_index}")
+        need(0 <= self.http_port <= 65535, "http_port", f"must be 0..65535, got {self.http_port}")
+
+    @property
+    def wheel_slots(self) -> int:
+        return (self.wheel_span_ms or 2 * self.roll_window_ms) // self.tick_ms
+
+    def replace(self, **changes: Any) -> TimerConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> TimerConfig:
+        """Build from ``TW_*`` variables (see ENV_VARS). A bad value names its variable."""
+        values: dict[str, Any] = {}
+        for var, (attr, kind, _doc) in ENV_VARS.items():
+            raw = environ.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                values[attr] = _convert(kind, raw)
+            except ValueError as exc:
+                raise ConfigError(var, f"cannot parse {raw!r}: {exc}") from None
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            var = next((v for v, (a, _k, _d) in ENV_VARS.items() if a == exc.field), exc.field)
+            raise ConfigError(var, str(exc).split(": ", 1)[1]) from None
+
+
+def _convert(kind: str, raw: str) -> Any:
+    if kind == "int":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    if kind == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true or false")
+    if kind == "duration":
+        return parse_duration_ms(raw)
+    if kind == "levels":
+        return parse_delay_levels(raw)
+    if kind == "ints":
+        return tuple(int(p) for p in raw.replace(" ", "").split(",") if p)
+    if kind == "regexes":
+        return tuple(p.strip() for p in raw.split(",") if p.strip())
+    return raw
+
+
+#: Every environment variable the services read: name -> (TimerConfig field, kind, meaning).
+ENV_VARS: dict[str, tuple[str, str, str]] = {
+    "TW_DATA_DIR": ("data_dir", "str", "shared volume holding each shard's TimerLog, wheel and checkpoints"),
+    "TW_SHARDS": ("shards", "int", "number of shards; timer partition p belongs to shard p % shards"),
+    "TW_TICK_MS": ("tick_ms", "int", "wheel precision: 10, 100, 200, 500 or 1000 ms"),
+    "TW_ROLL_WINDOW_MS": ("roll_window_ms", "duration", "messages due further than this past W are rolled"),
+    "TW_WHEEL_SPAN_MS": ("wheel_span_ms", "duration", "wheel span, at least 2x the roll window (default 2x)"),
+    "TW_SEGMENT_BYTES": ("segment_bytes", "int", "TimerLog segment size, a multiple of 64"),
+    "TW_MAX_DELAY_MS": ("max_delay_ms", "duration", "longest accepted delay (default 400 days)"),
+    "TW_DELAY_LEVELS": ("delay_levels_ms", "levels", "delay-level table, e.g. '1s 5s 10s 30s 1m ...'"),
+    "TW_ALLOW_TOPICS": ("allow_topics", "regexes", "comma-separated regexes a destination must fully match"),
+    "TW_TIMER_TOPIC": ("timer_topic", "str", "topic producers write timer messages to (default __timer)"),
+    "TW_DLQ_TOPIC": ("dlq_topic", "str", "dead-letter topic (default __timer_dlq)"),
+    "TW_TIMER_PARTITIONS": ("timer_partitions", "int", "partitions of the timer topic when it is created"),
+    "TW_MAX_RECORD_BYTES": ("max_record_bytes", "int", "larger timer records go to the DLQ"),
+    "TW_QUEUE_BOUND": ("queue_bound", "int", "entries per work-queue partition before producers block"),
+    "TW_BATCH_SIZE": ("batch_size", "int", "requests per work-queue entry and TimerLog batch"),
+    "TW_MAX_IN_FLIGHT": ("max_in_flight", "int", "messages per shard sent but not yet delivered"),
+    "TW_FSYNC": ("fsync", "bool", "fsync TimerLog, wheel and local log writes (default true)"),
+    "TW_LEASE_TTL_MS": ("lease_ttl_ms", "int", "shard lease duration; a paused owner is fenced after it"),
+    "TW_OWN_SHARDS": ("own_shards", "ints", "comma-separated shards this process may own (default: all)"),
+    "TW_REPLICA_INDEX": ("replica_index", "int", "this enqueue-get replica's index (partitions p % replicas)"),
+    "TW_REPLICAS": ("replicas", "int", "number of enqueue-get replicas"),
+    "TW_KAFKA_BOOTSTRAP": ("kafka_bootstrap", "str", "Kafka bootstrap servers (production mode)"),
+    "TW_REDIS_URL": ("redis_url", "str", "Redis URL for the work queues and leases (production mode)"),
+    "TW_HTTP_PORT": ("http_port", "int", "port for /healthz, /readyz and /metrics (0: off)"),
+}
+
+#: Variables read outside TimerConfig.
+OTHER_ENV_VARS = {
+    "TW_LOG_LEVEL": "log level of the JSON log lines on stderr (default INFO)",
+}

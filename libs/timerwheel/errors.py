@@ -1,0 +1,43 @@
+"""The small error hierarchy of timerwheel. Messages name the thing and the value."""
+
+from __future__ import annotations
+
+
+class TimerwheelError(Exception):
+    """Base of every error timerwheel raises on purpose."""
+
+
+class ConfigError(TimerwheelError):
+    """A configuration value is invalid. ``field`` names it (an env var, a flag or an attribute)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class FormatMismatchError(TimerwheelError):
+    """A shard on disk was written with another format version, tick or slot count."""
+
+
+class CorruptRecordError(TimerwheelError):
+    """A TimerLog record failed its CRC check where it must not (the middle of the log)."""
+
+    def __init__(self, position: int, message: str) -> None:
+        super().__init__(f"corrupt TimerLog record at position {position}: {message}")
+        self.position = position
+
+
+class FencedError(TimerwheelError):
+    """This process lost ownership of a shard: another owner holds a newer epoch."""
+
+
+class QueueFullError(TimerwheelError):
+    """A bounded work queue stayed full past the put timeout."""
+
+
+class InvalidTimerMessage(TimerwheelError):
+    """A timer-topic record that cannot be scheduled. ``reason`` goes into ``tw-error``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

@@ -1,0 +1,155 @@
+"""Production mode: Kafka and Redis transports, each stage its own process.
+
+``timerwheel stage NAME`` runs one stage, configured by ``TW_*`` environment variables (all
+validated before anything starts; a bad one stops the process with one line naming it),
+serving ``/healthz``, ``/readyz`` and ``/metrics`` on ``TW_HTTP_PORT``, stopping gracefully
+on SIGTERM (the batch in hand is finished, enqueue-put publishes a final checkpoint).
+``timerwheel run --kafka B --redis URL`` runs all five in one process on the same transports.
+
+Scaling: enqueue-put and dequeue-get own shards through Redis leases (``TW_OWN_SHARDS``
+limits which; spare replicas wait as hot standbys and take a shard whose lease lapses);
+enqueue-get replicas split the timer partitions (``TW_REPLICAS``, ``TW_REPLICA_INDEX``);
+dequeue-getmsg and dequeue-put scale freely as consumers of the work-queue groups.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from timerwheel.clock import SystemClock
+from timerwheel.config import TimerConfig
+from timerwheel.errors import ConfigError, TimerwheelError
+from timerwheel.health import HealthServer
+from timerwheel.log import stage_logger
+from timerwheel.metrics import Metrics
+from timerwheel.runtime import StageRunner
+from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
+from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
+from timerwheel.stages.ownership import Ownership
+from timerwheel.transports.base import WorkQueue
+
+#: The timer topic must keep records this much longer than the roll window.
+RETENTION_FACTOR = 1.5
+
+
+def production_transports(cfg: TimerConfig) -> Any:
+    """Kafka commit log, Redis work queues and Redis leases for ``cfg``."""
+    import redis
+
+    from timerwheel.embedded import Transports
+    from timerwheel.transports.kafka import KafkaCommitLog
+    from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
+
+    if not cfg.kafka_bootstrap:
+        raise ConfigError("TW_KAFKA_BOOTSTRAP", "must be set in production mode")
+    if not cfg.redis_url:
+        raise ConfigError("TW_REDIS_URL", "must be set in production mode")
+    client = redis.Redis.from_url(cfg.redis_url)
+    queues: dict[str, WorkQueue] = {name: RedisWorkQueue(client, name, cfg.shards, cfg.queue_bound)
+              for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)}
+    return Transports(KafkaCommitLog(cfg.kafka_bootstrap), queues, RedisLeaseStore(client))
+
+
+def check_timer_topic(cfg: TimerConfig, commit_log: Any) -> int:
+    """Create or check the timer and DLQ topics; refuse a timer topic that would lose rolled messages."""
+    partitions = int(commit_log.ensure_topic(cfg.timer_topic, cfg.timer_partitions))
+    commit_log.ensure_topic(cfg.dlq_topic, 1)
+    retention = commit_log.topic_retention_ms(cfg.timer_topic)
+    need = int(cfg.roll_window_ms * RETENTION_FACTOR)
+    if retention is not None and 0 <= retention < need:
+        raise TimerwheelError(
+            f"timer topic {cfg.timer_topic!r} has retention.ms={retention}, below {RETENTION_FACTOR} x "
+            f"TW_ROLL_WINDOW_MS ({need}): raise the topic's retention.ms to at least {need} or lower TW_ROLL_WINDOW_MS")
+    return partitions
+
+
+def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any) -> Any:
+    from timerwheel.embedded import open_reader_if_exists, open_shard
+
+    shards = cfg.own_shards or tuple(range(cfg.shards))
+    queues = transports.queues
+    log = transports.commit_log
+    if name == "enqueue-get":
+        partitions = check_timer_topic(cfg, log)
+        mine = [p for p in range(partitions) if p % cfg.replicas == cfg.replica_index]
+        views: dict[int, Any] = {}
+
+        def checkpoint_offsets(shard: int) -> dict[int, int]:
+            view = views.get(shard) or open_reader_if_exists(cfg, shard)
+            if view is None:
+                return {}
+            views[shard] = view
+            ckpt = view.load_enqueue_checkpoint()
+            return dict(ckpt.next_offsets) if ckpt else {}
+
+        return EnqueueGet(ctx, log, queues[Q_PUT], mine, checkpoint_offsets)
+    if name == "enqueue-put":
+        check_timer_topic(cfg, log)
+        return EnqueuePut(ctx, shards, lambda s: open_shard(cfg, s, writer=True), queues[Q_PUT],
+                          Ownership(transports.leases, "enqueue-put", ctx.consumer, cfg.lease_ttl_ms))
+    if name == "dequeue-get":
+        return DequeueGet(ctx, shards, lambda s: open_reader_if_exists(cfg, s), queues[Q_FETCH], queues[Q_DONE],
+                          Ownership(transports.leases, "dequeue-get", ctx.consumer, cfg.lease_ttl_ms))
+    if name == "dequeue-getmsg":
+        return DequeueGetMsg(ctx, log, queues[Q_FETCH], queues[Q_DELIVER], range(cfg.shards))
+    if name == "dequeue-put":
+        return DequeuePut(ctx, log, queues[Q_DELIVER], queues[Q_DONE], range(cfg.shards))
+    raise ConfigError("stage", f"unknown stage {name!r}")
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def run_stage(name: str, cfg: TimerConfig) -> int:
+    """Run one stage in this process until SIGTERM / SIGINT."""
+    log = stage_logger(name)
+    metrics = Metrics()
+    ctx = StageContext(cfg, SystemClock(), metrics, consumer=f"{name}-{os.uname().nodename}-{os.getpid()}")
+    _stop_on_signals(ctx.stop)
+    transports = production_transports(cfg)
+    stage = build_stage(name, cfg, ctx, transports)
+    runner = StageRunner(name, stage, ctx, idle_s=0.01)
+    server = None
+    if cfg.http_port:
+        server = HealthServer(cfg.http_port, metrics, live=lambda: not ctx.stop.is_set(),
+                              ready=lambda: runner.steps > 0 and _owns(stage)).start()
+    log.info("started", pid=os.getpid(), http_port=cfg.http_port, shards=cfg.shards)
+    try:
+        runner.run()
+    finally:
+        runner.close()
+        transports.commit_log.close()
+        if server is not None:
+            server.close()
+        log.info("stopped", steps=runner.steps, errors=runner.errors)
+    return 0
+
+
+def _owns(stage: Any) -> bool:
+    owned = getattr(stage, "owned", None)
+    return owned is None or bool(owned)
+
+
+def run_all_in_one(cfg: TimerConfig) -> int:
+    """All five stages in one process over Kafka and Redis (``timerwheel run --kafka --redis``)."""
+    from timerwheel.embedded import EmbeddedTimerwheel
+
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    transports = production_transports(cfg)
+    check_timer_topic(cfg, transports.commit_log)
+    log = stage_logger("all-in-one")
+    with EmbeddedTimerwheel(config=cfg, transports=transports) as tw:
+        server = None
+        if cfg.http_port:
+            server = HealthServer(cfg.http_port, tw.metrics, live=lambda: not stop.is_set(), ready=lambda: True).start()
+        while not stop.wait(10.0):
+            log.info("progress", delivered=tw.metrics.counter("delivered"), scheduled=tw.metrics.counter("scheduled"))
+        if server is not None:
+            server.close()
+    return 0

@@ -1,0 +1,79 @@
+"""Running stages: each in a loop that never dies on an error and stops promptly.
+
+``StageRunner`` calls ``stage.step()`` until told to stop; an exception is logged (one line,
+with the stage) and retried after a short backoff — nothing crashes a stage. The counters
+``steps`` and ``work`` let the embedded runtime tell when the whole pipeline is idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from timerwheel.log import stage_logger
+from timerwheel.stages.base import StageContext, Stopped
+
+
+class Stage(Protocol):
+    def step(self, timeout_s: float) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class StageRunner:
+    def __init__(self, name: str, stage: Stage, ctx: StageContext, idle_s: float = 0.005) -> None:
+        self.name = name
+        self.stage = stage
+        self.ctx = ctx
+        self.idle_s = idle_s
+        self.steps = 0
+        self.work = 0
+        self.errors = 0
+        self.thread: threading.Thread | None = None
+        self.log = stage_logger(name)
+
+    def run(self) -> None:
+        backoff = 0.01
+        while not self.ctx.stop.is_set():
+            try:
+                self.work += self.stage.step(self.idle_s)
+                backoff = 0.01
+            except Stopped:
+                break
+            except Exception:  # noqa: BLE001 - a stage never dies; it logs and retries
+                self.errors += 1
+                self.ctx.metrics.inc("stage_errors", stage=self.name)
+                self.log.error("step failed, retrying", exc=True, backoff_s=backoff)
+                if self.ctx.stop.wait(backoff):
+                    break
+                backoff = min(backoff * 2, 2.0)
+            self.steps += 1
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name=f"tw-{self.name}", daemon=True)
+        self.thread.start()
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+            if self.thread.is_alive():
+                self.log.error("did not stop in time", timeout_s=timeout_s)
+
+    def close(self) -> None:
+        try:
+            self.stage.close()
+        except Exception:  # noqa: BLE001
+            self.log.error("close failed", exc=True)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.002) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+

@@ -1,0 +1,102 @@
+"""What every stage shares: its context, and the two waits that must never hang or drop.
+
+``put_blocking`` is the flow control: a full queue blocks the producer, with a timeout
+that is retried until the stage is told to stop. ``append_until_written`` retries a
+commit-log append with backoff until it succeeds (a due message is never dropped;
+PITFALLS: "dropped after 3 put retries"), surfacing the stall in metrics and logs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from timerwheel.clock import Clock
+from timerwheel.config import TimerConfig
+from timerwheel.errors import QueueFullError
+from timerwheel.log import StageLogger
+from timerwheel.metrics import Metrics
+from timerwheel.records import OutRecord
+from timerwheel.stages.codec import CONSUMER_OF
+from timerwheel.transports.base import CommitLog, WorkQueue
+from timerwheel.wire import TimerRules
+
+
+class Stopped(Exception):
+    """The stage was asked to stop while waiting; the batch in hand stays unacked."""
+
+
+@dataclass
+class StageContext:
+    config: TimerConfig
+    clock: Clock
+    metrics: Metrics = field(default_factory=Metrics)
+    stop: threading.Event = field(default_factory=threading.Event)
+    #: Consumer name in work-queue groups; unique per process.
+    consumer: str = "embedded"
+
+    def __post_init__(self) -> None:
+        self.rules = TimerRules(self.config)
+        self._activity = threading.Condition()
+        self._wakes: dict[str, int] = {}
+        self._idle: dict[str, int] = {}
+
+    def wake(self, *stages: str) -> None:
+        """Wake these stages of this process if idle: there is new work for them. No names: all."""
+        with self._activity:
+            for stage in stages or tuple(self._wakes):
+                self._wakes[stage] = self._wakes.get(stage, 0) + 1
+            self._activity.notify_all()
+
+    def idle_wait(self, stage: str, seconds: float) -> None:
+        """Sleep up to ``seconds`` when ``stage`` had nothing to do; a wake for it ends the wait."""
+        if self.stop.is_set():
+            return
+        with self._activity:
+            seen = self._idle[stage] = self._wakes.setdefault(stage, 0)
+            try:
+                self._activity.wait_for(lambda: self._wakes[stage] != seen or self.stop.is_set(), seconds)
+            finally:
+                self._idle.pop(stage, None)
+
+    def quiescent(self, stages: list[str]) -> bool:
+        """True if every one of ``stages`` is idle-waiting and nothing woke it since it began."""
+        with self._activity:
+            return all(self._idle.get(s, -1) == self._wakes.get(s) for s in stages)
+
+
+def put_blocking(ctx: StageContext, queue: WorkQueue, partition: int, entries: Sequence[bytes], log: StageLogger) -> None:
+    waited = 0
+    while True:
+        try:
+            queue.put(partition, entries, ctx.config.queue_put_timeout_s)
+            ctx.wake(CONSUMER_OF[queue.name])
+            return
+        except QueueFullError:
+            waited += 1
+            ctx.metrics.inc("queue_full_waits", queue=queue.name)
+            if waited == 1 or waited % 12 == 0:
+                log.warning("queue full, producer waiting", queue=queue.name, partition=partition, waits=waited)
+        if ctx.stop.is_set():
+            raise Stopped()
+
+
+def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequence[OutRecord],
+                         log: StageLogger) -> list[tuple[int, int]]:
+    if not records:
+        return []
+    backoff = 0.05
+    attempts = 0
+    while True:
+        try:
+            written = commit_log.append(records)
+            ctx.wake("enqueue-get")
+            return written
+        except Exception as exc:  # noqa: BLE001 - any transport failure is retried, never dropped
+            attempts += 1
+            ctx.metrics.inc("append_retries")
+            log.warning("append failed, retrying", records=len(records), attempt=attempts, error=repr(exc)[:200])
+            if ctx.stop.wait(backoff):
+                raise Stopped() from exc
+            backoff = min(backoff * 2, 2.0)

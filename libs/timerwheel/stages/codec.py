@@ -1,0 +1,152 @@
+"""Work-queue entries between the stages, encoded with msgpack.
+
+Each entry carries a batch, so queue operations are per batch, not per message. Items are
+NamedTuples (msgpack packs them as arrays, and they are cheap to build per message).
+
+=========  ====================  =========================================================
+queue      partition             entry
+=========  ====================  =========================================================
+put        shard                 PutEntry: one timer partition's offset range and its requests
+fetch      shard                 FetchEntry: TimerLog records of one slot to read and deliver
+deliver    shard                 DeliverEntry: the same, with the original records attached
+done       shard                 DoneEntry: per slot, how many messages dequeue-put finished
+=========  ====================  =========================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, cast
+
+import msgpack
+
+from timerwheel.records import Record
+
+Q_PUT = "put"
+Q_FETCH = "fetch"
+Q_DELIVER = "deliver"
+Q_DONE = "done"
+#: The stage that consumes each queue (woken when an entry is put).
+CONSUMER_OF = {Q_PUT: "enqueue-put", Q_FETCH: "dequeue-getmsg", Q_DELIVER: "dequeue-put", Q_DONE: "dequeue-get"}
+
+
+def _pack(obj: Any) -> bytes:
+    return cast(bytes, msgpack.packb(obj, use_bin_type=True))
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
+
+
+class PutRequest(NamedTuple):
+    src_offset: int
+    src_size: int
+    enqueued_ms: int
+    deliver_ms: int
+    cancel: bool
+    topic_hash: int
+    id_hash: int
+    traceparent: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PutEntry:
+    """Timer records ``[from_offset, next_offset)`` of one partition; invalid ones already dead-lettered."""
+
+    src_partition: int
+    from_offset: int
+    next_offset: int
+    requests: tuple[PutRequest, ...]
+
+    def encode(self) -> bytes:
+        return _pack([self.src_partition, self.from_offset, self.next_offset, self.requests])
+
+    @classmethod
+    def decode(cls, data: bytes) -> PutEntry:
+        p, lo, hi, reqs = _unpack(data)
+        make = PutRequest._make
+        return cls(p, lo, hi, tuple(make(r) for r in reqs))
+
+
+class FetchItem(NamedTuple):
+    pos: int
+    flags: int
+    src_partition: int
+    src_offset: int
+    fire_ms: int
+    enqueued_ms: int
+    #: The cancel marker whose id hash matches, to be confirmed on the full id; -1 if none.
+    cancel_partition: int = -1
+    cancel_offset: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class FetchEntry:
+    shard: int
+    generation: int
+    slot_time: int
+    items: tuple[FetchItem, ...]
+
+    def encode(self) -> bytes:
+        return _pack([self.shard, self.generation, self.slot_time, self.items])
+
+    @classmethod
+    def decode(cls, data: bytes) -> FetchEntry:
+        shard, gen, slot, items = _unpack(data)
+        make = FetchItem._make
+        return cls(shard, gen, slot, tuple(make(i) for i in items))
+
+
+#: What dequeue-put does with an item.
+DELIVER, ROLL, CANCELLED, MISSING = 0, 1, 2, 3
+
+
+class DeliverItem(NamedTuple):
+    kind: int
+    fire_ms: int
+    enqueued_ms: int
+    record: Record | None  # None for MISSING
+    src_partition: int
+    src_offset: int
+    traceparent: str | None = None
+
+
+def _record_from(f: list[Any] | None) -> Record | None:
+    if f is None:
+        return None
+    topic, p, o, ts, key, value, headers = f
+    return Record(topic, p, o, ts, key, value, tuple(map(tuple, headers)))
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverEntry:
+    shard: int
+    generation: int
+    slot_time: int
+    items: tuple[DeliverItem, ...]
+
+    def encode(self) -> bytes:
+        return _pack([self.shard, self.generation, self.slot_time, self.items])
+
+    @classmethod
+    def decode(cls, data: bytes) -> DeliverEntry:
+        shard, gen, slot, items = _unpack(data)
+        return cls(shard, gen, slot, tuple(
+            DeliverItem(k, fire, enq, _record_from(rec), sp, so, tp) for k, fire, enq, rec, sp, so, tp in items
+        ))
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEntry:
+    shard: int
+    generation: int
+    #: slot_time -> messages finished in it
+    counts: dict[int, int]
+
+    def encode(self) -> bytes:
+        return _pack([self.shard, self.generation, [[s, n] for s, n in self.counts.items()]])
+
+    @classmethod
+    def decode(cls, data: bytes) -> DoneEntry:
+        shard, gen, counts = _unpack(data)
+        return cls(shard, gen, {s: n for s, n in counts})

@@ -1,0 +1,98 @@
+"""dequeue-getmsg: fetch requests -> the original records, read in batches.
+
+Stateless. Takes fetch entries from its queue partitions, reads every source record they
+name (and the cancel markers they reference) from the timer topic in one batched call
+grouped per partition, and passes each on to dequeue-put as DELIVER, ROLL, CANCELLED (the
+full id of the message equals the marker's ``tw-cancel``) or MISSING (the source record is
+gone from the log: reported and dead-lettered, never retried forever — PITFALLS #7480).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from timerwheel.log import stage_logger
+from timerwheel.records import Record
+from timerwheel.stages.base import StageContext, put_blocking
+from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DeliverItem, FetchEntry
+from timerwheel.store import Flag
+from timerwheel.transports.base import CommitLog, WorkQueue
+from timerwheel.wire import H_CANCEL, message_id_of
+
+STAGE = "dequeue-getmsg"
+_ROLL = int(Flag.ROLL)
+CLAIM_IDLE_MS = 30_000
+
+
+class DequeueGetMsg:
+    def __init__(self, ctx: StageContext, commit_log: CommitLog, fetch_queue: WorkQueue, deliver_queue: WorkQueue,
+                 partitions: Sequence[int]) -> None:
+        self.ctx = ctx
+        self.log = commit_log
+        self.fetch_q = fetch_queue
+        self.deliver_q = deliver_queue
+        self.partitions = list(partitions)
+        self.logger = stage_logger(STAGE)
+        self._steps = 0
+
+    def step(self, timeout_s: float) -> int:
+        self._steps += 1
+        work = 0
+        for p in self.partitions:
+            entries = self.fetch_q.get(p, self.ctx.consumer, 8, 0)
+            if self._steps % 1000 == 0:
+                entries += self.fetch_q.claim_stale(p, self.ctx.consumer, CLAIM_IDLE_MS, 8)
+            if entries:
+                self.handle(p, entries)
+                work += len(entries)
+        if not work:
+            self.ctx.idle_wait(STAGE, timeout_s)
+        return work
+
+    def handle(self, partition: int, entries: list[tuple[str, bytes]]) -> None:
+        fetches = [FetchEntry.decode(payload) for _eid, payload in entries]
+        wanted: dict[tuple[int, int], Record | None] = {}
+        for f in fetches:
+            for item in f.items:
+                wanted[(item.src_partition, item.src_offset)] = None
+                if item.cancel_partition >= 0:
+                    wanted[(item.cancel_partition, item.cancel_offset)] = None
+        keys = sorted(wanted)
+        for key, rec in zip(keys, self.log.read(self.ctx.config.timer_topic, keys), strict=True):
+            wanted[key] = rec
+        out: list[bytes] = []
+        missing = 0
+        for f in fetches:
+            items = []
+            for item in f.items:
+                rec = wanted[(item.src_partition, item.src_offset)]
+                tp = rec.header("traceparent") if rec is not None else None
+                traceparent = tp.decode("ascii", "replace") if tp else None
+                if rec is None:
+                    kind = MISSING
+                    missing += 1
+                elif item.flags & _ROLL:
+                    kind = ROLL
+                elif item.cancel_partition >= 0 and self._confirmed(rec, wanted[(item.cancel_partition, item.cancel_offset)]):
+                    kind = CANCELLED
+                else:
+                    if item.cancel_partition >= 0:
+                        self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
+                    kind = DELIVER
+                items.append(DeliverItem(kind, item.fire_ms, item.enqueued_ms, rec, item.src_partition,
+                                         item.src_offset, traceparent))
+            out.append(DeliverEntry(f.shard, f.generation, f.slot_time, tuple(items)).encode())
+        if missing:
+            self.logger.warning("source records gone from the log", records=missing, partition=partition)
+        put_blocking(self.ctx, self.deliver_q, partition, out, self.logger.bind(shard=partition))
+        self.fetch_q.ack(partition, [eid for eid, _ in entries])
+
+    @staticmethod
+    def _confirmed(message: Record, marker: Record | None) -> bool:
+        if marker is None:
+            return False
+        target = marker.header(H_CANCEL)
+        return target is not None and target.decode("utf-8", "replace") == message_id_of(message)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,136 @@
+"""dequeue-put: records due now -> their destination, or back to the timer topic (roll).
+
+Stateless. For each deliver entry: a DELIVER item is produced to its destination topic
+with the user's key, value and headers, the control headers removed and ``tw-id``,
+``tw-roll``, ``tw-enqueued-at``, ``tw-delivered-at`` stamped; a ROLL item goes back to the
+timer topic's same partition (so it stays in its shard, where its cancel marker will go)
+with an absolute ``tw-deliver-at`` and ``tw-roll`` + 1; a CANCELLED item is dropped and
+counted; a MISSING one is dead-lettered. The append is retried until it succeeds — a due
+message is never dropped — and only then are the entries acked and the slots' progress
+reported to dequeue-get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from timerwheel.log import stage_logger
+from timerwheel.records import OutRecord
+from timerwheel.stages.base import StageContext, append_until_written, put_blocking
+from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry
+from timerwheel.transports.base import CommitLog, WorkQueue
+from timerwheel.wire import (
+    H_ERROR,
+    H_PARTITION,
+    H_ROLL,
+    H_SOURCE,
+    H_TOPIC,
+    dead_letter_headers,
+    delivered_headers,
+    message_id_of,
+    rolled_headers,
+)
+
+STAGE = "dequeue-put"
+
+
+class DequeuePut:
+    def __init__(self, ctx: StageContext, commit_log: CommitLog, deliver_queue: WorkQueue, done_queue: WorkQueue,
+                 partitions: Sequence[int]) -> None:
+        self.ctx = ctx
+        self.log = commit_log
+        self.deliver_q = deliver_queue
+        self.done_q = done_queue
+        self.partitions = list(partitions)
+        self.logger = stage_logger(STAGE)
+        self._partition_counts: dict[str, int] = {}
+        self._steps = 0
+
+    def step(self, timeout_s: float) -> int:
+        self._steps += 1
+        work = 0
+        for p in self.partitions:
+            entries = self.deliver_q.get(p, self.ctx.consumer, 8, 0)
+            if self._steps % 1000 == 0:
+                entries += self.deliver_q.claim_stale(p, self.ctx.consumer, 30_000, 8)
+            if entries:
+                self.handle(p, entries)
+                work += len(entries)
+        if not work:
+            self.ctx.idle_wait(STAGE, timeout_s)
+        return work
+
+    def _partitions_of(self, topic: str) -> int:
+        n = self._partition_counts.get(topic)
+        if n is None:
+            n = self._partition_counts[topic] = self.log.partitions(topic)
+        return n
+
+    def handle(self, partition: int, entries: list[tuple[str, bytes]]) -> None:
+        ctx = self.ctx
+        cfg = ctx.config
+        now = ctx.clock.now_ms()
+        out: list[OutRecord] = []
+        delivered: dict[str, int] = {}
+        rolled: dict[str, int] = {}
+        cancelled: dict[str, int] = {}
+        dead: dict[str, int] = {}
+        lateness: list[int] = []
+        done: dict[tuple[int, int], dict[int, int]] = {}
+        for _eid, payload in entries:
+            entry = DeliverEntry.decode(payload)
+            counts = done.setdefault((entry.shard, entry.generation), {})
+            counts[entry.slot_time] = counts.get(entry.slot_time, 0) + len(entry.items)
+            for item in entry.items:
+                rec = item.record
+                if rec is None or item.kind == MISSING:
+                    reason = f"source record {cfg.timer_topic}/{item.src_partition}/{item.src_offset} is gone from the log"
+                    out.append(OutRecord(cfg.dlq_topic, None, None, (
+                        (H_ERROR, reason.encode()),
+                        (H_SOURCE, f"{cfg.timer_topic}/{item.src_partition}/{item.src_offset}".encode()))))
+                    dead["-"] = dead.get("-", 0) + 1
+                    continue
+                raw_topic = rec.header(H_TOPIC)
+                topic = raw_topic.decode("utf-8", "replace") if raw_topic else "-"
+                raw_roll = rec.header(H_ROLL)
+                roll = int(raw_roll) if raw_roll else 0
+                if item.kind == CANCELLED:
+                    cancelled[topic] = cancelled.get(topic, 0) + 1
+                elif item.kind == ROLL:
+                    deliver_ms = ctx.rules.delivery_time(rec, now, check_max=False)
+                    headers = rolled_headers(rec, message_id_of(rec), deliver_ms, roll, item.enqueued_ms)
+                    out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
+                    rolled[topic] = rolled.get(topic, 0) + 1
+                else:
+                    assert item.kind == DELIVER
+                    raw_part = rec.header(H_PARTITION)
+                    dest_partition = int(raw_part) if raw_part else None
+                    if dest_partition is not None and dest_partition >= self._partitions_of(topic):
+                        reason = f"tw-partition {dest_partition} out of range for {topic!r}"
+                        out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
+                        dead[topic] = dead.get(topic, 0) + 1
+                        continue
+                    headers = delivered_headers(rec, message_id_of(rec), roll, item.enqueued_ms, now)
+                    out.append(OutRecord(topic, rec.key, rec.value, headers, partition=dest_partition))
+                    delivered[topic] = delivered.get(topic, 0) + 1
+                    lateness.append(now - ctx.rules.delivery_time(rec, now, check_max=False))
+        append_until_written(ctx, self.log, out, self.logger)
+        # Report before ack: a crash in between redelivers the entries (a bounded duplicate)
+        # instead of stalling the slot until dequeue-get re-sends it.
+        for (shard, generation), counts in done.items():
+            put_blocking(ctx, self.done_q, shard, [DoneEntry(shard, generation, counts).encode()],
+                         self.logger.bind(shard=shard))
+        self.deliver_q.ack(partition, [eid for eid, _ in entries])
+        m = ctx.metrics
+        if delivered:
+            m.inc_many("delivered", "topic", delivered)
+            m.observe_many("delivery_lateness_ms", lateness)
+        if rolled:
+            m.inc_many("rolled", "topic", rolled)
+        if cancelled:
+            m.inc_many("cancelled", "topic", cancelled)
+        if dead:
+            m.inc_many("dead_lettered", "topic", dead)
+
+    def close(self) -> None:
+        pass

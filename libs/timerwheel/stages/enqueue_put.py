@@ -1,0 +1,248 @@
+"""enqueue-put: put queue -> TimerLog + TimerWheel, then ``W`` and source offsets.
+
+Owns shards. For each batch of entries of a shard:
+
+1. skip requests whose source offset the shard already holds (re-reads after a restart or a
+   rewind are free of duplicates: invariant 4);
+2. choose each record's slot — the slot of its delivery time if that lies inside the roll
+   window, a roll slot otherwise (design §5), the slot of ``W`` if already due (invariant 1);
+3. append to the TimerLog, link into the wheel, flush (TimerLog, then wheel);
+4. advance ``W`` (to now, capped so the wheel never laps an unread slot: a write never goes
+   past ``R + span - tick``), save ``enqueue.ckpt`` atomically, and only then ack the queue.
+
+A crash anywhere leaves either the old checkpoint (the entries are redelivered or re-read
+and the duplicates skipped by offset) or the new one (the entries were durable).
+
+Rolling: a message due at least ``roll_window`` past ``W`` is written with the ROLL flag at
+``W + window/2`` when what remains beyond the window is under a third of it, else at
+``W + window``. Once inside the window a message, and a cancel marker for it, go to the slot
+of the delivery time itself whatever path they took, so the two always meet there
+(RocketMQ #7991 computed roll targets from the write time and missed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from timerwheel.errors import FencedError
+from timerwheel.log import StageLogger, stage_logger
+from timerwheel.stages.base import StageContext
+from timerwheel.stages.codec import PutEntry, PutRequest
+from timerwheel.stages.ownership import Ownership
+from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
+from timerwheel.transports.base import WorkQueue
+
+STAGE = "enqueue-put"
+RETAIN_EVERY_S = 30.0
+
+
+def fire_time(deliver_ms: int, write_ms: int, roll_window_ms: int) -> tuple[int, bool]:
+    """Time whose slot a record is written to, given ``W``, and whether it is a roll hop."""
+    if deliver_ms - write_ms >= roll_window_ms:
+        beyond = deliver_ms - (write_ms + roll_window_ms)
+        if beyond < roll_window_ms // 3:
+            return write_ms + roll_window_ms // 2, True
+        return write_ms + roll_window_ms, True
+    return max(deliver_ms, write_ms), False
+
+
+@dataclass
+class PutShard:
+    shard_id: int
+    shard: Shard
+    log: StageLogger
+    write_ms: int = 0
+    next_offsets: dict[int, int] = field(default_factory=dict)
+    published_ms: int = -1
+    epoch: int = 0
+    #: R as last read from dequeue.ckpt (a lower bound of the real R).
+    read_ms: int = -(2**62)
+
+
+class EnqueuePut:
+    def __init__(self, ctx: StageContext, shard_ids: Iterable[int], open_shard: Callable[[int], Shard],
+                 put_queue: WorkQueue, ownership: Ownership) -> None:
+        """``open_shard(id)`` opens a shard as its writer, which runs recovery: it is only
+        called once the lease is ours, so two writers never touch one TimerLog."""
+        self.ctx = ctx
+        self.queue = put_queue
+        self.ownership = ownership
+        self.open_shard = open_shard
+        self.logger = stage_logger(STAGE)
+        self.owned: dict[int, PutShard] = {}
+        self._waiting = set(shard_ids)
+        self._retained = time.monotonic()
+        self.take_shards()
+
+    def take_shards(self) -> None:
+        """Acquire the shards we do not own yet; recover each before its first write."""
+        for shard_id in sorted(self._waiting):
+            epoch = self.ownership.acquire(shard_id)
+            if epoch is None:
+                continue
+            shard = self.open_shard(shard_id)
+            ckpt = shard.load_enqueue_checkpoint()
+            if ckpt is not None and ckpt.epoch >= epoch:
+                # The lease store forgot (Redis flushed): take an epoch above the checkpoint's.
+                self.ownership.release_all_of(shard_id)
+                epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)
+                if epoch is None:
+                    shard.close()
+                    continue
+            self._waiting.discard(shard_id)
+            self.owned[shard_id] = self._start(shard_id, shard, epoch)
+
+    def _start(self, shard_id: int, shard: Shard, epoch: int) -> PutShard:
+        log = stage_logger(STAGE, shard_id)
+        ckpt = shard.load_enqueue_checkpoint()
+        now = self.ctx.clock.now_ms()
+        st = PutShard(shard_id, shard, log, epoch=epoch)
+        if ckpt is None:
+            st.write_ms = now
+            if shard.load_dequeue_checkpoint() is None:
+                # Bootstrap R at the shard's first W, so dequeue-get starts where writes start.
+                shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=shard.slot_time(now), epoch=0))
+        else:
+            st.write_ms = ckpt.write_ms
+            st.next_offsets = dict(ckpt.next_offsets)
+        report = shard.recovery
+        if report is not None:
+            for p, offset in report.max_src_offsets.items():
+                st.next_offsets[p] = max(st.next_offsets.get(p, 0), offset + 1)
+            log.info("recovered", epoch=epoch, checked_from=report.checked_from, end_pos=report.end_pos,
+                     records=report.records_checked, truncated_bytes=report.truncated_bytes,
+                     relinked=report.relinked, corrupt=len(report.corrupt), seconds=round(report.seconds, 3))
+        self._advance_w(st)
+        self._publish(st)
+        return st
+
+    def shard_offsets(self, shard_id: int) -> dict[int, int]:
+        st = self.owned.get(shard_id)
+        return dict(st.next_offsets) if st else {}
+
+    def step(self, timeout_s: float) -> int:
+        """One pass over the owned shards; returns entries written plus W publications."""
+        for shard_id in self.ownership.renew_due():
+            self._lose(shard_id, "lease lost")
+        if self._waiting:
+            self.take_shards()
+        self._retain()
+        done = 0
+        for st in list(self.owned.values()):
+            entries = self.queue.get(st.shard_id, self.ctx.consumer, self.ctx.config.queue_bound, 0)
+            try:
+                if entries:
+                    self.write(st, entries)
+                    done += len(entries)
+                elif self._advance_w(st):
+                    self.ownership.check(st.shard_id)
+                    self._publish(st)
+                    done += 1  # a new W is progress too: dequeue-get may now read more
+            except FencedError as exc:
+                self._lose(st.shard_id, str(exc))
+        if not done:
+            self.ctx.idle_wait(STAGE, timeout_s)
+        return done
+
+    def write(self, st: PutShard, entries: list[tuple[str, bytes]]) -> None:
+        records: list[TimerRecord] = []
+        window = self.ctx.config.roll_window_ms
+        gaps = 0
+        offsets = dict(st.next_offsets)
+        for _eid, payload in entries:
+            entry = PutEntry.decode(payload)
+            p = entry.src_partition
+            have = offsets.get(p, 0)
+            if entry.from_offset > have:
+                # Entries before this one were lost in transit; enqueue-get rewinds to `have`.
+                gaps += 1
+                continue
+            for req in entry.requests:
+                if req.src_offset >= have:
+                    records.append(self._record(p, req, st.write_ms, window))
+            offsets[p] = max(have, entry.next_offset)
+        if gaps:
+            self.ctx.metrics.inc("put_gaps", gaps, shard=st.shard_id)
+            st.log.warning("entries after a gap skipped", entries=gaps)
+        self.ownership.check(st.shard_id)
+        if records:
+            st.shard.append(records)
+        st.next_offsets = offsets  # only once the records are in the TimerLog
+        self._advance_w(st)
+        self._publish(st)
+        self.queue.ack(st.shard_id, [eid for eid, _ in entries])
+        self.ctx.metrics.inc("timerlog_records", len(records), shard=st.shard_id)
+
+    @staticmethod
+    def _record(partition: int, req: PutRequest, write_ms: int, window: int) -> TimerRecord:
+        fire, rolled = fire_time(req.deliver_ms, write_ms, window)
+        flags = Flag.DELETE if req.cancel else Flag.NORMAL
+        if rolled:
+            flags |= Flag.ROLL
+        return TimerRecord(int(flags), req.enqueued_ms, fire, partition, req.src_offset, req.src_size,
+                           req.topic_hash, req.id_hash)
+
+    def _target_w(self, st: PutShard) -> int:
+        """Now, capped so that no write (at most W + roll window) can lap an unread slot.
+
+        R only grows, so the last R we read gives a safe cap; R is re-read only when that cap binds."""
+        cfg = self.ctx.config
+        now = self.ctx.clock.now_ms()
+        headroom = cfg.wheel_slots * cfg.tick_ms - cfg.roll_window_ms - cfg.tick_ms
+        if now > st.read_ms + headroom:
+            dq = st.shard.load_dequeue_checkpoint()
+            st.read_ms = dq.read_ms if dq else st.write_ms
+        return max(st.write_ms, min(now, st.read_ms + headroom))
+
+    def _advance_w(self, st: PutShard) -> bool:
+        """Move W to its target. True if its slot differs from the published one."""
+        st.write_ms = self._target_w(st)
+        return st.shard.slot_time(st.write_ms) != st.published_ms
+
+    def _publish(self, st: PutShard) -> None:
+        flushed = st.shard.flush()
+        st.shard.save_enqueue_checkpoint(EnqueueCheckpoint(
+            flushed_pos=flushed, write_ms=st.write_ms, next_offsets=dict(st.next_offsets), epoch=st.epoch))
+        slot = st.shard.slot_time(st.write_ms)
+        if slot != st.published_ms:
+            st.published_ms = slot
+            self.ctx.wake("dequeue-get")  # a new slot may be readable
+        now = self.ctx.clock.now_ms()
+        self.ctx.metrics.set("write_lag_ms", max(0, now - st.write_ms), shard=st.shard_id)
+        self.ctx.metrics.set("timerlog_bytes", flushed - st.shard.log.start_pos, shard=st.shard_id)
+
+    def _lose(self, shard_id: int, why: str) -> None:
+        st = self.owned.pop(shard_id, None)
+        if st is not None:
+            st.log.warning("shard ownership lost, stopped writing", reason=why)
+            self.ctx.metrics.inc("fenced", shard=shard_id, stage=STAGE)
+            st.shard.close()
+            self._waiting.add(shard_id)
+
+    def _retain(self) -> None:
+        """Delete TimerLog segments whose records all fire before R (every 30 s)."""
+        now = time.monotonic()
+        if now - self._retained < RETAIN_EVERY_S:
+            return
+        self._retained = now
+        for st in self.owned.values():
+            dq = st.shard.load_dequeue_checkpoint()
+            if dq is not None:
+                deleted = st.shard.retain(dq.read_ms)
+                if deleted:
+                    st.log.info("retention", segments_deleted=deleted, read_ms=dq.read_ms)
+
+    def caught_up(self) -> bool:
+        """Every owned shard has published W for the current slot (or its cap)."""
+        return all(st.shard.slot_time(self._target_w(st)) == st.published_ms for st in self.owned.values())
+
+    def close(self) -> None:
+        for st in self.owned.values():
+            try:
+                self._publish(st)
+            except Exception:  # noqa: BLE001 - best effort on shutdown; recovery covers the rest
+                st.log.error("final checkpoint failed", exc=True)
+            st.shard.close()
+        self.ownership.release_all()

@@ -1,0 +1,38 @@
+"""Per-shard storage: the TimerLog, the TimerWheel, checkpoints and crash recovery (RIP-43).
+
+Start with ``Shard`` (shard.py); FORMAT.md documents every byte on disk and the recovery algorithm.
+"""
+
+from timerwheel.config import RECORD_SIZE
+from timerwheel.store.checkpoint import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store.format import (
+    FORMAT_VERSION,
+    RECORD_DTYPE,
+    RECORD_STRUCT,
+    Flag,
+    TimerRecord,
+    records_array,
+)
+from timerwheel.store.recovery import RecoveryReport
+from timerwheel.store.shard import Shard, shard_dir
+from timerwheel.store.timerlog import TimerLog
+from timerwheel.store.wheel import Slot, TimerWheel
+
+__all__ = [
+    "FORMAT_VERSION",
+    "RECORD_DTYPE",
+    "RECORD_SIZE",
+    "RECORD_STRUCT",
+    "CorruptCheckpointError",
+    "DequeueCheckpoint",
+    "EnqueueCheckpoint",
+    "Flag",
+    "RecoveryReport",
+    "Shard",
+    "Slot",
+    "TimerLog",
+    "TimerRecord",
+    "TimerWheel",
+    "records_array",
+    "shard_dir",
+]

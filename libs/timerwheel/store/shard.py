@@ -1,0 +1,411 @@
+"""Shard: one TimerLog, one TimerWheel and two checkpoints in a directory ``shard-NNNN/``.
+
+Layout (ARCHITECTURE §3; FORMAT.md has the bytes)::
+
+    meta.json      format version, record size, tick_ms, slots, segment_bytes (written once)
+    timerlog/      TimerLog segments
+    wheel          TimerWheel
+    enqueue.ckpt   enqueue-put's progress: flushed_pos, W, next source offsets, epoch
+    dequeue.ckpt   dequeue-get's progress: R, epoch
+    writer.lock    flock held by the one writer
+
+The writer (the enqueue-put owner) appends batches: each record is linked newest first into its
+slot (prev_pos = the slot's last_pos, RIP-43), the batch is written to the TimerLog, and the slots'
+new states are kept in memory. ``flush()`` fsyncs the TimerLog, then publishes those slot states
+into the wheel file; every ``wheel_sync_records`` records, and on close, it also msyncs the wheel
+and records in its header the position it is durable to. So when flush() returns P every record
+below P is on disk and its slot link is recoverable: on disk, or re-linked by recovery from the
+wheel's synced position. The caller then saves the enqueue checkpoint with flushed_pos = P.
+(An msync per flush costs one random page write per touched slot: 25-40 ms per 1,000 records
+spread over a 2-day wheel, against under 1 ms for the TimerLog's fdatasync; and the TimerLog
+already holds every link, as in RIP-43. ``wheel_sync_records=0`` msyncs on every flush.)
+
+Readers (``writer=False``: dequeue-get, tools) never recover and never trust a byte at or past
+the published flushed position: ``read_slot`` stops following a chain there and finds the slot's
+records below it by a scan.
+
+Assumes one writer per shard: the lock catches a second one on the same node; across nodes the
+operator's epochs fence (checkpoint saves refuse to go back to an older epoch).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from timerwheel.config import RECORD_SIZE
+from timerwheel.errors import (
+    ConfigError,
+    CorruptRecordError,
+    FencedError,
+    FormatMismatchError,
+    TimerwheelError,
+)
+from timerwheel.store import checkpoint
+from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store.files import atomic_write
+from timerwheel.store.format import FORMAT_VERSION, RecordArray, TimerRecord, pack_records, seal, valid_mask
+from timerwheel.store.recovery import RecoveryReport, recover
+from timerwheel.store.timerlog import SEGMENT_SUFFIX, TimerLog
+from timerwheel.store.wheel import TimerWheel
+
+log = logging.getLogger(__name__)
+
+META_FILE = "meta.json"
+LOG_DIR = "timerlog"
+WHEEL_FILE = "wheel"
+ENQUEUE_CKPT = "enqueue.ckpt"
+DEQUEUE_CKPT = "dequeue.ckpt"
+LOCK_FILE = "writer.lock"
+#: read_slot scans instead of following links when a slot of at least DENSE_SLOT_MIN records
+#: holds at least 1/DENSE_SLOT_SHARE of the positions between its first and last record.
+DENSE_SLOT_MIN = 256
+DENSE_SLOT_SHARE = 10
+#: Records between two wheel msyncs: bounds the re-linking recovery does after a crash (~1 s).
+DEFAULT_WHEEL_SYNC_RECORDS = 1_000_000
+
+
+def shard_dir(data_dir: str | os.PathLike[str], shard: int) -> str:
+    """The directory of shard number ``shard`` under ``data_dir``: ``shard-NNNN``."""
+    return os.path.join(os.fspath(data_dir), f"shard-{shard:04d}")
+
+
+def _meta(tick_ms: int, slots: int, segment_bytes: int) -> dict[str, int]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "record_size": RECORD_SIZE,
+        "tick_ms": tick_ms,
+        "slots": slots,
+        "segment_bytes": segment_bytes,
+    }
+
+
+def _check_meta(directory: str, wanted: dict[str, int]) -> None:
+    path = os.path.join(directory, META_FILE)
+    try:
+        with open(path, "rb") as f:
+            stored: Any = json.load(f)
+        if not isinstance(stored, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        raise TimerwheelError(f"shard meta file {path} is unreadable: {exc}") from None
+    wrong = [
+        f"{name}: stored {stored.get(name)}, requested {value}" for name, value in wanted.items() if stored.get(name) != value
+    ]
+    if wrong:
+        raise FormatMismatchError(
+            f"shard {directory} was written with other settings ({'; '.join(wrong)}); "
+            "it is never reformatted silently: open it with its own settings, or rebuild it"
+        )
+
+
+def _has_data(directory: str) -> bool:
+    log_dir = os.path.join(directory, LOG_DIR)
+    segments = os.listdir(log_dir) if os.path.isdir(log_dir) else []
+    return (
+        any(name.endswith(SEGMENT_SUFFIX) and os.path.getsize(os.path.join(log_dir, name)) for name in segments)
+        or os.path.exists(os.path.join(directory, ENQUEUE_CKPT))
+    )
+
+
+class Shard:
+    """A shard directory: TimerLog + TimerWheel + checkpoints, opened as the writer or a reader."""
+
+    def __init__(
+        self,
+        directory: str,
+        timer_log: TimerLog,
+        wheel: TimerWheel,
+        *,
+        writer: bool,
+        fsync: bool,
+        wheel_sync_records: int,
+        lock_fd: int,
+    ) -> None:
+        self.directory = directory
+        self.log = timer_log
+        self.wheel = wheel
+        self.tick_ms = wheel.tick_ms
+        self.slots = wheel.slots
+        self.writer = writer
+        self.fsync = fsync
+        self.wheel_sync_records = wheel_sync_records
+        self.recovery: RecoveryReport | None = None
+        #: Corrupt records read_slot met (each logged with its position) and skipped.
+        self.corrupt_seen = 0
+        #: Slots with at least this many records may be read by a scan (see read_slot).
+        self.dense_slot_min = DENSE_SLOT_MIN
+        self._lock_fd = lock_fd
+        self._unsynced_records = 0
+        self._segment_max: dict[int, int] = {}
+        self._closed = False
+
+    # ---------------------------------------------------------------- opening
+
+    @classmethod
+    def open(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        tick_ms: int,
+        slots: int,
+        segment_bytes: int,
+        fsync: bool = True,
+        writer: bool = True,
+        wheel_sync_records: int = DEFAULT_WHEEL_SYNC_RECORDS,
+    ) -> Shard:
+        """Open (the writer creates if missing and runs recovery) a shard directory."""
+        directory = os.fspath(directory)
+        if tick_ms <= 0:
+            raise ConfigError("tick_ms", f"must be > 0, got {tick_ms}")
+        if slots <= 0:
+            raise ConfigError("slots", f"must be > 0, got {slots}")
+        if segment_bytes <= 0 or segment_bytes % RECORD_SIZE:
+            raise ConfigError("segment_bytes", f"must be a positive multiple of {RECORD_SIZE}, got {segment_bytes}")
+        if wheel_sync_records < 0:
+            raise ConfigError("wheel_sync_records", f"must be >= 0, got {wheel_sync_records}")
+        wanted = _meta(tick_ms, slots, segment_bytes)
+        if not writer:
+            if not os.path.exists(os.path.join(directory, META_FILE)):
+                raise TimerwheelError(f"no shard at {directory} (no {META_FILE})")
+            _check_meta(directory, wanted)
+            return cls(
+                directory,
+                TimerLog(os.path.join(directory, LOG_DIR), segment_bytes, fsync=fsync, readonly=True),
+                TimerWheel(os.path.join(directory, WHEEL_FILE), tick_ms, slots, readonly=True, fsync=fsync),
+                writer=False, fsync=fsync, wheel_sync_records=wheel_sync_records, lock_fd=-1,
+            )
+
+        os.makedirs(directory, exist_ok=True)
+        lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise FencedError(f"shard {directory} is already open for writing (lock {LOCK_FILE} is held)") from None
+        timer_log: TimerLog | None = None
+        wheel: TimerWheel | None = None
+        try:
+            if os.path.exists(os.path.join(directory, META_FILE)):
+                _check_meta(directory, wanted)
+            elif _has_data(directory):
+                raise FormatMismatchError(
+                    f"shard {directory} holds a TimerLog or checkpoint but no {META_FILE}; refusing to guess its format"
+                )
+            else:
+                atomic_write(os.path.join(directory, META_FILE), json.dumps(wanted, indent=1).encode() + b"\n", fsync)
+            checkpoint.remove_stale_temps(directory, (META_FILE, WHEEL_FILE, ENQUEUE_CKPT))
+            timer_log = TimerLog(os.path.join(directory, LOG_DIR), segment_bytes, fsync=fsync)
+            wheel = TimerWheel(os.path.join(directory, WHEEL_FILE), tick_ms, slots, fsync=fsync)
+            shard = cls(
+                directory, timer_log, wheel,
+                writer=True, fsync=fsync, wheel_sync_records=wheel_sync_records, lock_fd=lock_fd,
+            )
+            ckpt = shard.load_enqueue_checkpoint()
+            shard.recovery = recover(timer_log, wheel, ckpt.flushed_pos if ckpt else None)
+            return shard
+        except BaseException:
+            if wheel is not None:
+                wheel.close()
+            if timer_log is not None:
+                timer_log.close()
+            os.close(lock_fd)
+            raise
+
+    def __enter__(self) -> Shard:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _need_writer(self, what: str) -> None:
+        if not self.writer:
+            raise TimerwheelError(f"shard {self.directory} is open read-only; cannot {what}")
+
+    # ---------------------------------------------------------------- writing
+
+    def slot_time(self, t_ms: int) -> int:
+        return t_ms - t_ms % self.tick_ms
+
+    def append(self, records: Sequence[TimerRecord]) -> list[int]:
+        """Link the records into their slots (newest first), append them; returns their positions."""
+        if not records:
+            return []
+        first = self.append_array(pack_records(records, with_prev_pos=False))
+        return list(range(first, first + len(records) * RECORD_SIZE, RECORD_SIZE))
+
+    def append_array(self, arr: RecordArray) -> int:
+        """Bulk ``append`` of a RECORD_DTYPE array (``format.records_array``); returns the first position.
+
+        Sets each record's prev_pos and CRC in ``arr``.
+        """
+        self._need_writer("append")
+        first = self.log.end_pos
+        if len(arr) == 0:
+            return first
+        deliver = arr["deliver_ms"].astype(np.int64)
+        positions = first + RECORD_SIZE * np.arange(len(arr), dtype=np.int64)
+        prev, update = self.wheel.chain(deliver - deliver % self.tick_ms, positions)
+        arr["prev_pos"] = prev
+        seal(arr)
+        self.log.append_packed(arr)
+        self.wheel.stage(update)
+        self._unsynced_records += len(arr)
+        return first
+
+    def flush(self) -> int:
+        """fsync the TimerLog, then publish the wheel (msync it every wheel_sync_records); returns the flushed position."""
+        self._need_writer("flush")
+        if self._unsynced_records >= max(self.wheel_sync_records, 1):
+            return self.sync_wheel()
+        pos = self.log.flush()
+        self.wheel.publish()
+        return pos
+
+    def sync_wheel(self) -> int:
+        """flush(), and make the wheel file itself durable up to the flushed position."""
+        self._need_writer("sync the wheel")
+        pos = self.log.flush()
+        self.wheel.flush(synced_pos=pos)
+        self._unsynced_records = 0
+        return pos
+
+    # ---------------------------------------------------------------- reading
+
+    def _report_corrupt(self, pos: int, why: str, slot_time: int) -> None:
+        self.corrupt_seen += 1
+        log.error("shard %s: corrupt TimerLog record at position %d (reading slot %d): %s; skipped",
+                  self.directory, pos, slot_time, why)
+
+    def read_slot(self, slot_time: int, limit_pos: int | None = None) -> Iterator[tuple[int, TimerRecord]]:
+        """The slot's records, newest first, by following prev_pos from the slot's last_pos.
+
+        Positions >= ``limit_pos`` are never read (readers pass the published flushed_pos; the
+        default is the end of the log for the writer, the enqueue checkpoint's flushed_pos for a
+        reader). A record that fails its checks is reported and skipped, and the rest of the slot
+        is then found by a scan back to the slot's first_pos, so it does not hide its neighbours.
+        A dense slot (a burst) is read by that scan from the start: the same records, in the same
+        order, without a pread per record; corrupt records met in its stretch are reported too.
+        """
+        slot_time = self.slot_time(slot_time)
+        if limit_pos is None:
+            if self.writer:
+                limit_pos = self.log.end_pos
+            else:
+                published = self.load_enqueue_checkpoint()
+                limit_pos = published.flushed_pos if published else 0
+        slot = self.wheel.get(slot_time)
+        pos = slot.last_pos
+        span = (min(pos, limit_pos - RECORD_SIZE) - slot.first_pos) // RECORD_SIZE + 1
+        if slot.num >= self.dense_slot_min and slot.num * DENSE_SLOT_SHARE >= span > 0:
+            # A slot run is exactly the valid records of its time from first_pos on, so when they
+            # are a good share of that stretch one vectorised scan beats a pread per link.
+            yield from self._scan(slot_time, slot.first_pos, min(pos + RECORD_SIZE, limit_pos))
+            return
+        while 0 <= slot.first_pos <= pos:
+            if pos >= limit_pos:
+                yield from self._scan(slot_time, slot.first_pos, limit_pos)
+                return
+            try:
+                record = self.log.read(pos)
+            except CorruptRecordError:
+                self._report_corrupt(pos, self.log.why_at(pos) or "invalid record", slot_time)
+                yield from self._scan(slot_time, slot.first_pos, pos)
+                return
+            if record.deliver_ms - record.deliver_ms % self.tick_ms != slot_time or record.prev_pos >= pos:
+                self._report_corrupt(pos, f"record fires at {record.deliver_ms} (prev_pos {record.prev_pos}), "
+                                          f"not a link of slot {slot_time}", slot_time)
+                yield from self._scan(slot_time, slot.first_pos, pos)
+                return
+            yield pos, record
+            pos = record.prev_pos
+
+    def _scan(self, slot_time: int, lo: int, hi: int) -> Iterator[tuple[int, TimerRecord]]:
+        for pos, record, why in self.log.scan_back(lo, hi, slot_time, self.tick_ms):
+            if record is None:
+                self._report_corrupt(pos, why or "invalid record", slot_time)
+            else:
+                yield pos, record
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def save_enqueue_checkpoint(self, ckpt: EnqueueCheckpoint) -> None:
+        """Atomically replace enqueue.ckpt (FencedError if it holds a newer epoch)."""
+        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync)
+
+    def load_enqueue_checkpoint(self) -> EnqueueCheckpoint | None:
+        """enqueue.ckpt as it is now on disk, or None."""
+        return checkpoint.load_enqueue(self._path(ENQUEUE_CKPT))
+
+    def save_dequeue_checkpoint(self, ckpt: DequeueCheckpoint) -> None:
+        """Atomically replace dequeue.ckpt (FencedError if it holds a newer epoch)."""
+        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync)
+
+    def load_dequeue_checkpoint(self) -> DequeueCheckpoint | None:
+        """dequeue.ckpt as it is now on disk, or None."""
+        return checkpoint.load_dequeue(self._path(DEQUEUE_CKPT))
+
+    # ---------------------------------------------------------------- retention
+
+    def _segment_max_deliver(self, base: int) -> int:
+        """Latest deliver_ms of a full segment's valid records (-1 if none), scanned once and cached."""
+        cached = self._segment_max.get(base)
+        if cached is None:
+            cached = -1
+            for _first, arr in self.log.iter_chunks(base, base + self.log.segment_bytes):
+                deliver = arr["deliver_ms"][valid_mask(arr)]
+                if deliver.size:
+                    cached = max(cached, int(deliver.max()))
+            self._segment_max[base] = cached
+        return cached
+
+    def retain(self, read_ms: int) -> int:
+        """Delete leading segments whose every record fires in a slot before ``read_ms`` (R).
+
+        Only full segments below the flushed position, never the last one. Returns how many.
+        """
+        self._need_writer("delete segments")
+        segment_bytes = self.log.segment_bytes
+        cut = -1
+        for base in self.log.segment_bases()[:-1]:
+            if base + segment_bytes > self.log.flushed_pos:
+                break
+            latest = self._segment_max_deliver(base)
+            if latest >= 0 and self.slot_time(latest) + self.tick_ms > read_ms:
+                break
+            cut = base + segment_bytes
+        if cut < 0:
+            return 0
+        deleted = self.log.delete_before(cut)
+        for base in [b for b in self._segment_max if b < cut]:
+            del self._segment_max[base]
+        return deleted
+
+    # ---------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """Writer: flush and sync the wheel; then release files and the writer lock."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.writer:
+                self.sync_wheel()
+        finally:
+            self.wheel.close()
+            self.log.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1

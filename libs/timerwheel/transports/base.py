@@ -1,0 +1,118 @@
+"""The interfaces every stage is written against.
+
+``CommitLog`` is the durable log (Kafka in production, ``LocalCommitLog`` embedded).
+``WorkQueue`` is a partitioned, bounded, at-least-once queue with acks (Redis Streams in
+production, in-process queues embedded). ``LeaseStore`` grants shard ownership with a
+monotonically increasing epoch (fencing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from timerwheel.records import OutRecord, Record
+
+
+class Consumer(Protocol):
+    """Reads some partitions of one topic from offsets the caller owns (no group commits)."""
+
+    def poll(self, max_records: int, timeout_s: float) -> list[Record]:
+        """Up to ``max_records`` records, in offset order per partition; [] after the timeout."""
+        ...
+
+    def seek(self, partition: int, offset: int) -> None: ...
+
+    def position(self, partition: int) -> int:
+        """Offset of the next record ``poll`` will return for ``partition``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class CommitLog(Protocol):
+    def ensure_topic(self, topic: str, partitions: int) -> int:
+        """Create ``topic`` if missing; return its partition count."""
+        ...
+
+    def partitions(self, topic: str) -> int:
+        """Partition count of an existing topic (creating it with a default count if the log auto-creates)."""
+        ...
+
+    def append(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+        """Append durably (Kafka: acks=all) and return ``(partition, offset)`` for each record,
+        in order. Raises on failure: nothing is reported written that was not."""
+        ...
+
+    def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
+        """Batched random reads by ``(partition, offset)``; ``None`` where the record is gone
+        (deleted by retention or beyond the end)."""
+        ...
+
+    def consumer(self, topic: str, offsets: Mapping[int, int]) -> Consumer:
+        """A consumer of ``topic`` positioned at ``offsets`` (partition -> next offset)."""
+        ...
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        """Partition -> offset the next appended record will get."""
+        ...
+
+    def start_offsets(self, topic: str) -> dict[int, int]:
+        """Partition -> oldest offset still held."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class WorkQueue(Protocol):
+    """One named queue with ``partitions`` partitions (one per shard), each bounded.
+
+    Entries are opaque bytes. ``get`` hands entries to one consumer; an entry stays pending
+    until acked, and ``claim_stale`` gives entries pending longer than ``idle_ms`` (their
+    consumer died) to another consumer.
+    """
+
+    name: str
+    partitions: int
+
+    def put(self, partition: int, entries: Sequence[bytes], timeout_s: float) -> None:
+        """Append; blocks while the partition holds ``bound`` entries or more. Raises
+        ``QueueFullError`` if it is still full after ``timeout_s``."""
+        ...
+
+    def get(self, partition: int, consumer: str, max_entries: int, timeout_s: float) -> list[tuple[str, bytes]]:
+        """Up to ``max_entries`` new entries ``(entry_id, payload)``; [] after the timeout."""
+        ...
+
+    def ack(self, partition: int, entry_ids: Sequence[str]) -> None: ...
+
+    def claim_stale(self, partition: int, consumer: str, idle_ms: int, max_entries: int) -> list[tuple[str, bytes]]:
+        """Entries delivered to some consumer but not acked for ``idle_ms``: now this consumer's."""
+        ...
+
+    def depth(self, partition: int) -> int:
+        """Entries not yet acked (waiting plus pending)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LeaseStore(Protocol):
+    """Shard ownership with fencing epochs.
+
+    ``acquire`` returns a new epoch strictly greater than any granted before for that
+    (role, shard), or None while another live owner holds it. ``renew`` keeps it and returns
+    False once the lease was lost (expired and taken). ``current_epoch`` lets a writer check,
+    before a write, that it still holds the newest epoch.
+    """
+
+    def acquire(self, role: str, shard: int, owner: str, ttl_ms: int, floor: int = 0) -> int | None:
+        """A new epoch > every earlier one and > ``floor`` (the epoch in the shard's checkpoint,
+        so epochs keep growing even if the store lost its state), or None while held by another."""
+        ...
+
+    def renew(self, role: str, shard: int, owner: str, epoch: int, ttl_ms: int) -> bool: ...
+
+    def release(self, role: str, shard: int, owner: str, epoch: int) -> None: ...
+
+    def current_epoch(self, role: str, shard: int) -> int: ...

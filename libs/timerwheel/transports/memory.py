@@ -1,0 +1,337 @@
+"""In-process work queues and leases for the embedded mode, plus file leases across processes.
+
+``MemoryWorkQueue`` is the embedded stand-in for a Redis Stream with one consumer group per
+partition. Each partition keeps entries *waiting* (put, not yet handed out) and *pending*
+(handed to a consumer by ``get`` or ``claim_stale``, not yet acked). The bound counts both:
+``put`` blocks while ``waiting + pending >= bound``, so a slow or dead consumer holds its
+producer back until its entries are acked or claimed — the flow control of RIP-43's bounded
+queues, across the whole hand-off and not only the buffer. A ``put`` of a batch is all or
+nothing: it waits for room below the bound, then adds the whole batch (which may pass the
+bound by up to ``len(entries) - 1``), so a timed-out ``put`` retried whole duplicates nothing.
+Every wait has a timeout and ``close`` wakes all waiters: nothing hangs on shutdown.
+
+``MemoryLeaseStore`` and ``FileLeaseStore`` grant shard ownership with fencing epochs. They
+share one rule (``_Lease``): ``acquire`` succeeds when nobody holds the lease or the holder's
+ttl ran out, and always grants a new epoch, one more than any before, even to the same owner
+(it fences that owner's earlier incarnation), and above ``floor``, the epoch the caller
+found in the shard's checkpoint, so epochs grow even if the store lost its state; ``renew`` succeeds while ``(owner, epoch)`` is
+still the grant, even after the ttl ran out if nobody acquired since (as the protocol says:
+lost means expired *and* taken), so a simulated clock's jumps do not churn owners. The file
+store keeps each lease in its own small JSON file, replaced atomically under an ``flock`` on a
+companion lock file, so the epoch survives restarts and two processes on one data dir cannot
+both own a shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from timerwheel.clock import Clock, SystemClock
+from timerwheel.errors import QueueFullError, TimerwheelError
+
+
+class QueueClosedError(TimerwheelError):
+    """A put into a work queue that was closed."""
+
+
+class _MonotonicClock:
+    """Real elapsed time for pending-entry ages: a wall-clock step must not make entries stale."""
+
+    def now_ms(self) -> int:
+        return time.monotonic_ns() // 1_000_000
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@dataclass(slots=True)
+class _Pending:
+    payload: bytes
+    consumer: str
+    since_ms: int
+
+
+class _QueuePartition:
+    __slots__ = ("lock", "not_empty", "not_full", "waiting", "pending", "next_id")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.not_empty = threading.Condition(self.lock)
+        self.not_full = threading.Condition(self.lock)
+        self.waiting: deque[tuple[str, bytes]] = deque()
+        # Insertion order is (re)delivery order, so the stalest entries come first.
+        self.pending: dict[str, _Pending] = {}
+        self.next_id = 0
+
+
+class MemoryWorkQueue:
+    """A WorkQueue in one process (see the module header). ``clock`` times pending entries for
+    ``claim_stale``; by default real monotonic time, since idleness is about live consumers."""
+
+    def __init__(self, name: str, partitions: int, bound: int, *, clock: Clock | None = None) -> None:
+        if partitions < 1:
+            raise ValueError(f"MemoryWorkQueue {name!r}: partitions must be >= 1, got {partitions}")
+        if bound < 1:
+            raise ValueError(f"MemoryWorkQueue {name!r}: bound must be >= 1, got {bound}")
+        self.name = name
+        self.partitions = partitions
+        self.bound = bound
+        self._clock: Clock = clock or _MonotonicClock()
+        self._parts = [_QueuePartition() for _ in range(partitions)]
+        self._closed = False
+
+    def _part(self, partition: int) -> _QueuePartition:
+        if not 0 <= partition < self.partitions:
+            raise ValueError(
+                f"work queue {self.name!r} has {self.partitions} partitions, no partition {partition}"
+            )
+        return self._parts[partition]
+
+    def put(self, partition: int, entries: Sequence[bytes], timeout_s: float) -> None:
+        qp = self._part(partition)
+        if not entries:
+            return
+        deadline = time.monotonic() + timeout_s
+        with qp.lock:
+            while True:
+                if self._closed:
+                    raise QueueClosedError(f"work queue {self.name!r} is closed")
+                depth = len(qp.waiting) + len(qp.pending)
+                if depth < self.bound:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise QueueFullError(
+                        f"work queue {self.name!r} partition {partition} still holds {depth} entries "
+                        f"(bound {self.bound}) after {timeout_s}s"
+                    )
+                qp.not_full.wait(remaining)
+            for payload in entries:
+                qp.waiting.append((f"{partition}-{qp.next_id}", payload))
+                qp.next_id += 1
+            qp.not_empty.notify_all()
+
+    def get(
+        self, partition: int, consumer: str, max_entries: int, timeout_s: float
+    ) -> list[tuple[str, bytes]]:
+        qp = self._part(partition)
+        deadline = time.monotonic() + timeout_s
+        with qp.lock:
+            while not qp.waiting:
+                remaining = deadline - time.monotonic()
+                if self._closed or remaining <= 0:
+                    return []
+                qp.not_empty.wait(remaining)
+            now = self._clock.now_ms()
+            out = []
+            for _ in range(min(max_entries, len(qp.waiting))):
+                entry_id, payload = qp.waiting.popleft()
+                qp.pending[entry_id] = _Pending(payload, consumer, now)
+                out.append((entry_id, payload))
+            return out
+
+    def ack(self, partition: int, entry_ids: Sequence[str]) -> None:
+        qp = self._part(partition)
+        with qp.lock:
+            removed = sum(qp.pending.pop(entry_id, None) is not None for entry_id in entry_ids)
+            if removed:
+                qp.not_full.notify_all()
+
+    def claim_stale(
+        self, partition: int, consumer: str, idle_ms: int, max_entries: int
+    ) -> list[tuple[str, bytes]]:
+        qp = self._part(partition)
+        with qp.lock:
+            now = self._clock.now_ms()
+            stale: list[str] = []
+            for entry_id, entry in qp.pending.items():
+                if len(stale) >= max_entries or now - entry.since_ms < idle_ms:
+                    break
+                stale.append(entry_id)
+            out = []
+            for entry_id in stale:
+                entry = qp.pending.pop(entry_id)
+                qp.pending[entry_id] = _Pending(entry.payload, consumer, now)
+                out.append((entry_id, entry.payload))
+            return out
+
+    def depth(self, partition: int) -> int:
+        qp = self._part(partition)
+        with qp.lock:
+            return len(qp.waiting) + len(qp.pending)
+
+    def pending(self, partition: int) -> dict[str, str]:
+        """Entry id -> consumer of the entries handed out and not yet acked (for tests and metrics)."""
+        qp = self._part(partition)
+        with qp.lock:
+            return {entry_id: entry.consumer for entry_id, entry in qp.pending.items()}
+
+    def close(self) -> None:
+        self._closed = True
+        for qp in self._parts:
+            with qp.lock:
+                qp.not_empty.notify_all()
+                qp.not_full.notify_all()
+
+
+# -- leases ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Lease:
+    """One (role, shard) lease; ``owner`` None when released. The rule both stores share."""
+
+    epoch: int = 0
+    owner: str | None = None
+    expires_ms: int = 0
+
+    def acquire(self, owner: str, now_ms: int, ttl_ms: int, floor: int) -> _Lease | None:
+        if self.owner is not None and self.expires_ms > now_ms:
+            return None
+        return _Lease(max(self.epoch, floor) + 1, owner, now_ms + ttl_ms)
+
+    def holds(self, owner: str, epoch: int) -> bool:
+        return self.owner == owner and self.epoch == epoch
+
+    def renew(self, owner: str, epoch: int, now_ms: int, ttl_ms: int) -> _Lease | None:
+        return replace(self, expires_ms=now_ms + ttl_ms) if self.holds(owner, epoch) else None
+
+    def release(self, owner: str, epoch: int) -> _Lease | None:
+        return _Lease(self.epoch) if self.holds(owner, epoch) else None
+
+
+def _check_ttl(ttl_ms: int) -> None:
+    if ttl_ms <= 0:
+        raise ValueError(f"lease ttl_ms must be > 0, got {ttl_ms}")
+
+
+class MemoryLeaseStore:
+    """A LeaseStore in one process; ttl measured on ``clock`` (see the module header)."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock: Clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._leases: dict[tuple[str, int], _Lease] = {}
+
+    def acquire(self, role: str, shard: int, owner: str, ttl_ms: int, floor: int = 0) -> int | None:
+        _check_ttl(ttl_ms)
+        with self._lock:
+            lease = self._leases.get((role, shard), _Lease()).acquire(
+                owner, self._clock.now_ms(), ttl_ms, floor
+            )
+            if lease is None:
+                return None
+            self._leases[(role, shard)] = lease
+            return lease.epoch
+
+    def renew(self, role: str, shard: int, owner: str, epoch: int, ttl_ms: int) -> bool:
+        _check_ttl(ttl_ms)
+        with self._lock:
+            lease = self._leases.get((role, shard), _Lease()).renew(
+                owner, epoch, self._clock.now_ms(), ttl_ms
+            )
+            if lease is None:
+                return False
+            self._leases[(role, shard)] = lease
+            return True
+
+    def release(self, role: str, shard: int, owner: str, epoch: int) -> None:
+        with self._lock:
+            lease = self._leases.get((role, shard), _Lease()).release(owner, epoch)
+            if lease is not None:
+                self._leases[(role, shard)] = lease
+
+    def current_epoch(self, role: str, shard: int) -> int:
+        with self._lock:
+            return self._leases.get((role, shard), _Lease()).epoch
+
+
+_ROLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+class FileLeaseStore:
+    """A LeaseStore shared by the processes of one machine: ``<directory>/<role>.<shard>.lease``
+    (JSON: epoch, owner, expires_ms), replaced atomically while ``<role>.<shard>.lock`` is
+    flocked. Use a wall clock (SystemClock): every process must read the same time."""
+
+    def __init__(self, directory: str | os.PathLike[str], clock: Clock | None = None) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._clock: Clock = clock or SystemClock()
+
+    def _stem(self, role: str, shard: int) -> str:
+        if not _ROLE.fullmatch(role):
+            raise ValueError(f"lease role {role!r}: use 1..100 of [A-Za-z0-9_.-], starting alphanumeric")
+        if shard < 0:
+            raise ValueError(f"lease shard must be >= 0, got {shard}")
+        return f"{role}.{shard:04d}"
+
+    @contextlib.contextmanager
+    def _locked(self, role: str, shard: int) -> Iterator[Path]:
+        # A fresh open file per call: flock then also excludes other threads of this process.
+        stem = self._stem(role, shard)
+        fd = os.open(self.directory / f"{stem}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield self.directory / f"{stem}.lease"
+        finally:
+            os.close(fd)  # releases the flock
+
+    @staticmethod
+    def _load(path: Path) -> _Lease:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return _Lease()
+        return _Lease(int(data["epoch"]), data["owner"], int(data["expires_ms"]))
+
+    def _store(self, path: Path, lease: _Lease) -> None:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"epoch": lease.epoch, "owner": lease.owner, "expires_ms": lease.expires_ms}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def acquire(self, role: str, shard: int, owner: str, ttl_ms: int, floor: int = 0) -> int | None:
+        _check_ttl(ttl_ms)
+        with self._locked(role, shard) as path:
+            lease = self._load(path).acquire(owner, self._clock.now_ms(), ttl_ms, floor)
+            if lease is None:
+                return None
+            self._store(path, lease)
+            return lease.epoch
+
+    def renew(self, role: str, shard: int, owner: str, epoch: int, ttl_ms: int) -> bool:
+        _check_ttl(ttl_ms)
+        with self._locked(role, shard) as path:
+            lease = self._load(path).renew(owner, epoch, self._clock.now_ms(), ttl_ms)
+            if lease is None:
+                return False
+            self._store(path, lease)
+            return True
+
+    def release(self, role: str, shard: int, owner: str, epoch: int) -> None:
+        with self._locked(role, shard) as path:
+            lease = self._load(path).release(owner, epoch)
+            if lease is not None:
+                self._store(path, lease)
+
+    def current_epoch(self, role: str, shard: int) -> int:
+        with self._locked(role, shard) as path:
+            return self._load(path).epoch

@@ -1,0 +1,338 @@
+"""The production work queues and shard leases: Redis Streams and keys.
+
+``RedisWorkQueue`` — one stream per (queue, partition), key ``tw:q:{name}:{partition}``, read
+through one consumer group. An entry lives in the stream from ``put`` until ``ack``, which
+XACKs and XDELs it in one transaction, so ``XLEN`` is exactly "waiting plus pending": that is
+both ``depth`` and the bound ``put`` waits on (RIP-43's bounded BlockingQueue, as flow control).
+The bound check and the XADDs run in one Lua script, so concurrent producers cannot overshoot
+together; a batch is admitted whole while the partition holds fewer than ``bound`` entries.
+``get`` is XREADGROUP with a bounded BLOCK, ``claim_stale`` is XAUTOCLAIM.
+
+Redis is a transport, not a store (ARCHITECTURE.md, section 4): after FLUSHALL or a restart the
+streams and groups are gone. Every call that meets NOGROUP recreates the group (MKSTREAM, from
+id 0, so whatever is still in the stream is delivered again) and retries; the stages rebuild the
+lost entries from the TimerLog, the checkpoints and Kafka.
+
+``RedisLeaseStore`` — shard ownership with fencing epochs, the same rules as the memory and file
+stores. Per (role, shard), under one hash tag (Redis Cluster safe): an epoch counter, an owner
+key ``"owner:epoch"`` with the TTL, and the grant (the same value, no TTL). ``acquire`` succeeds
+only while the owner key is absent (free, released or expired), INCRs the counter and sets both.
+``renew`` succeeds while (owner, epoch) is still the grant, even after the TTL lapsed if nobody
+acquired since (lost means expired *and* taken), and ``release`` clears both; all three are Lua
+scripts, atomic in Redis.
+
+Epochs after FLUSHALL: the counter is lost with everything else. ``acquire(..., floor=N)`` grants
+an epoch greater than ``N``; callers pass the epoch recorded in their shard checkpoint
+(``enqueue.ckpt`` / ``dequeue.ckpt`` hold the owner epoch), so epochs stay monotonic across a
+Redis wipe. Until then ``current_epoch`` reads 0, which no live owner holds: writers that
+compare it with their own epoch stop, as they should.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import redis
+
+from timerwheel.errors import QueueFullError, TimerwheelError
+
+__all__ = ["RedisLeaseStore", "RedisTransportError", "RedisWorkQueue"]
+
+T = TypeVar("T")
+
+_FIELD = b"d"
+
+# KEYS[1] stream; ARGV[1] bound, ARGV[2..] payloads. Returns -1 when admitted, else the length.
+_PUT_IF_ROOM = """
+local n = redis.call('XLEN', KEYS[1])
+if n >= tonumber(ARGV[1]) then return n end
+for i = 2, #ARGV do redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
+return -1
+"""
+
+# Per (role, shard): KEYS[1] owner key "owner:epoch" with the TTL, KEYS[2] epoch counter,
+# KEYS[3] the grant "owner:epoch" without TTL (cleared by release), so that an owner whose TTL
+# lapsed while nobody acquired can still renew, as the LeaseStore protocol (and the memory
+# store) says: lost means expired *and* taken.
+
+# ARGV owner, ttl_ms, floor.
+_ACQUIRE = """
+if redis.call('GET', KEYS[1]) then return false end
+local epoch = tonumber(redis.call('GET', KEYS[2]) or '0')
+local floor = tonumber(ARGV[3])
+if epoch < floor then epoch = floor end
+epoch = epoch + 1
+local grant = ARGV[1] .. ':' .. string.format('%d', epoch)
+redis.call('SET', KEYS[2], string.format('%d', epoch))
+redis.call('SET', KEYS[1], grant, 'PX', ARGV[2])
+redis.call('SET', KEYS[3], grant)
+return epoch
+"""
+
+# ARGV owner:epoch, ttl_ms.
+_RENEW = """
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not held and redis.call('GET', KEYS[3]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# ARGV owner:epoch.
+_RELEASE = """
+if redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+class RedisTransportError(TimerwheelError):
+    """Redis could not be reached or refused a command. Retriable: the stages back off."""
+
+
+@contextmanager
+def _redis_call(what: str) -> Iterator[None]:
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise RedisTransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _is_nogroup(exc: redis.ResponseError) -> bool:
+    return str(exc).startswith("NOGROUP")
+
+
+def _entries(raw: Any) -> list[tuple[str, bytes]]:
+    """[(id, {field: value})] -> [(id, payload)], skipping entries deleted under us (None)."""
+    out: list[tuple[str, bytes]] = []
+    for entry_id, fields in raw or ():
+        if not fields:
+            continue
+        payload = fields.get(_FIELD)
+        if payload is None:
+            payload = fields.get(_FIELD.decode(), b"")
+        out.append((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id), payload))
+    return out
+
+
+class RedisWorkQueue:
+    """``WorkQueue`` on Redis Streams. See the module docstring.
+
+    ``client`` must return bytes (``decode_responses=False``, the default). ``get`` never
+    blocks in Redis longer than ``max_block_s`` per call (kept under the client's socket
+    timeout), looping until ``timeout_s`` instead.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        name: str,
+        partitions: int,
+        bound: int,
+        group: str = "tw",
+        *,
+        max_block_s: float = 2.0,
+    ) -> None:
+        if partitions < 1:
+            raise ValueError(f"RedisWorkQueue {name!r}: partitions must be >= 1, got {partitions}")
+        if bound < 1:
+            raise ValueError(f"RedisWorkQueue {name!r}: bound must be >= 1, got {bound}")
+        kwargs = client.connection_pool.connection_kwargs
+        if kwargs.get("decode_responses"):
+            raise ValueError(f"RedisWorkQueue {name!r}: the client must not decode responses (payloads are bytes)")
+        socket_timeout = kwargs.get("socket_timeout")
+        if isinstance(socket_timeout, int | float) and socket_timeout > 0:
+            max_block_s = min(max_block_s, socket_timeout * 0.8)
+        self.client = client
+        self.name = name
+        self.partitions = partitions
+        self.bound = bound
+        self.group = group
+        self._max_block_ms = max(1, int(max_block_s * 1000))
+        self._put_script = client.register_script(_PUT_IF_ROOM)
+        self._ready: set[int] = set()
+
+    def key(self, partition: int) -> str:
+        return f"tw:q:{self.name}:{partition}"
+
+    def _check(self, partition: int) -> str:
+        if not 0 <= partition < self.partitions:
+            raise ValueError(f"queue {self.name!r}: partition must be 0..{self.partitions - 1}, got {partition}")
+        return self.key(partition)
+
+    def _ensure_group(self, partition: int) -> None:
+        try:
+            self.client.xgroup_create(self.key(partition), self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._ready.add(partition)
+
+    def _grouped(self, partition: int, call: Callable[[], T]) -> T:
+        """Run ``call`` with the partition's group in place; recreate it once if it vanished."""
+        if partition not in self._ready:
+            self._ensure_group(partition)
+        try:
+            return call()
+        except redis.ResponseError as exc:
+            if not _is_nogroup(exc):
+                raise
+        self._ensure_group(partition)
+        return call()
+
+    def put(self, partition: int, entries: Sequence[bytes], timeout_s: float) -> None:
+        key = self._check(partition)
+        if not entries:
+            return
+        deadline = time.monotonic() + timeout_s
+        pause = 0.002
+        with _redis_call(f"put to queue {self.name!r} partition {partition}"):
+            while True:
+                held = self._put_script(keys=[key], args=[self.bound, *entries])
+                if held == -1:
+                    return
+                if time.monotonic() >= deadline:
+                    raise QueueFullError(
+                        f"queue {self.name!r} partition {partition} still held {held} entries "
+                        f"(bound {self.bound}) after {timeout_s}s"
+                    )
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, 0.05)
+
+    def get(self, partition: int, consumer: str, max_entries: int, timeout_s: float) -> list[tuple[str, bytes]]:
+        key = self._check(partition)
+        deadline = time.monotonic() + timeout_s
+        with _redis_call(f"get from queue {self.name!r} partition {partition}"):
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                block = min(self._max_block_ms, left_ms) if left_ms >= 1 else None
+
+                def read(block: int | None = block) -> Any:
+                    return self.client.xreadgroup(
+                        self.group, consumer, {key: ">"}, count=max_entries, block=block
+                    )
+
+                raw = self._grouped(partition, read)
+                if isinstance(raw, dict):  # RESP3: {key: [entries]}
+                    raw = [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in raw.items()]
+                got = _entries(raw[0][1]) if raw else []
+                if got or block is None or time.monotonic() >= deadline:
+                    return got
+
+    def ack(self, partition: int, entry_ids: Sequence[str]) -> None:
+        key = self._check(partition)
+        if not entry_ids:
+            return
+        with _redis_call(f"ack on queue {self.name!r} partition {partition}"):
+            # One transaction: an entry is never acked yet left counting against the bound.
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xack(key, self.group, *entry_ids)
+            pipe.xdel(key, *entry_ids)
+            pipe.execute()
+
+    def claim_stale(self, partition: int, consumer: str, idle_ms: int, max_entries: int) -> list[tuple[str, bytes]]:
+        key = self._check(partition)
+        out: list[tuple[str, bytes]] = []
+        start = "0-0"
+        with _redis_call(f"claim_stale on queue {self.name!r} partition {partition}"):
+            while len(out) < max_entries:
+
+                def claim(start: str = start) -> Any:
+                    return self.client.xautoclaim(
+                        key, self.group, consumer, idle_ms, start, count=max_entries - len(out)
+                    )
+
+                reply = self._grouped(partition, claim)
+                out.extend(_entries(reply[1]))
+                nxt = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+                if nxt == "0-0":
+                    break
+                start = nxt
+        return out
+
+    def depth(self, partition: int) -> int:
+        key = self._check(partition)
+        with _redis_call(f"depth of queue {self.name!r} partition {partition}"):
+            return int(self.client.xlen(key))
+
+    def pending(self, partition: int, limit: int = 10_000) -> dict[str, str]:
+        """Entry id -> consumer of the entries handed out and not yet acked (tests, metrics)."""
+        key = self._check(partition)
+        with _redis_call(f"pending of queue {self.name!r} partition {partition}"):
+            try:
+                rows = self.client.xpending_range(key, self.group, min="-", max="+", count=limit)
+            except redis.ResponseError as exc:
+                if _is_nogroup(exc):
+                    return {}
+                raise
+        out: dict[str, str] = {}
+        for row in rows:
+            entry_id, consumer = row["message_id"], row["consumer"]
+            out[entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)] = (
+                consumer.decode() if isinstance(consumer, bytes) else str(consumer)
+            )
+        return out
+
+    def close(self) -> None:
+        """The client belongs to the caller; nothing to release here."""
+
+
+class RedisLeaseStore:
+    """``LeaseStore`` on Redis. See the module docstring for epochs, TTLs and FLUSHALL."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "tw:lease") -> None:
+        self.client = client
+        self.prefix = prefix
+        self._acquire = client.register_script(_ACQUIRE)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    def _keys(self, role: str, shard: int) -> list[str]:
+        """Owner key (TTL), epoch counter, grant; one hash tag, so one Redis Cluster slot."""
+        base = f"{self.prefix}:{{{role}:{shard}}}"
+        return [f"{base}:owner", f"{base}:epoch", f"{base}:grant"]
+
+    def acquire(self, role: str, shard: int, owner: str, ttl_ms: int, floor: int = 0) -> int | None:
+        """A new epoch, greater than every earlier one and than ``floor``; None while another
+        owner holds the lease. Pass as ``floor`` the epoch in the shard's checkpoint, so the
+        epoch stays monotonic even after Redis lost the counter."""
+        if ttl_ms < 1:
+            raise ValueError(f"lease {role}/{shard}: ttl_ms must be >= 1, got {ttl_ms}")
+        with _redis_call(f"acquire lease {role}/{shard} for {owner!r}"):
+            epoch = self._acquire(keys=self._keys(role, shard), args=[owner, ttl_ms, floor])
+        return None if epoch is None else int(epoch)
+
+    def renew(self, role: str, shard: int, owner: str, epoch: int, ttl_ms: int) -> bool:
+        """True while (owner, epoch) is the latest grant, even if its TTL lapsed meanwhile;
+        False once another owner acquired it, it was released, or Redis lost it."""
+        if ttl_ms < 1:
+            raise ValueError(f"lease {role}/{shard}: ttl_ms must be >= 1, got {ttl_ms}")
+        with _redis_call(f"renew lease {role}/{shard} for {owner!r}"):
+            return bool(self._renew(keys=self._keys(role, shard), args=[f"{owner}:{epoch}", ttl_ms]))
+
+    def release(self, role: str, shard: int, owner: str, epoch: int) -> None:
+        with _redis_call(f"release lease {role}/{shard} for {owner!r}"):
+            self._release(keys=self._keys(role, shard), args=[f"{owner}:{epoch}"])
+
+    def current_epoch(self, role: str, shard: int) -> int:
+        with _redis_call(f"epoch of lease {role}/{shard}"):
+            value = self.client.get(self._keys(role, shard)[1])
+        return int(value) if value is not None else 0
+
+    def holder(self, role: str, shard: int) -> tuple[str, int] | None:
+        """(owner, epoch) holding the lease now, or None: for status reports."""
+        with _redis_call(f"holder of lease {role}/{shard}"):
+            value = self.client.get(self._keys(role, shard)[0])
+        if value is None:
+            return None
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        name, _, epoch = text.rpartition(":")
+        return name, int(epoch)

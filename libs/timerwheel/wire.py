@@ -1,0 +1,222 @@
+"""The wire contract: ``tw-*`` headers on the timer topic, and what the service stamps.
+
+Any Kafka client in any language schedules by setting these headers; this module is the
+one place that reads them. ``parse_timer_record`` turns a timer-topic record into a
+``TimerRequest`` or raises ``InvalidTimerMessage`` with the reason that goes into the
+dead-letter record's ``tw-error`` header.
+
+Ids: ``tw-id`` if present, else ``<partition>-<offset>`` of the record as first written.
+A rolled record carries its resolved id in ``tw-id``, so the id never changes. The TimerLog
+keeps a 64-bit hash of the id (``id_hash``); a cancel is confirmed on the full id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zlib
+from dataclasses import dataclass
+
+from timerwheel.config import TimerConfig
+from timerwheel.errors import InvalidTimerMessage
+from timerwheel.records import Headers, Record
+
+H_TOPIC = "tw-topic"
+H_DELIVER_AT = "tw-deliver-at"
+H_DELAY_MS = "tw-delay-ms"
+H_DELAY_LEVEL = "tw-delay-level"
+H_ID = "tw-id"
+H_CANCEL = "tw-cancel"
+H_PARTITION = "tw-partition"
+H_ROLL = "tw-roll"
+H_ENQUEUED_AT = "tw-enqueued-at"
+H_DELIVERED_AT = "tw-delivered-at"
+H_ERROR = "tw-error"
+H_SOURCE = "tw-source"
+
+#: Headers the producer sets to steer the timer; none of them reaches the destination.
+CONTROL_HEADERS = frozenset({H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION})
+#: Headers the service stamps; a producer's own copies are replaced.
+SERVICE_HEADERS = frozenset({H_ID, H_ROLL, H_ENQUEUED_AT, H_DELIVERED_AT})
+
+MAX_ID_BYTES = 1024
+#: Kafka's rule for topic names.
+TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+#: Latest accepted delivery time: the year 9999.
+MAX_EPOCH_MS = 253_402_300_799_999
+
+
+def id_hash(message_id: str) -> int:
+    """64-bit hash of a message id, as stored in the TimerLog."""
+    return int.from_bytes(hashlib.blake2b(message_id.encode(), digest_size=8).digest(), "little")
+
+
+def topic_hash(topic: str) -> int:
+    return zlib.crc32(topic.encode())
+
+
+def default_id(partition: int, offset: int) -> str:
+    return f"{partition}-{offset}"
+
+
+@dataclass(frozen=True, slots=True)
+class TimerRequest:
+    """A valid timer record, normalised: what enqueue-put needs to write it."""
+
+    deliver_ms: int
+    cancel: bool
+    message_id: str
+    topic: str  # destination ("" for a cancel)
+    roll: int
+    enqueued_ms: int
+    src_partition: int
+    src_offset: int
+    src_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """What a producer needs to cancel: the timer partition, the delivery time and the id.
+
+    ``str(ticket)`` gives ``tw1.<partition>.<deliver_at>.<id>``; ``Ticket.parse`` reads it back.
+    """
+
+    partition: int
+    deliver_at_ms: int
+    message_id: str
+
+    def __str__(self) -> str:
+        return f"tw1.{self.partition}.{self.deliver_at_ms}.{self.message_id}"
+
+    @classmethod
+    def parse(cls, text: str) -> Ticket:
+        parts = text.split(".", 3)
+        if len(parts) != 4 or parts[0] != "tw1" or not parts[1].isdigit() or not parts[2].lstrip("-").isdigit():
+            raise ValueError(f"not a timerwheel ticket: {text!r} (expected tw1.<partition>.<deliver_at>.<id>)")
+        return cls(int(parts[1]), int(parts[2]), parts[3])
+
+
+def _decimal(name: str, raw: bytes) -> int:
+    text = raw.decode("ascii", "replace").strip()
+    if not re.fullmatch(r"-?\d{1,20}", text):
+        raise InvalidTimerMessage(f"unparsable {name}: {text[:40]!r}")
+    value = int(text)
+    if value < 0:
+        raise InvalidTimerMessage(f"negative {name}: {value}")
+    if value > MAX_EPOCH_MS:
+        raise InvalidTimerMessage(f"{name} out of range: {value}")
+    return value
+
+
+class TimerRules:
+    """Validation and normalisation of timer records: one place for every limit."""
+
+    def __init__(self, config: TimerConfig) -> None:
+        self.config = config
+        self._allow = [re.compile(p) for p in config.allow_topics]
+
+    def topic_allowed(self, topic: str) -> bool:
+        if topic in (self.config.timer_topic, self.config.dlq_topic):
+            return False
+        return any(p.fullmatch(topic) for p in self._allow)
+
+    def delivery_time(self, record: Record, now_ms: int, check_max: bool = True) -> int:
+        at = record.header(H_DELIVER_AT)
+        delay = record.header(H_DELAY_MS)
+        level = record.header(H_DELAY_LEVEL)
+        given = [h for h, v in ((H_DELIVER_AT, at), (H_DELAY_MS, delay), (H_DELAY_LEVEL, level)) if v is not None]
+        if not given:
+            raise InvalidTimerMessage(f"no delivery time: set one of {H_DELIVER_AT}, {H_DELAY_MS}, {H_DELAY_LEVEL}")
+        if len(given) > 1:
+            raise InvalidTimerMessage(f"more than one delivery time: {', '.join(given)}")
+        if at is not None:
+            deliver = _decimal(H_DELIVER_AT, at)
+        elif delay is not None:
+            deliver = record.timestamp_ms + _decimal(H_DELAY_MS, delay)
+        else:
+            assert level is not None
+            n = _decimal(H_DELAY_LEVEL, level)
+            levels = self.config.delay_levels_ms
+            if not 1 <= n <= len(levels):
+                raise InvalidTimerMessage(f"unknown {H_DELAY_LEVEL} {n} (levels are 1..{len(levels)})")
+            deliver = record.timestamp_ms + levels[n - 1]
+        if deliver > MAX_EPOCH_MS:
+            raise InvalidTimerMessage(f"delivery time out of range: {deliver}")
+        if check_max and deliver - now_ms > self.config.max_delay_ms:
+            raise InvalidTimerMessage(
+                f"delay of {deliver - now_ms} ms exceeds max_delay_ms {self.config.max_delay_ms}"
+            )
+        return deliver
+
+    def parse(self, record: Record, now_ms: int) -> TimerRequest:
+        """Validate a timer-topic record; raise InvalidTimerMessage(reason) if it cannot be scheduled."""
+        size = record.size
+        if size > self.config.max_record_bytes:
+            raise InvalidTimerMessage(f"record of {size} bytes exceeds max_record_bytes {self.config.max_record_bytes}")
+        deliver = self.delivery_time(record, now_ms)
+        raw_roll = record.header(H_ROLL)
+        roll = _decimal(H_ROLL, raw_roll) if raw_roll is not None else 0
+        raw_enq = record.header(H_ENQUEUED_AT)
+        enqueued = _decimal(H_ENQUEUED_AT, raw_enq) if raw_enq is not None else record.timestamp_ms
+        raw_part = record.header(H_PARTITION)
+        if raw_part is not None:
+            _decimal(H_PARTITION, raw_part)
+        cancel = record.header(H_CANCEL)
+        if cancel is not None:
+            target = cancel.decode("utf-8", "replace")
+            if not target or len(cancel) > MAX_ID_BYTES:
+                raise InvalidTimerMessage(f"{H_CANCEL} must be a message id of 1..{MAX_ID_BYTES} bytes")
+            return TimerRequest(deliver, True, target, "", roll, enqueued, record.partition, record.offset, size)
+        raw_topic = record.header(H_TOPIC)
+        if raw_topic is None or not raw_topic:
+            raise InvalidTimerMessage(f"missing {H_TOPIC}")
+        topic = raw_topic.decode("utf-8", "replace")
+        if not TOPIC_NAME.fullmatch(topic) or topic in (".", ".."):
+            raise InvalidTimerMessage(f"invalid destination topic name {topic[:60]!r}")
+        if topic == self.config.timer_topic:
+            raise InvalidTimerMessage(f"destination is the timer topic {topic!r}")
+        if not self.topic_allowed(topic):
+            raise InvalidTimerMessage(f"destination {topic!r} not allowed by allow_topics")
+        raw_id = record.header(H_ID)
+        if raw_id is not None and (not raw_id or len(raw_id) > MAX_ID_BYTES):
+            raise InvalidTimerMessage(f"{H_ID} must be 1..{MAX_ID_BYTES} bytes")
+        message_id = raw_id.decode("utf-8", "replace") if raw_id else default_id(record.partition, record.offset)
+        return TimerRequest(deliver, False, message_id, topic, roll, enqueued, record.partition, record.offset, size)
+
+
+def message_id_of(record: Record) -> str:
+    raw = record.header(H_ID)
+    return raw.decode("utf-8", "replace") if raw else default_id(record.partition, record.offset)
+
+
+def user_headers(headers: Headers) -> list[tuple[str, bytes]]:
+    return [(k, v) for k, v in headers if k not in CONTROL_HEADERS and k not in SERVICE_HEADERS]
+
+
+def delivered_headers(record: Record, message_id: str, roll: int, enqueued_ms: int, now_ms: int) -> Headers:
+    """Headers of the record delivered to its destination: user headers kept, control ones removed."""
+    out = user_headers(record.headers)
+    out.append((H_ID, message_id.encode()))
+    out.append((H_ROLL, str(roll).encode()))
+    out.append((H_ENQUEUED_AT, str(enqueued_ms).encode()))
+    out.append((H_DELIVERED_AT, str(now_ms).encode()))
+    return tuple(out)
+
+
+def rolled_headers(record: Record, message_id: str, deliver_ms: int, roll: int, enqueued_ms: int) -> Headers:
+    """Headers of a rolled record written back to the timer topic: absolute time, roll + 1, same id."""
+    drop = {H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ROLL, H_ID, H_ENQUEUED_AT}
+    out = [(k, v) for k, v in record.headers if k not in drop]
+    out.append((H_DELIVER_AT, str(deliver_ms).encode()))
+    out.append((H_ROLL, str(roll + 1).encode()))
+    out.append((H_ENQUEUED_AT, str(enqueued_ms).encode()))
+    if record.header(H_CANCEL) is None:
+        out.append((H_ID, message_id.encode()))
+    return tuple(out)
+
+
+def dead_letter_headers(record: Record, reason: str) -> Headers:
+    out = list(record.headers)
+    out.append((H_ERROR, reason.encode()))
+    out.append((H_SOURCE, f"{record.topic}/{record.partition}/{record.offset}".encode()))
+    return tuple(out)

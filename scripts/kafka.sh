@@ -1,0 +1,327 @@
+#!/usr/bin/env bash
+# A local single-node Apache Kafka (KRaft, broker + controller in one JVM) on 127.0.0.1.
+#
+#   scripts/kafka.sh up        fetch the broker with Maven (first time), format, start, wait until it answers
+#   scripts/kafka.sh down      stop it and delete its data
+#   scripts/kafka.sh stop      stop it, keep data and port (`start` or `up` brings the same broker back)
+#   scripts/kafka.sh start     start the stopped broker again (same data, same port)
+#   scripts/kafka.sh restart   stop + start: what chaos tests call to bounce the broker mid-run
+#   scripts/kafka.sh status    exit 0 when running and answering
+#   scripts/kafka.sh env       print TW_KAFKA_BOOTSTRAP=127.0.0.1:PORT
+#
+# The broker jars come from Maven Central through scripts/kafka/pom.xml (a pinned version) into
+# .cache/kafka/<pom hash>/libs, outside the tracked files. State lives in .run/kafka/ (data,
+# generated server.properties, logs, pid, ports); .run/kafka.env holds the bootstrap address.
+# Ports are chosen free at the first start and kept, so restarts keep clients' addresses valid.
+# `up` on a running, healthy broker does nothing. Every step holds a lock, so concurrent callers
+# (two test sessions) share one broker.
+#
+# Environment: TW_KAFKA_HEAP (default -Xmx512m -Xms512m), TW_KAFKA_START_TIMEOUT (s, default 120),
+# PYTHON (used for the health check; default .venv/bin/python, else python3).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+POM="$ROOT/scripts/kafka/pom.xml"
+RUN="$ROOT/.run"
+STATE="$RUN/kafka"
+ENV_FILE="$RUN/kafka.env"
+PID_FILE="$STATE/kafka.pid"
+HEAP="${TW_KAFKA_HEAP:--Xmx512m -Xms512m}"
+START_TIMEOUT="${TW_KAFKA_START_TIMEOUT:-120}"
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
+log() { echo "kafka.sh: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+need_tools() {
+    local missing=()
+    command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+    command -v mvn >/dev/null || missing+=(maven)
+    ((${#missing[@]} == 0)) && return 0
+    [[ $(id -u) == 0 ]] || die "missing ${missing[*]}: install them (apt-get install ${missing[*]})"
+    log "installing ${missing[*]} with apt-get"
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; then
+        apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
+    fi
+}
+
+libs_dir() {
+    local hash
+    hash="$(sha256sum "$POM" | cut -c1-12)"
+    echo "$ROOT/.cache/kafka/$hash/libs"
+}
+
+# Fetch the broker jars once per pom version. Written to a temp dir and renamed, so an
+# interrupted download never leaves a half-filled cache behind.
+fetch() {
+    local libs tmp
+    libs="$(libs_dir)"
+    [[ -f "$libs/.complete" ]] && return 0
+    log "fetching Apache Kafka ($(grep -o '<kafka.version>[^<]*' "$POM" | cut -d'>' -f2)) with Maven into ${libs#"$ROOT"/} (first run only)"
+    tmp="$libs.tmp.$$"
+    rm -rf "$tmp"
+    mkdir -p "$tmp"
+    if ! mvn -q -B -f "$POM" dependency:copy-dependencies -DincludeScope=runtime \
+        -DoutputDirectory="$tmp" >"$tmp.log" 2>&1; then
+        cat "$tmp.log" >&2
+        rm -rf "$tmp" "$tmp.log"
+        die "Maven could not fetch the Kafka broker (is Maven Central reachable?)"
+    fi
+    rm -f "$tmp.log"
+    ls "$tmp"/kafka_2.13-*.jar >/dev/null 2>&1 || die "Maven fetched no kafka_2.13 jar into $tmp"
+    touch "$tmp/.complete"
+    rm -rf "$libs"
+    mv "$tmp" "$libs"
+}
+
+free_port() {
+    "$PYTHON" - <<'EOF'
+import socket
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])
+s.close()
+EOF
+}
+
+port_free() {
+    "$PYTHON" - "$1" <<'EOF'
+import socket, sys
+s = socket.socket()
+# As the server will: a port left in TIME_WAIT by our own last run is free to reuse.
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+finally:
+    s.close()
+EOF
+}
+
+running_pid() {
+    local pid
+    [[ -f "$PID_FILE" ]] || return 1
+    pid="$(cat "$PID_FILE")"
+    [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
+    # Only our broker: the pid must still be a kafka.Kafka JVM reading our config.
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "kafka.Kafka $STATE/server.properties" || return 1
+    echo "$pid"
+}
+
+bootstrap() { echo "127.0.0.1:$(cat "$STATE/port")"; }
+
+# The broker answers metadata requests and lists itself: it is registered and unfenced.
+healthy() {
+    local addr
+    addr="$(bootstrap)"
+    if "$PYTHON" -c 'import kafka' 2>/dev/null; then
+        "$PYTHON" - "$addr" <<'EOF' >/dev/null 2>&1
+import sys
+from kafka import KafkaAdminClient
+admin = KafkaAdminClient(bootstrap_servers=sys.argv[1], request_timeout_ms=3000, bootstrap_timeout_ms=3000)
+try:
+    sys.exit(0 if admin.describe_cluster().get("brokers") else 1)
+finally:
+    admin.close()
+EOF
+    else
+        # No kafka-python here: the broker logs this line once it is unfenced.
+        grep -q "Kafka Server started" "$STATE/logs/server.log" 2>/dev/null
+    fi
+}
+
+write_config() {
+    local port="$1" cport="$2"
+    mkdir -p "$STATE/data" "$STATE/logs"
+    echo "$port" >"$STATE/port"
+    echo "$cport" >"$STATE/controller-port"
+    cat >"$STATE/server.properties" <<EOF
+# Generated by scripts/kafka.sh: a single-node KRaft broker for development and tests.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$cport
+listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
+advertised.listeners=PLAINTEXT://127.0.0.1:$port
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+log.dirs=$STATE/data
+num.partitions=1
+default.replication.factor=1
+min.insync.replicas=1
+auto.create.topics.enable=true
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+num.network.threads=2
+num.io.threads=4
+log.retention.hours=168
+log.segment.bytes=268435456
+log.retention.check.interval.ms=60000
+# Tests drive time with a simulated clock that may stamp records months ahead: accept them
+# (Kafka 4 rejects timestamps more than one hour in the future by default).
+log.message.timestamp.after.max.ms=9223372036854775807
+EOF
+    cat >"$STATE/log4j2.properties" <<'EOF'
+status = warn
+appender.file.type = RollingFile
+appender.file.name = file
+appender.file.fileName = ${sys:kafka.logs.dir}/server.log
+appender.file.filePattern = ${sys:kafka.logs.dir}/server.log.%i
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.file.policies.type = Policies
+appender.file.policies.size.type = SizeBasedTriggeringPolicy
+appender.file.policies.size.size = 20MB
+appender.file.strategy.type = DefaultRolloverStrategy
+appender.file.strategy.max = 3
+rootLogger.level = info
+rootLogger.appenderRef.file.ref = file
+logger.statechange.name = state.change.logger
+logger.statechange.level = warn
+logger.request.name = kafka.request.logger
+logger.request.level = warn
+EOF
+}
+
+format_storage() {
+    local libs="$1" cluster_id
+    [[ -f "$STATE/data/meta.properties" ]] && return 0
+    cluster_id="$("$PYTHON" -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')"
+    java -Xmx256m -cp "$libs/*" -Dlog4j2.configurationFile="$STATE/log4j2.properties" \
+        -Dkafka.logs.dir="$STATE/logs" kafka.tools.StorageTool format \
+        --cluster-id "$cluster_id" --config "$STATE/server.properties" >"$STATE/logs/format.log" 2>&1 \
+        || { cat "$STATE/logs/format.log" >&2; die "formatting the KRaft log dir failed"; }
+}
+
+launch() {
+    local libs pid deadline
+    libs="$(libs_dir)"
+    port_free "$(cat "$STATE/port")" || die "port $(cat "$STATE/port") is taken by another process; run 'scripts/kafka.sh down' and 'up' to pick new ports"
+    port_free "$(cat "$STATE/controller-port")" || die "controller port $(cat "$STATE/controller-port") is taken; run 'scripts/kafka.sh down' and 'up'"
+    format_storage "$libs"
+    # shellcheck disable=SC2086  # HEAP holds several JVM flags
+    setsid nohup java $HEAP -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
+        -Dlog4j2.configurationFile="$STATE/log4j2.properties" -Dkafka.logs.dir="$STATE/logs" \
+        -cp "$libs/*" kafka.Kafka "$STATE/server.properties" \
+        >>"$STATE/logs/stdout.log" 2>&1 </dev/null 9>&- &
+    pid=$!
+    echo "$pid" >"$PID_FILE"
+    deadline=$((SECONDS + START_TIMEOUT))
+    until healthy; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            tail -n 40 "$STATE/logs/server.log" "$STATE/logs/stdout.log" >&2 2>/dev/null || true
+            rm -f "$PID_FILE"
+            die "the broker exited during start (logs in ${STATE#"$ROOT"/}/logs)"
+        fi
+        if ((SECONDS >= deadline)); then
+            tail -n 40 "$STATE/logs/server.log" >&2 2>/dev/null || true
+            die "the broker did not answer on $(bootstrap) within ${START_TIMEOUT}s (pid $pid still running; logs in ${STATE#"$ROOT"/}/logs)"
+        fi
+        sleep 0.5
+    done
+    echo "TW_KAFKA_BOOTSTRAP=$(bootstrap)" >"$ENV_FILE"
+    log "broker up on $(bootstrap) (pid $pid)"
+}
+
+stop_broker() {
+    local pid i
+    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 300; i++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        log "broker $pid did not stop within 30s; killing it"
+        kill -KILL "$pid" 2>/dev/null || true
+        while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    fi
+    rm -f "$PID_FILE"
+}
+
+cmd_up() {
+    local deadline
+    if running_pid >/dev/null; then
+        # Running: give a busy or still-starting broker time to answer before replacing it.
+        deadline=$((SECONDS + START_TIMEOUT))
+        until healthy; do
+            if ((SECONDS >= deadline)) || ! running_pid >/dev/null; then break; fi
+            sleep 1
+        done
+        if running_pid >/dev/null && healthy; then
+            echo "TW_KAFKA_BOOTSTRAP=$(bootstrap)" >"$ENV_FILE"
+            return 0
+        fi
+        log "the broker (pid $(cat "$PID_FILE" 2>/dev/null)) does not answer: restarting it"
+    fi
+    need_tools
+    fetch
+    stop_broker # a hung or half-started broker of ours
+    if [[ -f "$STATE/port" ]] && ! { port_free "$(cat "$STATE/port")" && port_free "$(cat "$STATE/controller-port")"; }; then
+        log "the ports of the stopped broker are taken by another process: starting a new broker"
+        rm -rf "$STATE"
+    fi
+    if [[ ! -f "$STATE/server.properties" || ! -f "$STATE/port" ]]; then
+        rm -rf "$STATE"
+        local port cport
+        port="$(free_port)"
+        cport="$(free_port)"
+        while [[ "$cport" == "$port" ]]; do cport="$(free_port)"; done
+        write_config "$port" "$cport"
+    fi
+    launch
+}
+
+cmd_start() {
+    [[ -f "$STATE/server.properties" ]] || die "no stopped broker in ${STATE#"$ROOT"/}: use 'up'"
+    cmd_up
+}
+
+cmd_down() {
+    stop_broker
+    rm -rf "$STATE" "$ENV_FILE"
+}
+
+main() {
+    local verb="${1:-}"
+    mkdir -p "$RUN"
+    case "$verb" in
+    env)
+        [[ -f "$ENV_FILE" ]] || die "no broker started: run 'scripts/kafka.sh up'"
+        cat "$ENV_FILE"
+        return 0
+        ;;
+    status)
+        running_pid >/dev/null && healthy && { echo "running on $(bootstrap)"; return 0; }
+        echo "not running"
+        return 1
+        ;;
+    up | down | start | stop | restart) ;;
+    *) die "usage: scripts/kafka.sh up|down|start|stop|restart|status|env" ;;
+    esac
+    exec 9>"$RUN/kafka.lock"
+    flock 9
+    case "$verb" in
+    up) cmd_up ;;
+    down) cmd_down ;;
+    start) cmd_start ;;
+    stop) stop_broker ;;
+    restart)
+        [[ -f "$STATE/server.properties" ]] || die "no broker to restart: use 'up'"
+        stop_broker
+        cmd_up
+        ;;
+    esac
+}
+
+main "$@"

@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# A local redis-server on 127.0.0.1 for development and tests: the work queues and leases.
+#
+#   scripts/redis.sh up        start it (installs Debian's redis-server first if missing), wait for PING
+#   scripts/redis.sh down      stop it and forget its port
+#   scripts/redis.sh stop      stop it, keep the port (`start` or `up` brings it back on the same port)
+#   scripts/redis.sh start     start the stopped server again on the same port
+#   scripts/redis.sh restart   stop + start: the server comes back EMPTY (no persistence), which is
+#                              what "Redis lost everything" tests want
+#   scripts/redis.sh status    exit 0 when running and answering PING
+#   scripts/redis.sh env       print TW_REDIS_URL=redis://127.0.0.1:PORT/0
+#
+# No persistence: Redis is a transport in timerwheel, never a store (ARCHITECTURE.md, section 4).
+# State lives in .run/redis/ (port, pid, log); .run/redis.env holds the URL. The port is chosen
+# free at the first start. `up` on a running, healthy server does nothing.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RUN="$ROOT/.run"
+STATE="$RUN/redis"
+ENV_FILE="$RUN/redis.env"
+PID_FILE="$STATE/redis.pid"
+START_TIMEOUT="${TW_REDIS_START_TIMEOUT:-30}"
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
+log() { echo "redis.sh: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+server_bin() {
+    command -v redis-server 2>/dev/null || { [[ -x /usr/bin/redis-server ]] && echo /usr/bin/redis-server; }
+}
+
+need_server() {
+    [[ -n "$(server_bin)" ]] && return 0
+    [[ $(id -u) == 0 ]] || die "redis-server is missing: install it (apt-get install redis-server)"
+    log "installing redis-server with apt-get"
+    # Try the package lists we have; refresh them only when the install needs it.
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1; then
+        apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null
+    fi
+    [[ -n "$(server_bin)" ]] || die "apt-get installed redis-server but no redis-server binary was found"
+}
+
+free_port() {
+    "$PYTHON" - <<'EOF'
+import socket
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])
+s.close()
+EOF
+}
+
+port_free() {
+    "$PYTHON" - "$1" <<'EOF'
+import socket, sys
+s = socket.socket()
+# As the server will: a port left in TIME_WAIT by our own last run is free to reuse.
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+finally:
+    s.close()
+EOF
+}
+
+port() { cat "$STATE/port"; }
+
+running_pid() {
+    local pid
+    [[ -f "$PID_FILE" ]] || return 1
+    pid="$(cat "$PID_FILE")"
+    [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
+    # Only our server: a redis-server on our port (redis rewrites its argv to "host:port").
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "redis-server.*127.0.0.1:$(port)" || return 1
+    echo "$pid"
+}
+
+# PING over a raw socket: needs neither redis-cli nor redis-py.
+healthy() {
+    "$PYTHON" - "$(port)" <<'EOF' >/dev/null 2>&1
+import socket, sys
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1) as s:
+    s.sendall(b"PING\r\n")
+    sys.exit(0 if s.recv(64).startswith(b"+PONG") else 1)
+EOF
+}
+
+launch() {
+    local pid deadline
+    port_free "$(port)" || die "port $(port) is taken by another process; run 'scripts/redis.sh down' and 'up' to pick a new one"
+    setsid nohup "$(server_bin)" --bind 127.0.0.1 --port "$(port)" --protected-mode yes \
+        --save "" --appendonly no --daemonize no --dir "$STATE" --logfile "$STATE/redis.log" \
+        >>"$STATE/stdout.log" 2>&1 </dev/null 9>&- &
+    pid=$!
+    echo "$pid" >"$PID_FILE"
+    deadline=$((SECONDS + START_TIMEOUT))
+    until healthy; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            tail -n 20 "$STATE/redis.log" "$STATE/stdout.log" >&2 2>/dev/null || true
+            rm -f "$PID_FILE"
+            die "redis-server exited during start (log in ${STATE#"$ROOT"/}/redis.log)"
+        fi
+        ((SECONDS < deadline)) || die "redis-server did not answer PING on port $(port) within ${START_TIMEOUT}s"
+        sleep 0.1
+    done
+    echo "TW_REDIS_URL=redis://127.0.0.1:$(port)/0" >"$ENV_FILE"
+    log "redis up on 127.0.0.1:$(port) (pid $pid)"
+}
+
+stop_server() {
+    local pid i
+    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 100; i++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+    rm -f "$PID_FILE"
+}
+
+cmd_up() {
+    local i
+    if [[ -f "$STATE/port" ]] && running_pid >/dev/null; then
+        for ((i = 0; i < 50; i++)); do # a busy server gets 5 s to answer before it is replaced
+            if healthy; then
+                echo "TW_REDIS_URL=redis://127.0.0.1:$(port)/0" >"$ENV_FILE"
+                return 0
+            fi
+            sleep 0.1
+        done
+        log "redis-server (pid $(cat "$PID_FILE")) does not answer PING: restarting it"
+    fi
+    need_server
+    [[ -f "$STATE/port" ]] && stop_server
+    if [[ -f "$STATE/port" ]] && ! port_free "$(port)"; then
+        log "the port of the stopped server is taken by another process: choosing a new one"
+        rm -rf "$STATE"
+    fi
+    if [[ ! -f "$STATE/port" ]]; then
+        mkdir -p "$STATE"
+        free_port >"$STATE/port"
+    fi
+    launch
+}
+
+main() {
+    local verb="${1:-}"
+    mkdir -p "$RUN"
+    case "$verb" in
+    env)
+        [[ -f "$ENV_FILE" ]] || die "no server started: run 'scripts/redis.sh up'"
+        cat "$ENV_FILE"
+        return 0
+        ;;
+    status)
+        [[ -f "$STATE/port" ]] && running_pid >/dev/null && healthy && { echo "running on 127.0.0.1:$(port)"; return 0; }
+        echo "not running"
+        return 1
+        ;;
+    up | down | start | stop | restart) ;;
+    *) die "usage: scripts/redis.sh up|down|start|stop|restart|status|env" ;;
+    esac
+    exec 9>"$RUN/redis.lock"
+    flock 9
+    case "$verb" in
+    up) cmd_up ;;
+    down)
+        [[ -f "$STATE/port" ]] && stop_server
+        rm -rf "$STATE" "$ENV_FILE"
+        ;;
+    start)
+        [[ -f "$STATE/port" ]] || die "no stopped server in ${STATE#"$ROOT"/}: use 'up'"
+        cmd_up
+        ;;
+    stop) [[ -f "$STATE/port" ]] && stop_server ;;
+    restart)
+        [[ -f "$STATE/port" ]] || die "no server to restart: use 'up'"
+        stop_server
+        cmd_up
+        ;;
+    esac
+    return 0
+}
+
+main "$@"

@@ -1,0 +1,4 @@
+#!/bin/sh
+# Container entry of the dequeue-get stage. Configuration comes from TW_* environment variables
+# (see the README); a bad value stops the process with one line naming it.
+exec timerwheel stage dequeue-get "$@"

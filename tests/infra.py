@@ -1,0 +1,126 @@
+"""Real Kafka and Redis for the test suites (tests/ and e2e/ both import these fixtures).
+
+``kafka_bootstrap`` and ``redis_url`` use ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL`` when set;
+otherwise they run ``scripts/kafka.sh up`` / ``scripts/redis.sh up`` once per session (the first
+Kafka start on a fresh machine fetches the broker with Maven: a few minutes) and read the address
+from ``.run/*.env``. A server that cannot be started FAILS the test with the reason: a suite
+that silently skips its real-server tests proves nothing. Servers this session started are
+stopped at its end (keep them for the next run with ``TW_KEEP_SERVERS=1``).
+
+``kafka_control`` / ``redis_control`` stop, start and restart the script-managed servers for
+chaos tests; against servers named by the environment they skip, as they cannot restart those.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / ".run"
+
+#: The first Kafka start downloads the broker; later ones take seconds.
+_UP_TIMEOUT_S = 900
+
+
+def _script(name: str, verb: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(ROOT / "scripts" / f"{name}.sh"), verb],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def _read_env(name: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in (RUN / f"{name}.env").read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+class ServerControl:
+    """Stop / start / restart one script-managed server (``scripts/NAME.sh``)."""
+
+    def __init__(self, name: str, address: str, managed: bool) -> None:
+        self.name = name
+        self.address = address
+        self.managed = managed
+
+    def _run(self, verb: str) -> None:
+        if not self.managed:
+            pytest.skip(f"{self.name} at {self.address} comes from the environment; only a server "
+                        f"started by scripts/{self.name}.sh can be {verb}ed")
+        done = _script(self.name, verb, timeout_s=_UP_TIMEOUT_S)
+        if done.returncode != 0:
+            pytest.fail(f"scripts/{self.name}.sh {verb} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}",
+                        pytrace=False)
+
+    def stop(self) -> None:
+        self._run("stop")
+
+    def start(self) -> None:
+        self._run("start")
+
+    def restart(self) -> None:
+        self._run("restart")
+
+
+def _server(name: str, env_var: str, what: str) -> Iterator[ServerControl]:
+    given = os.environ.get(env_var, "").strip()
+    managed_env = RUN / f"{name}.env"
+    if given:
+        # The variable may name the script-managed server itself (`. .run/kafka.env`).
+        managed = managed_env.exists() and _read_env(name).get(env_var) == given
+        yield ServerControl(name, given, managed)
+        return
+    was_running = _script(name, "status", timeout_s=60).returncode == 0
+    try:
+        done = _script(name, "up", timeout_s=_UP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} did not start within {_UP_TIMEOUT_S}s (scripts/{name}.sh up); "
+                    f"set {env_var} to use a running server", pytrace=False)
+    if done.returncode != 0 or not managed_env.exists():
+        pytest.fail(
+            f"{what} could not be started by scripts/{name}.sh up (exit {done.returncode}); "
+            f"set {env_var} to use a running server.\n{done.stderr.strip()[-3000:]}",
+            pytrace=False,
+        )
+    address = _read_env(name).get(env_var, "")
+    if not address:
+        pytest.fail(f"scripts/{name}.sh up wrote no {env_var} into {managed_env}", pytrace=False)
+    try:
+        yield ServerControl(name, address, managed=True)
+    finally:
+        if not was_running and os.environ.get("TW_KEEP_SERVERS", "") not in ("1", "true", "yes"):
+            _script(name, "down", timeout_s=120)
+
+
+@pytest.fixture(scope="session")
+def kafka_control() -> Iterator[ServerControl]:
+    yield from _server("kafka", "TW_KAFKA_BOOTSTRAP", "Kafka")
+
+
+@pytest.fixture(scope="session")
+def redis_control() -> Iterator[ServerControl]:
+    yield from _server("redis", "TW_REDIS_URL", "Redis")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(kafka_control: ServerControl) -> str:
+    """``host:port`` of a running Kafka broker."""
+    return kafka_control.address
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_control: ServerControl) -> str:
+    """``redis://host:port/db`` of a running Redis server."""
+    return redis_control.address

@@ -1,0 +1,108 @@
+"""Checkpoints: round trips, atomic replacement, damage, version and epoch checks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from timerwheel.errors import FencedError, FormatMismatchError
+from timerwheel.store import FORMAT_VERSION, CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store import checkpoint as ckpt_module
+
+from .conftest import OpenShard
+
+ENQ = EnqueueCheckpoint(flushed_pos=6400, write_ms=1_700_000_000_000, next_offsets={0: 17, 3: 2}, epoch=4)
+
+
+def test_enqueue_and_dequeue_checkpoints_round_trip(open_shard: OpenShard) -> None:
+    shard = open_shard()
+    assert shard.load_enqueue_checkpoint() is None and shard.load_dequeue_checkpoint() is None
+    shard.save_enqueue_checkpoint(ENQ)
+    shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=1_700_000_000_100, epoch=2))
+    assert shard.load_enqueue_checkpoint() == ENQ
+    assert shard.load_dequeue_checkpoint() == DequeueCheckpoint(1_700_000_000_100, 2, FORMAT_VERSION)
+
+
+def test_a_crash_between_temp_write_and_rename_leaves_the_old_checkpoint_readable(
+    open_shard: OpenShard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shard = open_shard()
+    shard.save_enqueue_checkpoint(ENQ)
+
+    def crash(src: str, dst: str) -> None:
+        raise KeyboardInterrupt("killed between write and rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        shard.save_enqueue_checkpoint(EnqueueCheckpoint(9984, 1, {0: 99}, 4))
+    monkeypatch.undo()
+    assert shard.load_enqueue_checkpoint() == ENQ
+    leftovers = [n for n in os.listdir(shard.directory) if ".tmp-" in n]
+    assert leftovers, "the temp file the crash left behind"
+    shard.close()
+    reopened = open_shard()
+    assert not [n for n in os.listdir(reopened.directory) if ".tmp-" in n]
+    assert reopened.load_enqueue_checkpoint() == ENQ
+
+
+def test_a_damaged_checkpoint_is_reported_not_trusted(open_shard: OpenShard) -> None:
+    shard = open_shard()
+    shard.save_enqueue_checkpoint(ENQ)
+    path = Path(shard.directory) / "enqueue.ckpt"
+    path.write_text(path.read_text().replace("6400", "6464"))
+    with pytest.raises(CorruptCheckpointError, match="CRC"):
+        shard.load_enqueue_checkpoint()
+    path.write_text(path.read_text()[:20])
+    with pytest.raises(CorruptCheckpointError, match="unreadable"):
+        shard.load_enqueue_checkpoint()
+
+
+def test_a_checkpoint_of_another_format_version_is_refused(open_shard: OpenShard) -> None:
+    shard = open_shard()
+    shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=5, epoch=1, version=FORMAT_VERSION + 1))
+    with pytest.raises(FormatMismatchError, match=f"format version {FORMAT_VERSION + 1}"):
+        shard.load_dequeue_checkpoint()
+
+
+def test_an_older_epoch_cannot_overwrite_a_newer_one(open_shard: OpenShard) -> None:
+    shard = open_shard()
+    shard.save_enqueue_checkpoint(ENQ)
+    with pytest.raises(FencedError, match="epoch 4"):
+        shard.save_enqueue_checkpoint(EnqueueCheckpoint(7040, 1, {}, epoch=3))
+    shard.save_enqueue_checkpoint(EnqueueCheckpoint(7040, 1, {}, epoch=5))
+    assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(7040, 1, {}, 5)
+
+
+def test_load_rereads_the_file_that_another_process_publishes(open_shard: OpenShard) -> None:
+    writer = open_shard()
+    reader = open_shard(writer=False)
+    assert reader.load_enqueue_checkpoint() is None
+    writer.save_enqueue_checkpoint(ENQ)
+    assert reader.load_enqueue_checkpoint() == ENQ
+    writer.save_enqueue_checkpoint(EnqueueCheckpoint(12_800, 2, {0: 30}, 4))
+    loaded = reader.load_enqueue_checkpoint()
+    assert loaded is not None and loaded.flushed_pos == 12_800
+
+
+def test_the_file_is_versioned_json_with_a_crc(tmp_path: Path) -> None:
+    path = str(tmp_path / "enqueue.ckpt")
+    ckpt_module.save_enqueue(path, ENQ)
+    body = json.loads(Path(path).read_text())
+    assert body["version"] == FORMAT_VERSION and body["kind"] == "enqueue" and isinstance(body["crc32"], int)
+    assert body["next_offsets"] == {"0": 17, "3": 2}
+
+
+def test_a_flushed_position_that_is_not_a_record_boundary_is_refused(open_shard: OpenShard) -> None:
+    shard = open_shard()
+    with pytest.raises(ValueError, match="not a TimerLog position"):
+        shard.save_enqueue_checkpoint(EnqueueCheckpoint(100, 0, {}, 1))
+    path = Path(shard.directory) / "enqueue.ckpt"
+    ckpt_module.save_enqueue(str(path), ENQ)
+    body = json.loads(path.read_text())
+    body["flushed_pos"] = 100
+    del body["crc32"]
+    path.write_bytes(ckpt_module._encode("enqueue", {k: v for k, v in body.items() if k != "kind"}))
+    with pytest.raises(CorruptCheckpointError, match="not a TimerLog position"):
+        shard.load_enqueue_checkpoint()

@@ -1,0 +1,56 @@
+"""Configuration: every bad value fails at the edge, naming the field or variable."""
+
+from __future__ import annotations
+
+import pytest
+from timerwheel.config import ENV_VARS, TimerConfig, parse_duration_ms
+from timerwheel.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"tick_ms": 7}, "tick_ms"),
+        ({"roll_window_ms": 150}, "roll_window_ms"),
+        ({"wheel_span_ms": 86_400_000}, "wheel_span_ms"),
+        ({"segment_bytes": 1000}, "segment_bytes"),
+        ({"shards": 0}, "shards"),
+        ({"allow_topics": ("(",)}, "allow_topics"),
+        ({"dlq_topic": "__timer"}, "dlq_topic"),
+    ],
+)
+def test_invalid_values_name_the_field(changes: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        TimerConfig(**changes)  # type: ignore[arg-type]
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_wheel_defaults_to_twice_the_roll_window() -> None:
+    cfg = TimerConfig(tick_ms=1000, roll_window_ms=86_400_000)
+    assert cfg.wheel_slots == 2 * 86_400
+
+
+def test_env_errors_name_the_variable() -> None:
+    with pytest.raises(ConfigError, match="^TW_TICK_MS: must be one of"):
+        TimerConfig.from_env({"TW_TICK_MS": "7"})
+    with pytest.raises(ConfigError, match="^TW_SHARDS: cannot parse 'two'"):
+        TimerConfig.from_env({"TW_SHARDS": "two"})
+
+
+def test_env_values_are_parsed() -> None:
+    cfg = TimerConfig.from_env({"TW_ROLL_WINDOW_MS": "1d", "TW_ALLOW_TOPICS": "a.*, b", "TW_FSYNC": "false",
+                                "TW_DELAY_LEVELS": "1s 2s"})
+    assert cfg.roll_window_ms == 86_400_000 and cfg.allow_topics == ("a.*", "b")
+    assert cfg.fsync is False and cfg.delay_levels_ms == (1000, 2000)
+
+
+def test_every_env_var_maps_to_a_field() -> None:
+    fields = set(TimerConfig.__dataclass_fields__)
+    assert all(attr in fields for attr, _kind, _doc in ENV_VARS.values())
+
+
+def test_durations() -> None:
+    assert parse_duration_ms("250ms") == 250 and parse_duration_ms("2h") == 7_200_000 and parse_duration_ms("15") == 15
+    with pytest.raises(ValueError):
+        parse_duration_ms("soon")

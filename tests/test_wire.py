@@ -1,0 +1,118 @@
+"""The wire contract: parsing, validation reasons, tickets and header rewriting."""
+
+from __future__ import annotations
+
+import pytest
+from timerwheel.config import TimerConfig
+from timerwheel.errors import InvalidTimerMessage
+from timerwheel.records import Record
+from timerwheel.wire import (
+    Ticket,
+    TimerRules,
+    default_id,
+    delivered_headers,
+    id_hash,
+    rolled_headers,
+)
+
+NOW = 1_700_000_000_000
+
+
+def rec(*headers: tuple[str, str], value: bytes = b"v", ts: int = NOW, partition: int = 3, offset: int = 7) -> Record:
+    return Record("__timer", partition, offset, ts, b"k", value, tuple((k, v.encode()) for k, v in headers))
+
+
+@pytest.fixture
+def rules() -> TimerRules:
+    return TimerRules(TimerConfig(max_delay_ms=10 * 86_400_000))
+
+
+def test_delay_ms_is_relative_to_the_record_timestamp(rules: TimerRules) -> None:
+    req = rules.parse(rec(("tw-topic", "orders"), ("tw-delay-ms", "5000"), ts=NOW - 1000), NOW)
+    assert req.deliver_ms == NOW + 4000
+    assert req.topic == "orders" and not req.cancel and req.roll == 0
+
+
+def test_deliver_at_is_absolute_and_id_defaults_to_partition_offset(rules: TimerRules) -> None:
+    req = rules.parse(rec(("tw-topic", "orders"), ("tw-deliver-at", str(NOW + 123))), NOW)
+    assert req.deliver_ms == NOW + 123
+    assert req.message_id == default_id(3, 7) == "3-7"
+
+
+def test_delay_levels_map_through_the_table() -> None:
+    rules = TimerRules(TimerConfig(delay_levels_ms=(1000, 5000, 60_000)))
+    for level, ms in ((1, 1000), (2, 5000), (3, 60_000)):
+        assert rules.parse(rec(("tw-topic", "t"), ("tw-delay-level", str(level))), NOW).deliver_ms == NOW + ms
+    with pytest.raises(InvalidTimerMessage, match=r"unknown tw-delay-level 4 \(levels are 1..3\)"):
+        rules.parse(rec(("tw-topic", "t"), ("tw-delay-level", "4")), NOW)
+
+
+def test_default_delay_levels_are_rocketmq_4x() -> None:
+    levels = TimerConfig().delay_levels_ms
+    assert len(levels) == 18
+    assert levels[0] == 1000 and levels[3] == 30_000 and levels[16] == 3_600_000 and levels[17] == 7_200_000
+
+
+@pytest.mark.parametrize(
+    ("headers", "reason"),
+    [
+        ((("tw-delay-ms", "5"),), "missing tw-topic"),
+        ((("tw-topic", "t"),), "no delivery time"),
+        ((("tw-topic", "t"), ("tw-delay-ms", "abc")), "unparsable tw-delay-ms"),
+        ((("tw-topic", "t"), ("tw-deliver-at", "-5")), "negative tw-deliver-at"),
+        ((("tw-topic", "t"), ("tw-deliver-at", "99999999999999999999")), "tw-deliver-at out of range"),
+        ((("tw-topic", "t"), ("tw-delay-ms", str(11 * 86_400_000))), "exceeds max_delay_ms"),
+        ((("tw-topic", "t"), ("tw-delay-level", "19")), "unknown tw-delay-level 19"),
+        ((("tw-topic", "__consumer_offsets"), ("tw-delay-ms", "5")), "not allowed by allow_topics"),
+        ((("tw-topic", "__timer"), ("tw-delay-ms", "5")), "destination is the timer topic"),
+        ((("tw-topic", "../etc"), ("tw-delay-ms", "5")), "invalid destination topic name"),
+        ((("tw-topic", "t"), ("tw-delay-ms", "5"), ("tw-deliver-at", "5")), "more than one delivery time"),
+    ],
+)
+def test_invalid_records_name_their_reason(rules: TimerRules, headers: tuple[tuple[str, str], ...], reason: str) -> None:
+    with pytest.raises(InvalidTimerMessage, match=reason):
+        rules.parse(rec(*headers), NOW)
+
+
+def test_oversized_record_is_rejected() -> None:
+    rules = TimerRules(TimerConfig(max_record_bytes=2048))
+    with pytest.raises(InvalidTimerMessage, match="exceeds max_record_bytes 2048"):
+        rules.parse(rec(("tw-topic", "t"), ("tw-delay-ms", "5"), value=b"x" * 4096), NOW)
+
+
+def test_allow_list_is_a_full_match_of_any_pattern() -> None:
+    rules = TimerRules(TimerConfig(allow_topics=(r"orders\..*", "audit")))
+    assert rules.topic_allowed("orders.eu") and rules.topic_allowed("audit")
+    assert not rules.topic_allowed("audit-log") and not rules.topic_allowed("payments")
+
+
+def test_cancel_needs_no_topic_and_keeps_the_target_id(rules: TimerRules) -> None:
+    req = rules.parse(rec(("tw-cancel", "abc"), ("tw-deliver-at", str(NOW + 5))), NOW)
+    assert req.cancel and req.message_id == "abc" and req.deliver_ms == NOW + 5
+
+
+def test_ticket_round_trips_through_str() -> None:
+    t = Ticket(2, NOW + 5000, "id.with.dots")
+    assert Ticket.parse(str(t)) == t
+    with pytest.raises(ValueError, match="not a timerwheel ticket"):
+        Ticket.parse("garbage")
+
+
+def test_delivered_headers_drop_control_headers_and_stamp_times() -> None:
+    r = rec(("tw-topic", "t"), ("tw-delay-ms", "5"), ("user", "u1"), ("tw-partition", "0"))
+    headers = dict(delivered_headers(r, "3-7", 2, NOW - 10, NOW))
+    assert headers == {"user": b"u1", "tw-id": b"3-7", "tw-roll": b"2", "tw-enqueued-at": str(NOW - 10).encode(),
+                       "tw-delivered-at": str(NOW).encode()}
+
+
+def test_rolled_headers_make_the_time_absolute_and_count_the_roll() -> None:
+    r = rec(("tw-topic", "t"), ("tw-delay-ms", "5"), ("user", "u1"), ("tw-roll", "1"))
+    headers = dict(rolled_headers(r, "3-7", NOW + 99, 1, NOW - 1))
+    assert headers["tw-deliver-at"] == str(NOW + 99).encode()
+    assert headers["tw-roll"] == b"2" and headers["tw-id"] == b"3-7" and "tw-delay-ms" not in headers
+    assert headers["user"] == b"u1" and headers["tw-topic"] == b"t"
+
+
+def test_id_hash_is_stable_64_bit() -> None:
+    assert id_hash("abc") == id_hash("abc") != id_hash("abd")
+    assert 0 <= id_hash("abc") < 2**64

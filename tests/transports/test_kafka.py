@@ -1,0 +1,237 @@
+"""The Kafka commit log against a real single-node broker (scripts/kafka.sh)."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from infra import ServerControl
+from kafka import KafkaAdminClient, TopicPartition
+from timerwheel.clock import SimulatedClock
+from timerwheel.records import OutRecord
+from timerwheel.transports.kafka import KafkaCommitLog, KafkaLogError
+
+
+@pytest.fixture(scope="module")
+def log(kafka_bootstrap: str) -> Iterator[KafkaCommitLog]:
+    commit_log = KafkaCommitLog(kafka_bootstrap, client_id="test-kafka")
+    yield commit_log
+    commit_log.close()
+
+
+@pytest.fixture(scope="module")
+def admin(kafka_bootstrap: str) -> Iterator[KafkaAdminClient]:
+    client = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    yield client
+    client.close()
+
+
+def new_topic(log: KafkaCommitLog, partitions: int = 3) -> str:
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    assert log.ensure_topic(topic, partitions) == partitions
+    return topic
+
+
+def fill(log: KafkaCommitLog, topic: str, partition: int, n: int, size: int = 100) -> list[tuple[int, int]]:
+    return log.append(
+        [OutRecord(topic, b"k%d" % i, b"%06d" % i + b"x" * (size - 6), partition=partition) for i in range(n)]
+    )
+
+
+def test_append_then_read_round_trips_key_value_and_headers(log: KafkaCommitLog) -> None:
+    topic = new_topic(log)
+    records = [
+        OutRecord(topic, b"key-1", b"value-1", (("tw-topic", b"dest"), ("tw-deliver-at", b"1700000000000"))),
+        OutRecord(topic, None, b"no key", partition=2),
+        OutRecord(topic, b"key-3", None, (("dup", b"1"), ("dup", b"2")), partition=1),
+        OutRecord(topic, b"stamped", b"v", partition=0, timestamp_ms=1_600_000_000_000),
+    ]
+    written = log.append(records)
+    assert len(written) == 4
+    assert written[1][0] == 2 and written[2][0] == 1 and written[3][0] == 0
+    got = log.read(topic, written)
+    for out, rec, (partition, offset) in zip(records, got, written, strict=True):
+        assert rec is not None
+        assert (rec.topic, rec.partition, rec.offset) == (topic, partition, offset)
+        assert (rec.key, rec.value, rec.headers) == (out.key, out.value, out.headers)
+    assert got[2] is not None and got[2].header("dup") == b"2"
+    assert got[3] is not None and got[3].timestamp_ms == 1_600_000_000_000
+    assert got[0] is not None and abs(got[0].timestamp_ms - time.time() * 1000) < 60_000
+
+
+def test_the_key_chooses_the_partition_when_none_is_given(log: KafkaCommitLog) -> None:
+    topic = new_topic(log, partitions=4)
+    written = log.append([OutRecord(topic, b"same-key", b"%d" % i) for i in range(10)])
+    assert len({partition for partition, _ in written}) == 1
+    assert [offset for _, offset in written] == list(range(10))  # in order, no gaps
+
+
+def test_a_clock_stamps_records_without_a_timestamp(kafka_bootstrap: str) -> None:
+    clock = SimulatedClock(start_ms=1_700_000_000_000)
+    with_clock = KafkaCommitLog(kafka_bootstrap, clock=clock)
+    try:
+        topic = new_topic(with_clock, partitions=1)
+        written = with_clock.append([OutRecord(topic, None, b"v")])
+        (rec,) = with_clock.read(topic, written)
+        assert rec is not None and rec.timestamp_ms == 1_700_000_000_000
+    finally:
+        with_clock.close()
+
+
+def test_batched_random_reads_across_partitions_keep_the_request_order(log: KafkaCommitLog) -> None:
+    topic = new_topic(log, partitions=3)
+    written = []
+    for p in range(3):
+        written += fill(log, topic, p, 400)
+    rng = random.Random(7)
+    wanted = rng.sample(written, 300) + written[:5]  # repeats are fine
+    got = log.read(topic, wanted)
+    for (partition, offset), rec in zip(wanted, got, strict=True):
+        assert rec is not None and (rec.partition, rec.offset) == (partition, offset)
+        assert rec.value is not None and rec.value[:6] == b"%06d" % offset
+
+
+def test_reads_jump_over_large_gaps_within_a_partition(kafka_bootstrap: str) -> None:
+    sparse = KafkaCommitLog(kafka_bootstrap, read_gap=50)
+    try:
+        topic = new_topic(sparse, partitions=1)
+        fill(sparse, topic, 0, 3000)
+        wanted = [(0, 2999), (0, 0), (0, 1500), (0, 1501), (0, 10)]
+        got = sparse.read(topic, wanted)
+        assert [r.offset if r else None for r in got] == [2999, 0, 1500, 1501, 10]
+    finally:
+        sparse.close()
+
+
+def test_offsets_before_the_log_start_or_past_the_end_read_as_none(
+    log: KafkaCommitLog, admin: KafkaAdminClient
+) -> None:
+    topic = new_topic(log, partitions=2)
+    fill(log, topic, 0, 50)
+    fill(log, topic, 1, 5)
+    admin.delete_records({TopicPartition(topic, 0): 20})  # as retention would
+    assert log.start_offsets(topic) == {0: 20, 1: 0}
+    assert log.end_offsets(topic) == {0: 50, 1: 5}
+    got = log.read(topic, [(0, 5), (0, 19), (0, 20), (0, 49), (0, 50), (1, 4), (1, 5), (1, 10_000), (0, -1)])
+    assert [r.offset if r else None for r in got] == [None, None, 20, 49, None, 4, None, None, None]
+    # Records appended after a read are seen by the next one (the cached end is refreshed).
+    fill(log, topic, 1, 3)
+    assert [r.offset if r else None for r in log.read(topic, [(1, 5), (1, 7)])] == [5, 7]
+
+
+def test_a_log_start_that_moved_after_the_bounds_were_cached_reads_as_none(
+    log: KafkaCommitLog, admin: KafkaAdminClient
+) -> None:
+    topic = new_topic(log, partitions=1)
+    fill(log, topic, 0, 30)
+    assert log.read(topic, [(0, 1)])[0] is not None  # caches the bounds [0, 30)
+    admin.delete_records({TopicPartition(topic, 0): 25})
+    got = log.read(topic, [(0, 3), (0, 26)])
+    assert [r.offset if r else None for r in got] == [None, 26]
+
+
+def test_a_consumer_reads_assigned_partitions_from_the_callers_offsets_and_seeks(log: KafkaCommitLog) -> None:
+    topic = new_topic(log, partitions=3)
+    for p in range(3):
+        fill(log, topic, p, 10)
+    consumer = log.consumer(topic, {0: 4, 2: 0})
+    try:
+        seen: list[tuple[int, int]] = []
+        deadline = time.monotonic() + 10
+        while len(seen) < 16 and time.monotonic() < deadline:
+            seen += [(r.partition, r.offset) for r in consumer.poll(100, 0.5)]
+        assert sorted(seen) == [(0, o) for o in range(4, 10)] + [(2, o) for o in range(10)]
+        assert [o for p, o in seen if p == 2] == list(range(10))  # offset order per partition
+        assert consumer.position(0) == 10 and consumer.position(2) == 10
+        assert consumer.poll(100, 0.2) == []
+        consumer.seek(2, 7)
+        assert consumer.position(2) == 7
+        again: list[int] = []
+        deadline = time.monotonic() + 10
+        while len(again) < 3 and time.monotonic() < deadline:
+            again += [r.offset for r in consumer.poll(100, 0.5) if r.partition == 2]
+        assert again == [7, 8, 9]
+        with pytest.raises(KeyError):
+            consumer.position(1)
+    finally:
+        consumer.close()
+
+
+def test_ensure_topic_creates_once_and_reports_the_existing_count(log: KafkaCommitLog) -> None:
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    assert log.ensure_topic(topic, 5) == 5
+    assert log.ensure_topic(topic, 2) == 5  # an existing topic is left alone
+    assert log.partitions(topic) == 5
+    auto = f"t-{uuid.uuid4().hex[:10]}"
+    assert log.partitions(auto) == 1  # created with the broker default, as auto-creation does
+
+
+def test_retention_is_read_from_the_topic_or_the_broker_default(log: KafkaCommitLog) -> None:
+    three_days = 3 * 86_400_000
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    log.ensure_topic(topic, 1, configs={"retention.ms": str(three_days)})
+    assert log.topic_retention_ms(topic) == three_days
+    forever = f"t-{uuid.uuid4().hex[:10]}"
+    log.ensure_topic(forever, 1, configs={"retention.ms": "-1"})
+    assert log.topic_retention_ms(forever) is None
+    default = new_topic(log, partitions=1)
+    assert log.topic_retention_ms(default) == 168 * 3_600_000  # scripts/kafka.sh: log.retention.hours=168
+
+
+def test_offsets_and_retention_of_a_missing_topic_raise(log: KafkaCommitLog) -> None:
+    missing = f"missing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(KafkaLogError, match="does not exist"):
+        log.end_offsets(missing)
+    with pytest.raises(KafkaLogError, match="does the topic exist"):
+        log.topic_retention_ms(missing)
+
+
+def test_a_failed_append_says_which_records_were_written(log: KafkaCommitLog) -> None:
+    topic = new_topic(log, partitions=1)
+    too_big = b"x" * (2 * 1024 * 1024)  # over the producer's max_request_size
+    with pytest.raises(KafkaLogError, match="1 of 3 records failed") as failure:
+        log.append([OutRecord(topic, None, b"a"), OutRecord(topic, None, too_big), OutRecord(topic, None, b"c")])
+    assert failure.value.written == [(0, 0), None, (0, 1)]
+
+
+def test_the_log_keeps_working_across_a_broker_restart(
+    kafka_bootstrap: str, kafka_control: ServerControl
+) -> None:
+    commit_log = KafkaCommitLog(kafka_bootstrap, request_timeout_s=5, read_timeout_s=3)
+    try:
+        topic = new_topic(commit_log, partitions=2)
+        before = fill(commit_log, topic, 0, 20)
+        consumer = commit_log.consumer(topic, {0: 0})
+        assert len(consumer.poll(100, 5)) == 20
+        assert all(commit_log.read(topic, before))  # the reader is connected before the stop
+
+        kafka_control.stop()
+        # A record that exists but cannot be fetched is an error, never None (None would send
+        # a live message to the dead-letter topic).
+        with pytest.raises(KafkaLogError):
+            commit_log.read(topic, before[:3])
+        kafka_control.start()
+
+        after: list[tuple[int, int]] = []
+        deadline = time.monotonic() + 60
+        while not after:  # the stages retry the same way
+            try:
+                after = fill(commit_log, topic, 0, 5)
+            except KafkaLogError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert [o for _, o in after] == list(range(20, 25))
+        got = commit_log.read(topic, before + after)
+        assert [r.offset if r else None for r in got] == list(range(25))
+        polled: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(polled) < 5 and time.monotonic() < deadline:
+            polled += [r.offset for r in consumer.poll(100, 1)]
+        assert polled == list(range(20, 25))
+        consumer.close()
+    finally:
+        commit_log.close()
