@@ -151,6 +151,8 @@ class TimerConfig:
         try:
             return cls(**values)
         except ConfigError as exc:
+            if exc.field in overrides:
+                raise  # the caller names its own flag
             var = next((v for v, (a, _k, _d) in ENV_VARS.items() if a == exc.field), exc.field)
             raise ConfigError(var, str(exc).split(": ", 1)[1]) from None
 

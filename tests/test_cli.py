@@ -1,0 +1,93 @@
+"""The timerwheel command: real processes, real data directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "TW_LOG_LEVEL": "WARNING"}
+
+
+def tw(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "timerwheel.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["run", "--embedded", "--tick-ms", "7"], "--tick-ms"),
+        (["run", "--embedded", "--shards", "x"], "--shards"),
+        (["run", "--embedded", "--roll-window", "soon"], "--roll-window"),
+        (["schedule", "--topic", "t"], "--delay-ms"),
+        (["schedule", "--topic", "t", "--delay-ms", "5", "--header", "novalue"], "--header"),
+        (["cancel", "not-a-ticket"], "ticket"),
+        (["demo", "--count", "0"], "--count"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_naming_them(tmp_path: Path, args: list[str], names: str) -> None:
+    result = tw(*args, "--data-dir", str(tmp_path)) if args[0] not in ("demo", "frobnicate") else tw(*args)
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert names in lines[0]
+
+
+def test_bad_env_var_names_the_variable(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "timerwheel.cli", "stage", "enqueue-put"], capture_output=True,
+                            text=True, timeout=30, env={**ENV, "TW_TICK_MS": "3"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "timerwheel: error: TW_TICK_MS: must be one of 10, 100, 200, 500, 1000 ms, got 3"]
+
+
+def test_schedule_in_one_process_reaches_run_in_another(tmp_path: Path) -> None:
+    data = str(tmp_path / "data")
+    server = subprocess.Popen([sys.executable, "-m", "timerwheel.cli", "run", "--embedded", "--data-dir", data],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 30
+        while not (Path(data) / "shard-0000" / "enqueue.ckpt").exists():
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        kept = tw("schedule", "--data-dir", data, "--topic", "orders", "--delay-ms", "300ms", "--value", "hello",
+                  "--key", "k1", "--header", "trace=abc")
+        assert kept.returncode == 0, kept.stderr
+        dropped = tw("schedule", "--data-dir", data, "--topic", "orders", "--delay-ms", "3s", "--value", "bye")
+        cancel = tw("cancel", "--data-dir", data, dropped.stdout.strip())
+        assert cancel.returncode == 0, cancel.stderr
+        records: list[dict[str, object]] = []
+        while time.monotonic() < deadline and not records:
+            out = tw("consume", "--data-dir", data, "--topic", "orders")
+            records = [json.loads(line) for line in out.stdout.splitlines()]
+            time.sleep(0.1)
+        assert [r["value"] for r in records] == ["hello"]
+        headers = records[0]["headers"]
+        assert isinstance(headers, dict) and headers["trace"] == "abc" and "tw-delivered-at" in headers
+        time.sleep(3.5)
+        out = tw("consume", "--data-dir", data, "--topic", "orders")
+        assert [json.loads(line)["value"] for line in out.stdout.splitlines()] == ["hello"], "cancelled one came out"
+        second = tw("run", "--embedded", "--data-dir", data, timeout=30)
+        assert second.returncode == 1 and "in use by another timerwheel process" in second.stderr
+        info = json.loads(tw("inspect", "--data-dir", data).stdout)
+        assert info["shards"][0]["W"] is not None and info["shards"][0]["R"] <= info["shards"][0]["W"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(30) == 0
+
+
+def test_demo_reports_lateness(tmp_path: Path) -> None:
+    result = tw("demo", "--count", "300", "--max-delay-s", "2", timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["delivered"] == 300 - summary["cancelled"]
+    assert summary["early"] == 0
