@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timerwheel import SimulatedClock, Timer
+from timerwheel import SimulatedClock, Timer, TimerClient, TimerConfig
 from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import OutRecord
 from timerwheel.transports.local import LocalCommitLog
@@ -57,30 +57,24 @@ def pass_through(directory: Path, n: int) -> float:
 
 
 def delivered_count(tw: EmbeddedTimerwheel, topic: str) -> int:
-    return sum(tw.commit_log.end_offsets(topic).values()) if topic in _topics(tw) else 0
-
-
-def _topics(tw: EmbeddedTimerwheel) -> set[str]:
-    return {p.name for p in (Path(tw.config.data_dir) / "log").iterdir() if p.is_dir()}
+    return int(tw.metrics.counter("delivered", topic=topic))
 
 
 def throughput(n: int = 100_000) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="tw-bench-"))
     try:
         clock = SimulatedClock(START)
-        settings = dict(tick_ms=100, roll_window_ms=86_400_000, shards=2, fsync=False)
-        tw = EmbeddedTimerwheel(tmp / "tw", clock=clock, start=False, **settings)
+        config = TimerConfig(data_dir=str(tmp / "tw"), tick_ms=100, roll_window_ms=86_400_000, shards=2, fsync=False)
         # Fill the timer topic before the engine starts, so only the pipeline is timed.
-        tw.commit_log = LocalCommitLog(tmp / "tw" / "log", fsync=False, clock=clock)
-        from timerwheel.client import TimerClient
-        client = TimerClient(tw.commit_log, tw.config, clock)
+        log = LocalCommitLog(tmp / "tw" / "log", fsync=False, clock=clock)
+        client = TimerClient(log, config, clock)
         for i in range(0, n, 5_000):
             client.schedule_many([Timer("dest", b"x" * 100, key=str(j).encode(), deliver_at_ms=START + 100)
                                   for j in range(i, min(n, i + 5_000))])
-        tw.commit_log.close()
+        log.close()
         clock.advance(1_000)
         t0 = time.perf_counter()
-        tw.start()
+        tw = EmbeddedTimerwheel(config=config, clock=clock)
         while delivered_count(tw, "dest") < n:
             time.sleep(0.01)
         elapsed = time.perf_counter() - t0
@@ -148,11 +142,12 @@ def lateness(rate: int = 1_000, seconds: int = 60) -> None:
 
 
 def main() -> None:
-    throughput()
+    throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")))
     n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
+    say(f"burst of {n:,} messages due in one tick (child process, for its own peak RSS)")
     subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],
                    check=True, cwd=Path(__file__).resolve().parent.parent)
-    lateness()
+    lateness(seconds=int(os.environ.get("TW_BENCH_SECONDS", "60")))
 
 
 if __name__ == "__main__":

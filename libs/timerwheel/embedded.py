@@ -123,6 +123,13 @@ class EmbeddedTimerwheel:
     def start(self) -> None:
         if self._started:
             return
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            raise
+
+    def _start(self) -> None:
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
         sys.setswitchinterval(0.001)  # five busy threads: hand the GIL over quickly

@@ -41,6 +41,8 @@ class StageContext:
         self._activity = threading.Condition()
         self._wakes: dict[str, int] = {}
         self._idle: dict[str, int] = {}
+        #: Bumped by a shard's enqueue-put when it publishes a new W (see ``published``).
+        self.published_w: dict[int, int] = {}
 
     def wake(self, *stages: str) -> None:
         """Wake these stages of this process if idle: there is new work for them. No names: all."""

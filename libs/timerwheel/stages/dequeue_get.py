@@ -36,11 +36,13 @@ from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem
 from timerwheel.stages.ownership import Ownership
-from timerwheel.store import DequeueCheckpoint, Flag, Shard, TimerRecord
+from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "dequeue-get"
 STALL_S = 120.0
+#: How often enqueue.ckpt is re-read when no in-process notice says it changed.
+CKPT_POLL_S = 0.01
 #: Slots with at most this many records are read in one pass; larger ones are streamed.
 SMALL_SLOT = 20_000
 GENERATION_BITS = 20
@@ -68,6 +70,9 @@ class GetShard:
     outbox: list[FetchEntry] = field(default_factory=list)
     last_progress: float = field(default_factory=time.monotonic)
     write_ms: int = 0
+    ckpt: EnqueueCheckpoint | None = None
+    ckpt_version: int = -1
+    ckpt_read: float = 0.0
 
 
 _DELETE = int(Flag.DELETE)
@@ -135,11 +140,9 @@ class DequeueGet:
         while self._flush_outbox(st) and in_flight < self.ctx.config.max_in_flight:
             if st.reader is None:
                 if ckpt is None:
-                    # W and the flushed position, re-read only when a new slot is wanted.
-                    ckpt = st.shard.load_enqueue_checkpoint()
+                    ckpt = self._published(st)
                     if ckpt is None:
                         break
-                    st.write_ms = ckpt.write_ms
                 end = st.shard.slot_time(ckpt.write_ms)
                 if st.cursor >= end:
                     break
@@ -164,6 +167,22 @@ class DequeueGet:
         if self._advance_r(st):
             work += 1  # a new R is progress too: enqueue-put may now move W past its cap
         return work
+
+    def _published(self, st: GetShard) -> EnqueueCheckpoint | None:
+        """W and the flushed TimerLog position from enqueue.ckpt — the only thing a reader trusts.
+
+        Re-read when this process's enqueue-put says it published, else at most every
+        CKPT_POLL_S (an enqueue-put in another process): reading the file each step costs
+        more than the rest of an idle step."""
+        version = self.ctx.published_w.get(st.shard_id, 0)
+        now = time.monotonic()
+        if st.ckpt is None or version != st.ckpt_version or now - st.ckpt_read >= CKPT_POLL_S:
+            ckpt = st.shard.load_enqueue_checkpoint()
+            if ckpt is None:
+                return None
+            st.ckpt, st.ckpt_version, st.ckpt_read = ckpt, version, now
+            st.write_ms = ckpt.write_ms
+        return st.ckpt
 
     def _open(self, st: GetShard, slot: int, flushed_pos: int) -> SlotReader:
         """Collect the slot's cancel markers, then stream its other records as fetch items."""

@@ -208,6 +208,8 @@ class EnqueuePut:
         slot = st.shard.slot_time(st.write_ms)
         if slot != st.published_ms:
             st.published_ms = slot
+            pub = self.ctx.published_w
+            pub[st.shard_id] = pub.get(st.shard_id, 0) + 1
             self.ctx.wake("dequeue-get")  # a new slot may be readable
         now = self.ctx.clock.now_ms()
         self.ctx.metrics.set("write_lag_ms", max(0, now - st.write_ms), shard=st.shard_id)

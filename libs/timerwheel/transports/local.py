@@ -292,6 +292,18 @@ class _Partition:
         for base in [b for b in self._open if b not in idxs]:
             del self._open[base]
 
+    def _may_have_rolled(self) -> bool:
+        """Could another segment have appeared since the last listing? Only once the last one is
+        full (a writer rolls then) or was deleted (retention): two fstats instead of a listdir.
+        View lock held."""
+        if not self._bases:
+            return True
+        seg = self._open.get(self._bases[-1])
+        if seg is None:
+            return True
+        st = os.fstat(seg.log_fd)
+        return st.st_size >= self._segment_bytes or st.st_nlink == 0
+
     def _segment(self, base: int) -> _Segment | None:
         """View lock held."""
         seg = self._open.get(base)
@@ -319,6 +331,8 @@ class _Partition:
                     if offset < base + count:
                         return seg, count
             if attempt == 0:
+                if not self._may_have_rolled():
+                    return None
                 self._refresh()
         return None
 
@@ -329,7 +343,8 @@ class _Partition:
 
     def end(self) -> int:
         with self._view_lock:
-            self._refresh()
+            if self._may_have_rolled():
+                self._refresh()
             if not self._bases:
                 return 0
             seg = self._segment(self._bases[-1])

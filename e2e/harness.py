@@ -1,0 +1,555 @@
+"""End-to-end harness: the five stages as separate processes on real Kafka and Redis.
+
+    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=2)
+    pipe.start_all()                     # five `timerwheel stage NAME` processes, waits on /readyz
+    producer = TimerProducer(pipe)       # plain kafka-python, wire-contract headers
+    collector = Collector(pipe, [pipe.dest("a")])
+    producer.schedule(pipe.dest("a"), deliver_at_ms=now_ms() + 5_000)
+    pipe.kill("dequeue-put"); pipe.restart("dequeue-put")
+    rep = report(producer, collector, settle_s=...)   # scheduled, delivered, lost, duplicated, late
+    pipe.stop_all()
+
+Everything a test creates is its own: topic names carry a random suffix, the data directory is
+the test's tmp_path, Redis is one database of the server flushed at the start. Each stage
+process writes its JSON log lines to ``tmp_path/logs/<name>.log`` (appended across restarts,
+with a marker line per start); ``pipe.tails()`` gives the end of every log for assertion
+messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+
+STAGES = ("enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put")
+#: Stages whose crash may re-deliver the in-flight window (dequeue side).
+DEQUEUE_SIDE = ("dequeue-get", "dequeue-getmsg", "dequeue-put")
+ROOT = Path(__file__).resolve().parents[1]
+
+_redis_dbs = itertools.count(1)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def with_db(url: str, db: int) -> str:
+    """``redis://host:port/0`` -> ``redis://host:port/<db>``."""
+    base = url.split("?", 1)[0].rstrip("/")
+    head, _, last = base.rpartition("/")
+    if last.isdigit() and head.count("/") >= 2:
+        base = head
+    return f"{base}/{db}"
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    return "\n".join(text[-lines:])
+
+
+@dataclass
+class StageProcess:
+    """One stage process (a name such as ``enqueue-put`` or ``enqueue-put#2`` for a second replica)."""
+
+    name: str
+    stage: str
+    port: int
+    log_path: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    _log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, f"{self.name} was never started"
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+
+class Pipeline:
+    """The five stage processes of one test, sharing a data directory, topics and a Redis DB."""
+
+    def __init__(self, workdir: Path, kafka: str, redis_url: str, **settings: object) -> None:
+        uid = uuid.uuid4().hex[:8]
+        self.uid = uid
+        self.kafka = kafka
+        self.workdir = workdir
+        self.data_dir = workdir / "data"
+        self.log_dir = workdir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_url = with_db(redis_url, next(_redis_dbs) % 15 + 1)
+        self.timer_topic = f"e2e-timer-{uid}"
+        self.dlq_topic = f"e2e-dlq-{uid}"
+        defaults: dict[str, object] = {
+            "shards": 2,
+            "tick_ms": 100,
+            "timer_partitions": 4,
+            "roll_window_ms": 20_000,
+            "wheel_span_ms": 80_000,  # headroom for W while R waits on a reclaimed entry
+            "max_delay_ms": 600_000,
+            "allow_topics": f"e2e-dest-{uid}-.*",
+            "lease_ttl_ms": 3_000,
+            "batch_size": 100,
+            "max_in_flight": 200,
+            "queue_bound": 64,
+            "fsync": "true",
+        }
+        defaults.update(settings)
+        self.settings = defaults
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TW_")}
+        self.env.update({
+            "PYTHONUNBUFFERED": "1",
+            "TW_LOG_LEVEL": "INFO",
+            "TW_KAFKA_BOOTSTRAP": kafka,
+            "TW_REDIS_URL": self.redis_url,
+            "TW_DATA_DIR": str(self.data_dir),
+            "TW_TIMER_TOPIC": self.timer_topic,
+            "TW_DLQ_TOPIC": self.dlq_topic,
+        })
+        for key, value in defaults.items():
+            self.env[f"TW_{key.upper()}"] = str(value)
+        self.procs: dict[str, StageProcess] = {}
+        self.redis = redis.Redis.from_url(self.redis_url)
+        self.redis.flushdb()
+        self._admin: KafkaAdminClient | None = None
+
+    # -- topics --------------------------------------------------------------------------------
+
+    def dest(self, name: str) -> str:
+        """A destination topic name of this test (matches the allow-list)."""
+        return f"e2e-dest-{self.uid}-{name}"
+
+    @property
+    def admin(self) -> KafkaAdminClient:
+        if self._admin is None:
+            self._admin = KafkaAdminClient(bootstrap_servers=self.kafka, client_id=f"e2e-admin-{self.uid}")
+        return self._admin
+
+    def create_topic(self, topic: str, partitions: int, configs: dict[str, str] | None = None) -> None:
+        self.admin.create_topics([NewTopic(topic, partitions, 1, topic_configs=configs or {})])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            found = self.admin.describe_topics([topic])
+            if found and found[0]["error_code"] == 0 and len(found[0]["partitions"]) == partitions:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"topic {topic} not visible 30 s after it was created")
+
+    def create_timer_topic(self, configs: dict[str, str] | None = None) -> None:
+        self.create_topic(self.timer_topic, int(str(self.settings["timer_partitions"])), configs)
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def add(self, stage: str, name: str | None = None, **env: object) -> StageProcess:
+        name = name or stage
+        assert name not in self.procs, f"{name} already added"
+        penv = dict(self.env)
+        penv["TW_HTTP_PORT"] = str(free_port())
+        penv.update({k: str(v) for k, v in env.items()})
+        proc = StageProcess(name, stage, int(penv["TW_HTTP_PORT"]), self.log_dir / f"{name}.log", penv)
+        self.procs[name] = proc
+        return proc
+
+    def start(self, name: str, wait_ready: bool = True, timeout_s: float = 60.0) -> StageProcess:
+        proc = self.procs.get(name) or self.add(name.split("#", 1)[0], name)
+        assert not proc.alive(), f"{name} is already running (pid {proc.pid})"
+        proc.starts += 1
+        if proc._log is not None:
+            proc._log.close()
+        proc._log = open(proc.log_path, "ab")  # noqa: SIM115 - stays open while the process runs
+        proc._log.write(f"=== e2e: start #{proc.starts} of {name} at {time.strftime('%H:%M:%S')} ===\n".encode())
+        proc._log.flush()
+        proc.popen = subprocess.Popen(
+            [sys.executable, "-m", "timerwheel.cli", "stage", proc.stage],
+            cwd=self.workdir, env=proc.env, stdin=subprocess.DEVNULL, stdout=proc._log, stderr=subprocess.STDOUT,
+        )
+        if wait_ready:
+            self.wait_ready(name, timeout_s)
+        return proc
+
+    def start_all(self, timeout_s: float = 90.0) -> None:
+        """enqueue-put first (it creates the shards the others wait for), then the rest."""
+        order = ("enqueue-put", "enqueue-get", "dequeue-get", "dequeue-getmsg", "dequeue-put")
+        for name in order:
+            self.start(name, wait_ready=False)
+        for name in order:
+            self.wait_ready(name, timeout_s)
+
+    def http(self, name: str, path: str, timeout_s: float = 2.0) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.procs[name].url(path), timeout=timeout_s) as resp:
+                return int(resp.status), resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return int(exc.code), exc.read().decode()
+
+    def ready(self, name: str) -> bool:
+        try:
+            return self.http(name, "/readyz", 1.0)[0] == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, name: str, timeout_s: float = 60.0) -> None:
+        proc = self.procs[name]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise AssertionError(f"{name} exited with {proc.popen.returncode if proc.popen else None} "
+                                     f"before it was ready:\n{tail(proc.log_path)}")
+            if self.ready(name):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{name} not ready within {timeout_s} s:\n{tail(proc.log_path)}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        assert proc.popen is not None
+        proc.popen.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            proc.popen.wait(30)
+
+    def restart(self, name: str, wait_ready: bool = True, timeout_s: float = 60.0) -> StageProcess:
+        if self.procs[name].alive():
+            self.kill(name, signal.SIGKILL)
+        return self.start(name, wait_ready, timeout_s)
+
+    def stop(self, name: str, timeout_s: float = 20.0, terminated: bool = False) -> int | None:
+        """SIGTERM, wait; SIGKILL after the timeout. Returns the exit code (None if it had to be killed)."""
+        proc = self.procs[name]
+        if proc.popen is None or proc.popen.poll() is not None:
+            return proc.popen.returncode if proc.popen else None
+        if not terminated:  # one SIGTERM only: a second one during interpreter shutdown kills it
+            proc.popen.send_signal(signal.SIGCONT)
+            proc.popen.send_signal(signal.SIGTERM)
+        try:
+            return proc.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait(10)
+            return None
+
+    def stop_all(self) -> dict[str, int | None]:
+        for proc in self.procs.values():
+            if proc.alive():
+                assert proc.popen is not None
+                proc.popen.send_signal(signal.SIGCONT)
+                proc.popen.send_signal(signal.SIGTERM)
+        codes = {name: self.stop(name, terminated=True) for name in self.procs}
+        for proc in self.procs.values():
+            if proc._log is not None:
+                proc._log.close()
+                proc._log = None
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+        self.redis.close()
+        return codes
+
+    def dead(self) -> list[str]:
+        """Processes that were started and have exited on their own."""
+        return [n for n, p in self.procs.items() if p.popen is not None and p.popen.poll() is not None]
+
+    def tails(self, names: Iterable[str] | None = None, lines: int = 25) -> str:
+        out = []
+        for name in names or self.procs:
+            out.append(f"--- {name} ({self.procs[name].log_path}) ---\n{tail(self.procs[name].log_path, lines)}")
+        return "\n".join(out)
+
+    def log_lines(self, name: str) -> list[dict[str, Any]]:
+        out = []
+        for line in self.procs[name].log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def vm_hwm_kb(self, name: str) -> int:
+        """Peak RSS (VmHWM) of a running stage process."""
+        with open(f"/proc/{self.procs[name].pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        return 0
+
+    def shard_dir(self, shard: int) -> Path:
+        return self.data_dir / f"shard-{shard:04d}"
+
+    def checkpoint(self, shard: int, kind: str = "enqueue") -> dict[str, Any]:
+        return dict(json.loads((self.shard_dir(shard) / f"{kind}.ckpt").read_text()))
+
+
+# -- producing -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Scheduled:
+    message_id: str
+    topic: str
+    deliver_at_ms: int
+    partition: int
+    acked: bool = False
+    failed: str | None = None
+
+
+class TimerProducer:
+    """Writes timer records as any Kafka client would: plain kafka-python and the tw-* headers."""
+
+    def __init__(self, pipe: Pipeline, seed: int = 0) -> None:
+        self.pipe = pipe
+        self.partitions = int(str(pipe.settings["timer_partitions"]))
+        self.rng = random.Random(seed)
+        self.producer = KafkaProducer(bootstrap_servers=pipe.kafka, client_id=f"e2e-producer-{pipe.uid}",
+                                      acks="all", linger_ms=5, delivery_timeout_ms=120_000)
+        self.messages: dict[str, Scheduled] = {}
+        self.cancelled: dict[str, Scheduled] = {}
+        self._lock = threading.Lock()
+
+    def _send(self, record: Scheduled | None, headers: list[tuple[str, bytes]], partition: int,
+              key: bytes | None, value: bytes | None) -> None:
+        future = self.producer.send(self.pipe.timer_topic, key=key, value=value, headers=headers, partition=partition)
+        if record is not None:
+            def ok(_md: object, rec: Scheduled = record) -> None:
+                rec.acked = True
+
+            def fail(exc: BaseException, rec: Scheduled = record) -> None:
+                rec.failed = repr(exc)
+
+            future.add_callback(ok)
+            future.add_errback(fail)
+
+    def schedule(self, topic: str, deliver_at_ms: int, value: bytes | None = None,
+                 headers: Sequence[tuple[str, bytes]] = (), partition: int | None = None) -> Scheduled:
+        mid = uuid.uuid4().hex
+        p = self.rng.randrange(self.partitions) if partition is None else partition
+        rec = Scheduled(mid, topic, deliver_at_ms, p)
+        with self._lock:
+            self.messages[mid] = rec
+        hdrs = [("tw-topic", topic.encode()), ("tw-deliver-at", str(deliver_at_ms).encode()),
+                ("tw-id", mid.encode()), *headers]
+        self._send(rec, hdrs, p, mid.encode(), value if value is not None else f"value-{mid}".encode())
+        return rec
+
+    def cancel(self, target: Scheduled) -> None:
+        """A cancel: tw-cancel=<id> and the target's tw-deliver-at, on the target's partition."""
+        with self._lock:
+            self.cancelled[target.message_id] = target
+        headers = [("tw-cancel", target.message_id.encode()), ("tw-deliver-at", str(target.deliver_at_ms).encode())]
+        self._send(None, headers, target.partition, None, None)
+
+    def send_raw(self, headers: Sequence[tuple[str, bytes]], key: bytes | None, value: bytes | None,
+                 partition: int = 0) -> None:
+        self._send(None, list(headers), partition, key, value)
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        self.producer.flush(timeout=timeout_s)
+
+    def close(self) -> None:
+        self.producer.close(timeout=10)
+
+    def expected(self) -> dict[str, Scheduled]:
+        """Acknowledged, not cancelled: what must be delivered."""
+        with self._lock:
+            return {m: s for m, s in self.messages.items() if s.acked and m not in self.cancelled}
+
+
+class SteadyLoad:
+    """A background thread scheduling ``rate`` messages/s with delays in [min_delay, max_delay] ms."""
+
+    def __init__(self, producer: TimerProducer, topic: str, rate: float, min_delay_ms: int, max_delay_ms: int) -> None:
+        self.producer = producer
+        self.topic = topic
+        self.rate = rate
+        self.delays = (min_delay_ms, max_delay_ms)
+        self.sent = 0
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="e2e-load", daemon=True)
+
+    def start(self) -> SteadyLoad:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        rng = random.Random(1)
+        while not self._stop.is_set():
+            due = int((time.monotonic() - t0) * self.rate)
+            while self.sent < due and not self._stop.is_set():
+                try:
+                    self.producer.schedule(self.topic, now_ms() + rng.randint(*self.delays))
+                    self.sent += 1
+                except Exception:  # noqa: BLE001 - broker away: count it, keep the pace
+                    self.errors += 1
+                    time.sleep(0.1)
+            self._stop.wait(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+# -- consuming -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Delivery:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, bytes]
+    delivered_at_ms: int
+
+
+class Collector:
+    """Reads destination topics (from the start) in a thread and groups the records by tw-id."""
+
+    def __init__(self, pipe: Pipeline, topics: Sequence[str]) -> None:
+        self.pipe = pipe
+        self.topics = list(topics)
+        self.by_id: dict[str, list[Delivery]] = {}
+        self.records: list[Delivery] = []
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
+                                      auto_offset_reset="earliest", client_id=f"e2e-collector-{pipe.uid}",
+                                      fetch_max_wait_ms=100)
+        tps = []
+        for topic in self.topics:
+            parts = None
+            deadline = time.monotonic() + 30
+            while not parts and time.monotonic() < deadline:
+                parts = self.consumer.partitions_for_topic(topic)
+                if not parts:
+                    time.sleep(0.2)
+            assert parts, f"topic {topic} has no partitions; create it before collecting"
+            tps += [TopicPartition(topic, p) for p in sorted(parts)]
+        self.consumer.assign(tps)
+        self.consumer.seek_to_beginning(*tps)
+        self._thread = threading.Thread(target=self._run, name="e2e-collector", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                batches = self.consumer.poll(timeout_ms=200, max_records=5000)
+            except Exception:  # noqa: BLE001 - the broker may be restarting; the consumer reconnects
+                self.errors += 1
+                self._stop.wait(0.5)
+                continue
+            got = []
+            for recs in batches.values():
+                for r in recs:
+                    headers = {k: bytes(v) for k, v in (r.headers or ())}
+                    at = int(headers.get("tw-delivered-at", b"0") or 0)
+                    got.append(Delivery(r.topic, r.partition, r.offset, r.key, r.value, headers, at))
+            if got:
+                with self._lock:
+                    for d in got:
+                        self.records.append(d)
+                        mid = d.headers.get("tw-id", b"").decode()
+                        self.by_id.setdefault(mid, []).append(d)
+
+    def delivered_ids(self) -> set[str]:
+        with self._lock:
+            return set(self.by_id)
+
+    def wait_for(self, ids: Iterable[str], timeout_s: float, pipe: Pipeline | None = None) -> set[str]:
+        """Wait until every id was delivered or the timeout; returns the ids still missing."""
+        wanted = set(ids)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = wanted - self.delivered_ids()
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            if pipe is not None and pipe.dead():
+                return missing
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.consumer.close(autocommit=False)
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    name: str
+    scheduled: int
+    delivered: int
+    lost: list[str]
+    duplicated: int
+    late: int  # delivered more than 1 s after the delivery time
+    early: list[str]
+    cancelled_delivered: list[str]
+    unexpected: list[str]  # delivered, yet never acknowledged to the producer (or unknown ids)
+    lateness_ms: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return (f"[{self.name}] scheduled={self.scheduled} delivered={self.delivered} lost={len(self.lost)} "
+                f"duplicated={self.duplicated} late>1s={self.late} early={len(self.early)} "
+                f"cancelled_but_delivered={len(self.cancelled_delivered)} unexpected={len(self.unexpected)} "
+                f"lateness_ms={self.lateness_ms}")
+
+
+def make_report(name: str, producer: TimerProducer, collector: Collector) -> Report:
+    expected = producer.expected()
+    with collector._lock:
+        by_id = {k: list(v) for k, v in collector.by_id.items()}
+    lost = sorted(m for m in expected if m not in by_id)
+    delivered = [m for m in expected if m in by_id]
+    duplicated = sum(len(by_id[m]) - 1 for m in delivered)
+    lateness = sorted(by_id[m][0].delivered_at_ms - expected[m].deliver_at_ms for m in delivered)
+    late = sum(1 for x in lateness if x > 1000)
+    early = sorted(m for m in delivered if by_id[m][0].delivered_at_ms < expected[m].deliver_at_ms)
+    cancelled = sorted(m for m in producer.cancelled if m in by_id)
+    known = set(producer.messages)
+    unexpected = sorted(m for m in by_id if m not in known or not producer.messages[m].acked)
+
+    def pct(q: float) -> float:
+        return float(lateness[min(len(lateness) - 1, int(q * len(lateness)))]) if lateness else float("nan")
+
+    rep = Report(name, len(expected), len(delivered), lost, duplicated, late, early, cancelled, unexpected,
+                 {"p50": pct(0.5), "p99": pct(0.99), "max": float(lateness[-1]) if lateness else float("nan")})
+    print(rep.line(), flush=True)
+    return rep
