@@ -67,6 +67,22 @@ def with_db(url: str, db: int) -> str:
     return f"{base}/{db}"
 
 
+def http_get(port: int, path: str, timeout_s: float = 2.0) -> tuple[int, str]:
+    """(status, body) of GET http://127.0.0.1:port/path; raises OSError when nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+def is_ready(port: int) -> bool:
+    try:
+        return http_get(port, "/readyz", 1.0)[0] == 200
+    except OSError:
+        return False
+
+
 def tail(path: Path, lines: int = 40) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -95,9 +111,6 @@ class StageProcess:
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
 
 
 class Pipeline:
@@ -209,18 +222,19 @@ class Pipeline:
         for name in order:
             self.wait_ready(name, timeout_s)
 
+    def start_all_missing(self, timeout_s: float = 90.0) -> None:
+        """Start every stage not running yet, then wait until all are ready."""
+        for name in ("enqueue-put", "enqueue-get", "dequeue-get", "dequeue-getmsg", "dequeue-put"):
+            if name not in self.procs or not self.procs[name].alive():
+                self.start(name, wait_ready=False)
+        for name in STAGES:
+            self.wait_ready(name, timeout_s)
+
     def http(self, name: str, path: str, timeout_s: float = 2.0) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(self.procs[name].url(path), timeout=timeout_s) as resp:
-                return int(resp.status), resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return int(exc.code), exc.read().decode()
+        return http_get(self.procs[name].port, path, timeout_s)
 
     def ready(self, name: str) -> bool:
-        try:
-            return self.http(name, "/readyz", 1.0)[0] == 200
-        except (OSError, urllib.error.URLError):
-            return False
+        return is_ready(self.procs[name].port)
 
     def wait_ready(self, name: str, timeout_s: float = 60.0) -> None:
         proc = self.procs[name]
@@ -322,6 +336,7 @@ class Scheduled:
     topic: str
     deliver_at_ms: int
     partition: int
+    sent_ms: int = 0
     acked: bool = False
     failed: str | None = None
 
@@ -340,8 +355,9 @@ class TimerProducer:
         self._lock = threading.Lock()
 
     def _send(self, record: Scheduled | None, headers: list[tuple[str, bytes]], partition: int,
-              key: bytes | None, value: bytes | None) -> None:
-        future = self.producer.send(self.pipe.timer_topic, key=key, value=value, headers=headers, partition=partition)
+              key: bytes | None, value: bytes | None, timestamp_ms: int | None = None) -> None:
+        future = self.producer.send(self.pipe.timer_topic, key=key, value=value, headers=headers, partition=partition,
+                                    timestamp_ms=timestamp_ms)
         if record is not None:
             def ok(_md: object, rec: Scheduled = record) -> None:
                 rec.acked = True
@@ -352,16 +368,31 @@ class TimerProducer:
             future.add_callback(ok)
             future.add_errback(fail)
 
-    def schedule(self, topic: str, deliver_at_ms: int, value: bytes | None = None,
-                 headers: Sequence[tuple[str, bytes]] = (), partition: int | None = None) -> Scheduled:
+    def schedule(self, topic: str, deliver_at_ms: int | None = None, value: bytes | None = None,
+                 headers: Sequence[tuple[str, bytes]] = (), partition: int | None = None, *,
+                 delay_ms: int | None = None, delay_level: tuple[int, int] | None = None,
+                 key: bytes | None = None) -> Scheduled:
+        """One timer message, by absolute time (tw-deliver-at), ``delay_ms`` (tw-delay-ms) or
+        ``delay_level`` = (level, its delay in ms) (tw-delay-level); the record's timestamp is
+        set explicitly so the expected delivery time is known exactly."""
         mid = uuid.uuid4().hex
         p = self.rng.randrange(self.partitions) if partition is None else partition
-        rec = Scheduled(mid, topic, deliver_at_ms, p)
+        stamp = now_ms()
+        if delay_ms is not None:
+            when = [("tw-delay-ms", str(delay_ms).encode())]
+            deliver_at_ms = stamp + delay_ms
+        elif delay_level is not None:
+            when = [("tw-delay-level", str(delay_level[0]).encode())]
+            deliver_at_ms = stamp + delay_level[1]
+        else:
+            assert deliver_at_ms is not None
+            when = [("tw-deliver-at", str(deliver_at_ms).encode())]
+        rec = Scheduled(mid, topic, deliver_at_ms, p, stamp)
         with self._lock:
             self.messages[mid] = rec
-        hdrs = [("tw-topic", topic.encode()), ("tw-deliver-at", str(deliver_at_ms).encode()),
-                ("tw-id", mid.encode()), *headers]
-        self._send(rec, hdrs, p, mid.encode(), value if value is not None else f"value-{mid}".encode())
+        hdrs = [("tw-topic", topic.encode()), *when, ("tw-id", mid.encode()), *headers]
+        self._send(rec, hdrs, p, key if key is not None else mid.encode(),
+                   value if value is not None else f"value-{mid}".encode(), stamp)
         return rec
 
     def cancel(self, target: Scheduled) -> None:
@@ -369,7 +400,7 @@ class TimerProducer:
         with self._lock:
             self.cancelled[target.message_id] = target
         headers = [("tw-cancel", target.message_id.encode()), ("tw-deliver-at", str(target.deliver_at_ms).encode())]
-        self._send(None, headers, target.partition, None, None)
+        self._send(None, headers, target.partition, target.message_id.encode(), None)
 
     def send_raw(self, headers: Sequence[tuple[str, bytes]], key: bytes | None, value: bytes | None,
                  partition: int = 0) -> None:
@@ -539,7 +570,9 @@ def make_report(name: str, producer: TimerProducer, collector: Collector) -> Rep
     lost = sorted(m for m in expected if m not in by_id)
     delivered = [m for m in expected if m in by_id]
     duplicated = sum(len(by_id[m]) - 1 for m in delivered)
-    lateness = sorted(by_id[m][0].delivered_at_ms - expected[m].deliver_at_ms for m in delivered)
+    # Late relative to the delivery time, or to the send time for a message already due when sent.
+    lateness = sorted(by_id[m][0].delivered_at_ms - max(expected[m].deliver_at_ms, expected[m].sent_ms)
+                      for m in delivered)
     late = sum(1 for x in lateness if x > 1000)
     early = sorted(m for m in delivered if by_id[m][0].delivered_at_ms < expected[m].deliver_at_ms)
     cancelled = sorted(m for m in producer.cancelled if m in by_id)

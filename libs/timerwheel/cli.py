@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from timerwheel import telemetry
 from timerwheel.client import Timer, TimerClient
 from timerwheel.config import ENV_VARS, TimerConfig, parse_duration_ms
 from timerwheel.errors import ConfigError, FormatMismatchError, TimerwheelError
@@ -167,6 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     log = stage_logger("cli")
     with EmbeddedTimerwheel(config=cfg) as tw:
+        telemetry.configure_from_env(tw.metrics)
         sys.stderr.write(
             f"timerwheel (embedded) is running with data in {cfg.data_dir}. From another terminal:\n"
             f"  timerwheel schedule --data-dir {cfg.data_dir} --topic orders --delay-ms 5s --value hello\n"
@@ -295,6 +297,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(os.environ.get("TW_LOG_LEVEL", "INFO"))
+    telemetry.configure_from_env()
     parser = make_parser()
     args = parser.parse_args(argv)
     handlers = {"run": cmd_run, "schedule": cmd_schedule, "cancel": cmd_cancel, "consume": cmd_consume,

@@ -17,6 +17,9 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span
+
+from timerwheel import telemetry
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.records import Headers, OutRecord
@@ -70,6 +73,7 @@ class TimerClient:
         now = self.clock.now_ms()
         records: list[OutRecord] = []
         tickets: list[Ticket] = []
+        spans: list[Span] | None = [] if telemetry.tracer() is not None else None
         for t in timers:
             given = sum(x is not None for x in (t.delay_ms, t.deliver_at_ms, t.delay_level))
             if given != 1:
@@ -94,10 +98,17 @@ class TimerClient:
             if t.partition is not None:
                 headers.append((H_PARTITION, str(t.partition).encode()))
             timer_partition = zlib.crc32(message_id.encode()) % self.partitions
+            if spans is not None:
+                sent = telemetry.send_span(self.config.timer_topic, message_id, timer_partition, t.topic)
+                if sent is not None:
+                    spans.append(sent[0])
+                    headers = [h for h in headers if h[0] not in telemetry.TRACE_HEADERS] + list(sent[1])
             records.append(OutRecord(self.config.timer_topic, t.key, t.value, tuple(headers),
                                      partition=timer_partition, timestamp_ms=now))
             tickets.append(Ticket(timer_partition, deliver, message_id))
         self.log.append(records)
+        for span in spans or ():
+            span.end()
         return tickets
 
     def cancel(self, ticket: Ticket | str) -> None:

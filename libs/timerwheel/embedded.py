@@ -31,7 +31,7 @@ from timerwheel.errors import TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
 from timerwheel.records import Headers, Record
-from timerwheel.runtime import StageRunner
+from timerwheel.runtime import StageRunner, sample_gauges
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
@@ -165,7 +165,7 @@ class EmbeddedTimerwheel:
         self.runners = [
             StageRunner("enqueue-get", self.enqueue_get, ctx),
             StageRunner("enqueue-put", self.enqueue_put, ctx),
-            StageRunner("dequeue-get", self.dequeue_get, ctx),
+            StageRunner("dequeue-get", self.dequeue_get, ctx, sample=self.sample_gauges),
             StageRunner("dequeue-getmsg", self.dequeue_getmsg, ctx),
             StageRunner("dequeue-put", self.dequeue_put, ctx),
         ]
@@ -257,6 +257,10 @@ class EmbeddedTimerwheel:
                 return
             time.sleep(0.0005)
         raise TimeoutError(f"timerwheel did not become idle within {timeout_s} s: {self.inspect()}")
+
+    def sample_gauges(self) -> None:
+        """Set the queue-depth and pending-messages gauges (the dequeue-get thread does, every second)."""
+        sample_gauges(self.metrics, self.config, self.queues, self.readers)
 
     def inspect(self) -> dict[str, Any]:
         return inspect_shards(self.config, self.readers, self.clock.now_ms(),

@@ -87,6 +87,12 @@ class Metrics:
         with self._lock:
             return self.gauges.get(name, {}).get(_key(labels))
 
+    def snapshot(self, kind: str, name: str) -> dict[LabelKey, float]:
+        """A copy of one counter (``kind="counters"``) or gauge (``"gauges"``) family."""
+        with self._lock:
+            family = self.counters if kind == "counters" else self.gauges
+            return dict(family.get(name, {}))
+
     def render_prometheus(self) -> str:
         """The registry in Prometheus' text exposition format."""
         lines: list[str] = []

@@ -19,15 +19,17 @@ import signal
 import threading
 from typing import Any
 
+from timerwheel import telemetry
 from timerwheel.clock import SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.health import HealthServer
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
-from timerwheel.runtime import StageRunner
+from timerwheel.runtime import StageRunner, sample_gauges
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
-from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
+from timerwheel.stages.base import Stopped
+from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
 from timerwheel.transports.base import WorkQueue
 
@@ -106,28 +108,118 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 def run_stage(name: str, cfg: TimerConfig) -> int:
-    """Run one stage in this process until SIGTERM / SIGINT."""
+    """Run one stage in this process until SIGTERM / SIGINT.
+
+    ``/healthz`` answers from the start; ``/readyz`` once the stage runs, owns its shards (the
+    shard-owning stages) and its last step did not fail. While Kafka or Redis cannot be reached
+    at start the stage waits for them (a pod restarted during a broker restart must not crash
+    loop); settings that are wrong (retention, the data directory's format) stop it at once.
+    """
     log = stage_logger(name)
     metrics = Metrics()
+    telemetry.configure_from_env(metrics)
     ctx = StageContext(cfg, SystemClock(), metrics, consumer=f"{name}-{os.uname().nodename}-{os.getpid()}")
-    _stop_on_signals(ctx.stop)
-    transports = production_transports(cfg)
-    stage = build_stage(name, cfg, ctx, transports)
-    runner = StageRunner(name, stage, ctx, idle_s=0.01)
+    running: dict[str, Any] = {}
+
+    def on_signal(*_: object) -> None:
+        ctx.stop.set()
+        if "runner" not in running:
+            raise _StopBeforeStart()  # nothing in hand yet: leave a call waiting on Kafka or Redis
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     server = None
     if cfg.http_port:
-        server = HealthServer(cfg.http_port, metrics, live=lambda: not ctx.stop.is_set(),
-                              ready=lambda: runner.steps > 0 and _owns(stage)).start()
-    log.info("started", pid=os.getpid(), http_port=cfg.http_port, shards=cfg.shards)
+        try:
+            server = HealthServer(cfg.http_port, metrics, live=lambda: not ctx.stop.is_set(),
+                                  ready=lambda: _ready(running)).start()
+        except OSError as exc:
+            raise ConfigError("TW_HTTP_PORT", f"cannot serve on port {cfg.http_port}: {exc.strerror or exc}") from None
     try:
-        runner.run()
+        built = _build_when_reachable(name, cfg, ctx)
+        if built is None:
+            raise _StopBeforeStart()
+        transports, stage = built
+        sources = {q: transports.queues[q] for q, consumer in CONSUMER_OF.items() if consumer == name}
+
+        def sample() -> None:
+            owned = getattr(stage, "owned", {}) if name == "dequeue-get" else {}
+            sample_gauges(metrics, cfg, sources, {sid: st.shard for sid, st in list(owned.items())})
+
+        tracked = _Tracked(stage)
+        runner = StageRunner(name, tracked, ctx, idle_s=0.01, sample=sample)
+        running.update(runner=runner, stage=stage, tracked=tracked)
+        log.info("started", pid=os.getpid(), http_port=cfg.http_port, shards=cfg.shards)
+        try:
+            runner.run()
+        finally:
+            runner.close()
+            transports.commit_log.close()
+            log.info("stopped", steps=runner.steps, errors=runner.errors)
+    except _StopBeforeStart:
+        log.info("stopped before it started")  # as safe as a crash: every stage recovers from one
     finally:
-        runner.close()
-        transports.commit_log.close()
         if server is not None:
             server.close()
-        log.info("stopped", steps=runner.steps, errors=runner.errors)
     return 0
+
+
+#: Seconds between two attempts to start a stage while Kafka or Redis cannot be reached.
+CONNECT_RETRY_S = 2.0
+
+
+class _StopBeforeStart(BaseException):  # noqa: N818 - not an error: SIGTERM while starting
+    """Raised by the signal handler while the stage is still starting."""
+
+
+def _build_when_reachable(name: str, cfg: TimerConfig, ctx: StageContext) -> tuple[Any, Any] | None:
+    """Transports and the stage, retried while Kafka or Redis is unreachable; None if stopped meanwhile."""
+    from timerwheel.transports.kafka import KafkaLogError
+    from timerwheel.transports.redisq import RedisTransportError
+
+    log = stage_logger(name)
+    attempts = 0
+    while not ctx.stop.is_set():
+        transports = production_transports(cfg)
+        try:
+            return transports, build_stage(name, cfg, ctx, transports)
+        except (KafkaLogError, RedisTransportError) as exc:
+            transports.commit_log.close()
+            attempts += 1
+            log.warning("waiting for Kafka and Redis", attempt=attempts, error=str(exc)[:300])
+            ctx.stop.wait(CONNECT_RETRY_S)
+        except BaseException:
+            transports.commit_log.close()
+            raise
+    return None
+
+
+class _Tracked:
+    """A stage that remembers whether its last step failed (``/readyz``)."""
+
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
+        self.failing = False
+
+    def step(self, timeout_s: float) -> int:
+        try:
+            work = int(self.stage.step(timeout_s))
+        except Stopped:
+            raise
+        except Exception:
+            self.failing = True
+            raise
+        self.failing = False
+        return work
+
+    def close(self) -> None:
+        self.stage.close()
+
+
+def _ready(running: dict[str, Any]) -> bool:
+    runner = running.get("runner")
+    return (runner is not None and runner.steps > 0 and not running["tracked"].failing
+            and _owns(running["stage"]))
 
 
 def _owns(stage: Any) -> bool:
@@ -145,6 +237,7 @@ def run_all_in_one(cfg: TimerConfig) -> int:
     check_timer_topic(cfg, transports.commit_log)
     log = stage_logger("all-in-one")
     with EmbeddedTimerwheel(config=cfg, transports=transports) as tw:
+        telemetry.configure_from_env(tw.metrics)
         server = None
         if cfg.http_port:
             server = HealthServer(cfg.http_port, tw.metrics, live=lambda: not stop.is_set(), ready=lambda: True).start()

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from timerwheel.log import stage_logger
+from timerwheel.metrics import Metrics
 from timerwheel.stages.base import StageContext, Stopped
+
+if TYPE_CHECKING:
+    from timerwheel.config import TimerConfig
+    from timerwheel.store import Shard
+    from timerwheel.transports.base import WorkQueue
+
+#: How often a runner samples its gauges (queue depths, pending messages).
+SAMPLE_EVERY_S = 1.0
 
 
 class Stage(Protocol):
@@ -23,7 +32,11 @@ class Stage(Protocol):
 
 
 class StageRunner:
-    def __init__(self, name: str, stage: Stage, ctx: StageContext, idle_s: float = 0.005) -> None:
+    def __init__(self, name: str, stage: Stage, ctx: StageContext, idle_s: float = 0.005,
+                 sample: Callable[[], None] | None = None) -> None:
+        """``sample`` sets gauges; called between steps at most every SAMPLE_EVERY_S."""
+        self.sample = sample
+        self._sampled = 0.0
         self.name = name
         self.stage = stage
         self.ctx = ctx
@@ -50,6 +63,12 @@ class StageRunner:
                     break
                 backoff = min(backoff * 2, 2.0)
             self.steps += 1
+            if self.sample is not None and time.monotonic() - self._sampled >= SAMPLE_EVERY_S:
+                self._sampled = time.monotonic()
+                try:
+                    self.sample()
+                except Exception as exc:  # noqa: BLE001 - a gauge is never worth a stage
+                    self.log.warning("sampling gauges failed", error=repr(exc)[:200])
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name=f"tw-{self.name}", daemon=True)
@@ -77,3 +96,15 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
+def sample_gauges(metrics: Metrics, config: TimerConfig, queues: Mapping[str, WorkQueue],
+                  shards: Mapping[int, Shard]) -> None:
+    """``queue_depth`` per queue and partition; ``pending`` per shard: the wheel's messages
+    in the slots from R to R + the wheel's span."""
+    for name, q in queues.items():
+        for p in range(q.partitions):
+            metrics.set("queue_depth", q.depth(p), queue=name, partition=p)
+    span = config.wheel_slots * config.tick_ms
+    for shard_id, shard in shards.items():
+        deq = shard.load_dequeue_checkpoint()
+        if deq is not None:
+            metrics.set("pending", shard.wheel.count_range(deq.read_ms, deq.read_ms + span), shard=shard_id)

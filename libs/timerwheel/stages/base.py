@@ -9,6 +9,7 @@ PITFALLS: "dropped after 3 put retries"), surfacing the stall in metrics and log
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -102,3 +103,48 @@ def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequ
             if ctx.stop.wait(backoff):
                 raise Stopped() from exc
             backoff = min(backoff * 2, 2.0)
+
+
+#: Entries pending this long (their consumer died) are claimed by another consumer.
+CLAIM_IDLE_MS = 30_000
+CLAIM_EVERY_S = 5.0
+
+
+class QueueStage:
+    """A stateless stage that drains one queue's partitions: dequeue-getmsg and dequeue-put.
+
+    ``step`` takes up to ``max_entries`` entries per partition, and every CLAIM_EVERY_S also the
+    entries a dead consumer left pending; subclasses ``handle`` a partition's entries and ack them.
+    """
+
+    stage = ""
+
+    def __init__(self, ctx: StageContext, source: WorkQueue, partitions: Sequence[int], max_entries: int = 8) -> None:
+        self.ctx = ctx
+        self.source = source
+        self.partitions = list(partitions)
+        self.max_entries = max_entries
+        self._claimed = time.monotonic()
+
+    def step(self, timeout_s: float) -> int:
+        claim = time.monotonic() - self._claimed >= CLAIM_EVERY_S
+        if claim:
+            self._claimed = time.monotonic()
+        work = 0
+        consumer = self.ctx.consumer
+        for p in self.partitions:
+            entries = self.source.get(p, consumer, self.max_entries, 0)
+            if claim:
+                entries += self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, self.max_entries)
+            if entries:
+                self.handle(p, entries)
+                work += len(entries)
+        if not work:
+            self.ctx.idle_wait(self.stage, timeout_s)
+        return work
+
+    def handle(self, partition: int, entries: list[tuple[str, bytes]]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
 from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext
@@ -73,6 +74,8 @@ class GetShard:
     ckpt: EnqueueCheckpoint | None = None
     ckpt_version: int = -1
     ckpt_read: float = 0.0
+    #: Done entries a previous owner took and never acked are still to be claimed (e2e fix).
+    reclaim: bool = True
 
 
 _DELETE = int(Flag.DELETE)
@@ -156,6 +159,8 @@ class DequeueGet:
             items = tuple(itertools.islice(reader.items, batch))
             if items:
                 st.outbox.append(FetchEntry(st.shard_id, st.generation, reader.slot_time, items))
+                if telemetry.tracer() is not None:
+                    telemetry.dequeue_get_batch(st.shard_id, reader.slot_time, items, self.ctx.clock.now_ms(), _ROLL)
                 st.pending[reader.slot_time] = st.pending.get(reader.slot_time, 0) + len(items)
                 in_flight += len(items)
                 work += len(items)
@@ -228,7 +233,14 @@ class DequeueGet:
         return True
 
     def _drain_done(self, st: GetShard) -> int:
-        entries = self.done_q.get(st.shard_id, self.ctx.consumer, 1000, 0)
+        entries = []
+        if st.reclaim:
+            # e2e fix: a previous owner that died leaves the done entries it had taken pending for
+            # good; they count against the queue bound until dequeue-put blocks. Claim and ack them
+            # (their generation is old, so they are ignored below).
+            st.reclaim = False
+            entries = self.done_q.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
+        entries += self.done_q.get(st.shard_id, self.ctx.consumer, 1000, 0)
         if not entries:
             if st.pending and time.monotonic() - st.last_progress > STALL_S:
                 self._resend(st)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from timerwheel import telemetry
 from timerwheel.log import stage_logger
 from timerwheel.records import Record
-from timerwheel.stages.base import StageContext, put_blocking
+from timerwheel.stages.base import QueueStage, StageContext, put_blocking
 from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DeliverItem, FetchEntry
 from timerwheel.store import Flag
 from timerwheel.transports.base import CommitLog, WorkQueue
@@ -21,35 +22,21 @@ from timerwheel.wire import H_CANCEL, message_id_of
 
 STAGE = "dequeue-getmsg"
 _ROLL = int(Flag.ROLL)
-CLAIM_IDLE_MS = 30_000
 
 
-class DequeueGetMsg:
+class DequeueGetMsg(QueueStage):
+    stage = STAGE
+
     def __init__(self, ctx: StageContext, commit_log: CommitLog, fetch_queue: WorkQueue, deliver_queue: WorkQueue,
                  partitions: Sequence[int]) -> None:
-        self.ctx = ctx
+        super().__init__(ctx, fetch_queue, partitions)
         self.log = commit_log
         self.fetch_q = fetch_queue
         self.deliver_q = deliver_queue
-        self.partitions = list(partitions)
         self.logger = stage_logger(STAGE)
-        self._steps = 0
-
-    def step(self, timeout_s: float) -> int:
-        self._steps += 1
-        work = 0
-        for p in self.partitions:
-            entries = self.fetch_q.get(p, self.ctx.consumer, 8, 0)
-            if self._steps % 1000 == 0:
-                entries += self.fetch_q.claim_stale(p, self.ctx.consumer, CLAIM_IDLE_MS, 8)
-            if entries:
-                self.handle(p, entries)
-                work += len(entries)
-        if not work:
-            self.ctx.idle_wait(STAGE, timeout_s)
-        return work
 
     def handle(self, partition: int, entries: list[tuple[str, bytes]]) -> None:
+        t0 = telemetry.batch_start()
         fetches = [FetchEntry.decode(payload) for _eid, payload in entries]
         wanted: dict[tuple[int, int], Record | None] = {}
         for f in fetches:
@@ -86,6 +73,8 @@ class DequeueGetMsg:
             self.logger.warning("source records gone from the log", records=missing, partition=partition)
         put_blocking(self.ctx, self.deliver_q, partition, out, self.logger.bind(shard=partition))
         self.fetch_q.ack(partition, [eid for eid, _ in entries])
+        if t0 is not None:
+            telemetry.dequeue_getmsg_batch(t0, self.ctx.config, fetches, wanted)
 
     @staticmethod
     def _confirmed(message: Record, marker: Record | None) -> bool:
@@ -93,6 +82,3 @@ class DequeueGetMsg:
             return False
         target = marker.header(H_CANCEL)
         return target is not None and target.decode("utf-8", "replace") == message_id_of(message)
-
-    def close(self) -> None:
-        pass

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from timerwheel import telemetry
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord
-from timerwheel.stages.base import StageContext, append_until_written, put_blocking
+from timerwheel.stages.base import QueueStage, StageContext, append_until_written, put_blocking
 from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
@@ -34,31 +35,17 @@ from timerwheel.wire import (
 STAGE = "dequeue-put"
 
 
-class DequeuePut:
+class DequeuePut(QueueStage):
+    stage = STAGE
+
     def __init__(self, ctx: StageContext, commit_log: CommitLog, deliver_queue: WorkQueue, done_queue: WorkQueue,
                  partitions: Sequence[int]) -> None:
-        self.ctx = ctx
+        super().__init__(ctx, deliver_queue, partitions)
         self.log = commit_log
         self.deliver_q = deliver_queue
         self.done_q = done_queue
-        self.partitions = list(partitions)
         self.logger = stage_logger(STAGE)
         self._partition_counts: dict[str, int] = {}
-        self._steps = 0
-
-    def step(self, timeout_s: float) -> int:
-        self._steps += 1
-        work = 0
-        for p in self.partitions:
-            entries = self.deliver_q.get(p, self.ctx.consumer, 8, 0)
-            if self._steps % 1000 == 0:
-                entries += self.deliver_q.claim_stale(p, self.ctx.consumer, 30_000, 8)
-            if entries:
-                self.handle(p, entries)
-                work += len(entries)
-        if not work:
-            self.ctx.idle_wait(STAGE, timeout_s)
-        return work
 
     def _partitions_of(self, topic: str) -> int:
         n = self._partition_counts.get(topic)
@@ -70,6 +57,8 @@ class DequeuePut:
         ctx = self.ctx
         cfg = ctx.config
         now = ctx.clock.now_ms()
+        span = telemetry.dequeue_put_start()
+        trace_headers = telemetry.inject(span) if span is not None else ()
         out: list[OutRecord] = []
         delivered: dict[str, int] = {}
         rolled: dict[str, int] = {}
@@ -99,6 +88,8 @@ class DequeuePut:
                 elif item.kind == ROLL:
                     deliver_ms = ctx.rules.delivery_time(rec, now, check_max=False)
                     headers = rolled_headers(rec, message_id_of(rec), deliver_ms, roll, item.enqueued_ms)
+                    if trace_headers:
+                        headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
                     rolled[topic] = rolled.get(topic, 0) + 1
                 else:
@@ -111,6 +102,8 @@ class DequeuePut:
                         dead[topic] = dead.get(topic, 0) + 1
                         continue
                     headers = delivered_headers(rec, message_id_of(rec), roll, item.enqueued_ms, now)
+                    if trace_headers:
+                        headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(topic, rec.key, rec.value, headers, partition=dest_partition))
                     delivered[topic] = delivered.get(topic, 0) + 1
                     lateness.append(now - ctx.rules.delivery_time(rec, now, check_max=False))
@@ -131,6 +124,6 @@ class DequeuePut:
             m.inc_many("cancelled", "topic", cancelled)
         if dead:
             m.inc_many("dead_lettered", "topic", dead)
-
-    def close(self) -> None:
-        pass
+        if span is not None:
+            telemetry.dequeue_put_batch(span, cfg, ctx.rules, [DeliverEntry.decode(p) for _, p in entries], out, now,
+                                        {"DELIVER": DELIVER, "ROLL": ROLL, "CANCELLED": CANCELLED})

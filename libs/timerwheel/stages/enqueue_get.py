@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from timerwheel import telemetry
 from timerwheel.errors import InvalidTimerMessage
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
@@ -76,6 +77,7 @@ class EnqueueGet:
 
     def handle(self, records: Sequence[Record]) -> None:
         ctx = self.ctx
+        t0 = telemetry.batch_start()
         now = ctx.clock.now_ms()
         rules = ctx.rules
         dead: list[OutRecord] = []
@@ -123,6 +125,8 @@ class EnqueueGet:
             ctx.metrics.inc_many("scheduled", "topic", scheduled)
         if cancels:
             ctx.metrics.inc("cancel_requests", cancels)
+        if t0 is not None:
+            telemetry.enqueue_get_batch(t0, ctx.config, records, dead)
 
     def _maybe_rewind(self) -> None:
         """Seek back to the checkpoint of a partition whose entries were lost in transit."""

@@ -23,15 +23,20 @@ of the delivery time itself whatever path they took, so the two always meet ther
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from timerwheel import telemetry
+from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import PutEntry, PutRequest
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
+from timerwheel.store.format import valid_mask
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "enqueue-put"
@@ -59,6 +64,8 @@ class PutShard:
     epoch: int = 0
     #: R as last read from dequeue.ckpt (a lower bound of the real R).
     read_ms: int = -(2**62)
+    #: Entries a previous owner took and never acked are still to be claimed (e2e fix).
+    reclaim: bool = True
 
 
 class EnqueuePut:
@@ -74,15 +81,28 @@ class EnqueuePut:
         self.owned: dict[int, PutShard] = {}
         self._waiting = set(shard_ids)
         self._retained = time.monotonic()
+        self._blocked: set[int] = set()
         self.take_shards()
 
     def take_shards(self) -> None:
         """Acquire the shards we do not own yet; recover each before its first write."""
         for shard_id in sorted(self._waiting):
-            epoch = self.ownership.acquire(shard_id)
+            # A lease kept from an earlier try (below) is still ours.
+            epoch = self.ownership.epochs.get(shard_id) or self.ownership.acquire(shard_id)
             if epoch is None:
                 continue
-            shard = self.open_shard(shard_id)
+            try:
+                shard = self.open_shard(shard_id)
+            except FencedError as exc:
+                # e2e fix: the previous owner still holds the shard's writer lock (paused past its
+                # lease, or still closing). Keep the lease, which fences it, and retry next step;
+                # raising here killed the new owner while it held the lease.
+                if shard_id not in self._blocked:
+                    self._blocked.add(shard_id)
+                    self.logger.warning("shard still locked by its previous owner, waiting", shard=shard_id,
+                                        error=str(exc))
+                continue
+            self._blocked.discard(shard_id)
             ckpt = shard.load_enqueue_checkpoint()
             if ckpt is not None and ckpt.epoch >= epoch:
                 # The lease store forgot (Redis flushed): take an epoch above the checkpoint's.
@@ -109,6 +129,13 @@ class EnqueuePut:
             st.next_offsets = dict(ckpt.next_offsets)
         report = shard.recovery
         if report is not None:
+            if ckpt is not None and report.end_pos < ckpt.flushed_pos:
+                # e2e fix: records the checkpoint called durable are gone (a torn or lost tail).
+                # Resume after the newest source offset still in the TimerLog (design §4.4), not
+                # after the checkpoint's, so that Kafka hands the lost records over again.
+                st.next_offsets = _offsets_after_loss(shard, st.next_offsets, ckpt.flushed_pos - report.end_pos)
+                log.warning("TimerLog lost checkpointed records; resuming from the records it still holds",
+                            flushed_pos=ckpt.flushed_pos, end_pos=report.end_pos, offsets=st.next_offsets)
             for p, offset in report.max_src_offsets.items():
                 st.next_offsets[p] = max(st.next_offsets.get(p, 0), offset + 1)
             log.info("recovered", epoch=epoch, checked_from=report.checked_from, end_pos=report.end_pos,
@@ -131,7 +158,14 @@ class EnqueuePut:
         self._retain()
         done = 0
         for st in list(self.owned.values()):
-            entries = self.queue.get(st.shard_id, self.ctx.consumer, self.ctx.config.queue_bound, 0)
+            stale: list[tuple[str, bytes]] = []
+            if st.reclaim:
+                # e2e fix: a previous owner that died leaves the entries it had taken pending for
+                # good (only the shard's owner reads its partition), the queue never drains, and
+                # every later entry looks like a gap. Take them over first; offsets skip the rest.
+                st.reclaim = False
+                stale = self.queue.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
+            entries = stale + self.queue.get(st.shard_id, self.ctx.consumer, self.ctx.config.queue_bound, 0)
             try:
                 if entries:
                     self.write(st, entries)
@@ -147,6 +181,7 @@ class EnqueuePut:
         return done
 
     def write(self, st: PutShard, entries: list[tuple[str, bytes]]) -> None:
+        t0 = telemetry.batch_start()
         records: list[TimerRecord] = []
         window = self.ctx.config.roll_window_ms
         gaps = 0
@@ -174,6 +209,8 @@ class EnqueuePut:
         self._publish(st)
         self.queue.ack(st.shard_id, [eid for eid, _ in entries])
         self.ctx.metrics.inc("timerlog_records", len(records), shard=st.shard_id)
+        if t0 is not None:
+            telemetry.enqueue_put_batch(t0, st.shard_id, _requests(entries), records, st.shard.slot_time)
 
     @staticmethod
     def _record(partition: int, req: PutRequest, write_ms: int, window: int) -> TimerRecord:
@@ -248,3 +285,30 @@ class EnqueuePut:
                 st.log.error("final checkpoint failed", exc=True)
             st.shard.close()
         self.ownership.release_all()
+
+
+def _requests(entries: list[tuple[str, bytes]]) -> Iterator[tuple[int, PutRequest]]:
+    """(source partition, request) of each entry, decoded again: only when tracing is on."""
+    for _eid, payload in entries:
+        entry = PutEntry.decode(payload)
+        for req in entry.requests:
+            yield entry.src_partition, req
+
+
+def _offsets_after_loss(shard: Shard, offsets: dict[int, int], lost_bytes: int) -> dict[int, int]:
+    """Next source offset per partition after the newest record of it still in the TimerLog.
+
+    A shard writes each partition's records in offset order, so any lost record of a partition
+    lies past its newest surviving one. A partition with no record left is rewound by the number
+    of records lost (its records may all have been among them)."""
+    newest: dict[int, int] = {}
+    for _first, arr in shard.log.iter_chunks(shard.log.start_pos, shard.log.end_pos):
+        good = arr[valid_mask(arr)]
+        if len(good):
+            parts, offs = good["src_partition"].astype(np.int64), good["src_offset"].astype(np.int64)
+            for p in np.unique(parts).tolist():
+                newest[p] = max(newest.get(p, -1), int(offs[parts == p].max()))
+    lost = -(-lost_bytes // RECORD_SIZE)
+    out = {p: max(0, o - lost) for p, o in offsets.items()}
+    out.update({p: o + 1 for p, o in newest.items()})
+    return out

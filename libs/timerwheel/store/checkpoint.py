@@ -26,7 +26,7 @@ from typing import Any
 
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError, FormatMismatchError, TimerwheelError
-from timerwheel.store.files import atomic_write
+from timerwheel.files import atomic_write
 from timerwheel.store.format import FORMAT_VERSION
 
 log = logging.getLogger(__name__)

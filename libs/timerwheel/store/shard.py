@@ -48,9 +48,9 @@ from timerwheel.errors import (
     FormatMismatchError,
     TimerwheelError,
 )
+from timerwheel.files import atomic_write
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
-from timerwheel.store.files import atomic_write
 from timerwheel.store.format import FORMAT_VERSION, RecordArray, TimerRecord, pack_records, seal, valid_mask
 from timerwheel.store.recovery import RecoveryReport, recover
 from timerwheel.store.timerlog import SEGMENT_SUFFIX, TimerLog

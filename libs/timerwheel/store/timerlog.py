@@ -32,7 +32,7 @@ import numpy as np
 
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import ConfigError, CorruptRecordError, FormatMismatchError, TimerwheelError
-from timerwheel.store.files import fsync_dir, pwrite_all
+from timerwheel.files import fsync_dir, pwrite_all
 from timerwheel.store.format import (
     RECORD_DTYPE,
     RecordArray,

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from timerwheel.errors import ConfigError, FormatMismatchError, TimerwheelError
-from timerwheel.store.files import fsync_dir
+from timerwheel.files import fsync_dir
 from timerwheel.store.format import FORMAT_VERSION
 
 log = logging.getLogger(__name__)

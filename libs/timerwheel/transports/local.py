@@ -64,6 +64,7 @@ import numpy as np
 
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.errors import CorruptRecordError, TimerwheelError
+from timerwheel.files import fsync_dir, pwrite_all
 from timerwheel.records import OutRecord, Record
 
 FORMAT_VERSION = 1
@@ -173,22 +174,6 @@ def _pread_exact(fd: int, size: int, position: int) -> bytes:
     if len(data) != size:
         raise OSError(errno.EIO, f"short read: {len(data)} of {size} bytes at {position}")
     return data
-
-
-def _pwrite_all(fd: int, data: bytes, position: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, position)
-        view = view[written:]
-        position += written
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _close_fds(*fds: int) -> None:
@@ -455,7 +440,7 @@ class _Partition:
         os.ftruncate(seg.log_fd, 0)
         os.ftruncate(seg.idx_fd, 0)
         if self._fsync:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         with self._view_lock:
             self._open[base] = seg
             self._refresh()
@@ -500,8 +485,8 @@ class _Partition:
             pos += _PREFIX.size + len(body)
             ends.append(pos)
         ends[-1] |= _BATCH_END
-        _pwrite_all(seg.log_fd, b"".join(parts), end)
-        _pwrite_all(seg.idx_fd, struct.pack(f"<{len(ends)}Q", *ends), count * 8)
+        pwrite_all(seg.log_fd, memoryview(b"".join(parts)), end)
+        pwrite_all(seg.idx_fd, memoryview(struct.pack(f"<{len(ends)}Q", *ends)), count * 8)
         return seg, first
 
     def _recover(self) -> None:
@@ -542,7 +527,7 @@ class _Partition:
             os.ftruncate(seg.idx_fd, keep * 8)
             changed = True
         if keep and not raw[keep - 1] & np.uint64(_BATCH_END):  # so the next recovery starts here
-            _pwrite_all(seg.idx_fd, struct.pack("<Q", end | _BATCH_END), (keep - 1) * 8)
+            pwrite_all(seg.idx_fd, memoryview(struct.pack("<Q", end | _BATCH_END)), (keep - 1) * 8)
             changed = True
         if log_size > end:
             os.ftruncate(seg.log_fd, end)
@@ -566,7 +551,7 @@ class _Partition:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.dir / f"{base:020d}.{ext}")
         if self._fsync:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         return self.start()
 
     def close(self) -> None:
@@ -646,8 +631,8 @@ class LocalCommitLog:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, meta)
-            _fsync_dir(topic_dir)
-            _fsync_dir(self.directory)
+            fsync_dir(topic_dir)
+            fsync_dir(self.directory)
         finally:
             os.close(fd)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 
-def fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
     """Make a directory's entries (created, renamed, deleted files) durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:

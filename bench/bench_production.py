@@ -1,0 +1,320 @@
+"""Production-mode benchmarks (issue 4): the five stages as separate processes on real Kafka and Redis.
+
+* ``production.throughput``: N timer messages already due, written to the timer topic before the
+  pipeline runs; messages/s from the moment enqueue-get starts consuming to the last delivery,
+  beside a plain kafka-python consume-then-produce pass-through of the same records (same client,
+  acks=all, measured in the same run). The ratio is the figure.
+* ``production.lateness``: a steady rate (default 1,000 msg/s) for S seconds (default 60), tick
+  100 ms, delays 1-5 s: lateness p50 / p99 / max. If the pipeline cannot keep up with the rate
+  here, the rate is halved until a short probe keeps up, the figure is measured there, and the
+  output says so (``sustained=false`` for the asked rate).
+* ``production.burst``: N messages (default 200,000) due in the same second: time to drain,
+  messages/s, and the peak RSS (VmHWM) of each stage process.
+
+Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
+``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
+list of throughput, lateness, burst). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from bench.common import emit, percentile, say
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "e2e"))
+
+from harness import STAGES, Pipeline, now_ms  # noqa: E402 - the e2e harness runs the processes
+
+PARTITIONS = 4
+VALUE = b"x" * 100
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, "") or default)
+
+
+def servers() -> tuple[str, str]:
+    """(Kafka bootstrap, Redis URL): from the environment, else the script-managed servers."""
+    kafka, redis_url = os.environ.get("TW_KAFKA_BOOTSTRAP", ""), os.environ.get("TW_REDIS_URL", "")
+    for name, value in (("kafka", kafka), ("redis", redis_url)):
+        if not value:
+            subprocess.run([str(ROOT / "scripts" / f"{name}.sh"), "up"], check=True, cwd=ROOT, timeout=900)
+    env: dict[str, str] = {}
+    for name in ("kafka", "redis"):
+        path = ROOT / ".run" / f"{name}.env"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition("=")
+                env[key.strip()] = value.strip()
+    return kafka or env["TW_KAFKA_BOOTSTRAP"], redis_url or env["TW_REDIS_URL"]
+
+
+def _producer(kafka: str) -> KafkaProducer:
+    return KafkaProducer(bootstrap_servers=kafka, acks="all", linger_ms=5, batch_size=256 * 1024)
+
+
+def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int) -> float:
+    """Write n timer records due at ``deliver_at`` across the timer partitions; returns seconds."""
+    producer = _producer(kafka)
+    t0 = time.perf_counter()
+    due = str(deliver_at).encode()
+    for i in range(n):
+        producer.send(topic, key=b"%d" % i, value=VALUE, partition=i % PARTITIONS,
+                      headers=[("tw-topic", dest.encode()), ("tw-deliver-at", due), ("tw-id", b"m%d" % i)])
+    producer.flush()
+    elapsed = time.perf_counter() - t0
+    producer.close()
+    return elapsed
+
+
+def end_total(consumer: KafkaConsumer, topic: str) -> int:
+    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+    return sum(consumer.end_offsets(tps).values()) if tps else 0
+
+
+def wait_delivered(consumer: KafkaConsumer, topic: str, n: int, timeout_s: float) -> float | None:
+    """Block until ``topic`` holds n records; the time.monotonic() it did, None on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if end_total(consumer, topic) >= n:
+            return time.monotonic()
+        time.sleep(0.05)
+    return None
+
+
+def pass_through(kafka: str, source: str, n: int) -> float:
+    """Consume n records of ``source`` and produce each to a new topic, as the pipeline's clients do
+    (kafka-python, acks=all, idempotent); messages/s from the first poll to the last ack."""
+    dest = f"{source}-copy"
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, enable_auto_commit=False,
+                             auto_offset_reset="earliest", max_poll_records=2000)
+    tps = [TopicPartition(source, p) for p in range(PARTITIONS)]
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    producer = KafkaProducer(bootstrap_servers=kafka, acks="all", enable_idempotence=True, linger_ms=5,
+                             batch_size=512 * 1024)
+    moved = 0
+    t0 = time.perf_counter()
+    while moved < n:
+        for recs in consumer.poll(timeout_ms=200, max_records=2000).values():
+            for r in recs:
+                producer.send(dest, key=r.key, value=r.value, headers=list(r.headers or ()))
+            moved += len(recs)
+    producer.flush()
+    elapsed = time.perf_counter() - t0
+    producer.close()
+    consumer.close()
+    return n / elapsed
+
+
+def new_pipeline(kafka: str, redis_url: str, **settings: Any) -> Pipeline:
+    work = Path(tempfile.mkdtemp(prefix="tw-bench-prod-"))
+    settings.setdefault("fsync", "true")
+    settings.setdefault("roll_window_ms", 3_600_000)
+    settings.setdefault("wheel_span_ms", 2 * int(settings["roll_window_ms"]))
+    settings.setdefault("batch_size", 500)
+    settings.setdefault("max_in_flight", 20_000)
+    settings.setdefault("lease_ttl_ms", 10_000)
+    settings.setdefault("timer_partitions", PARTITIONS)
+    pipe = Pipeline(work, kafka, redis_url, **settings)
+    pipe.env["TW_LOG_LEVEL"] = "WARNING"
+    return pipe
+
+
+def close(pipe: Pipeline) -> None:
+    pipe.stop_all()
+    shutil.rmtree(pipe.workdir, ignore_errors=True)
+
+
+def throughput(kafka: str, redis_url: str, n: int) -> None:
+    pipe = new_pipeline(kafka, redis_url)
+    dest = pipe.dest("tp")
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
+    try:
+        pipe.create_timer_topic()
+        pipe.create_topic(dest, PARTITIONS)
+        fill_s = fill(kafka, pipe.timer_topic, dest, n, now_ms())
+        say(f"throughput: {n:,} due records written to the timer topic in {fill_s:.1f} s")
+        for name in ("enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put"):
+            pipe.start(name, wait_ready=False)
+        for name in ("enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put"):
+            pipe.wait_ready(name, 120)
+        pipe.start("enqueue-get", wait_ready=False)
+        while not pipe.ready("enqueue-get"):  # ready = its first poll is done: the clock starts
+            assert pipe.procs["enqueue-get"].alive(), pipe.tails(["enqueue-get"])
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        t1 = wait_delivered(consumer, dest, n, 600)
+        if t1 is None:
+            raise RuntimeError(f"throughput: not all {n} delivered within 600 s\n{pipe.tails()}")
+        rate = n / (t1 - t0)
+        base = pass_through(kafka, pipe.timer_topic, n)
+        say(f"five-process pipeline {rate:,.0f} msg/s; kafka-python pass-through {base:,.0f} msg/s")
+        emit("production.throughput", rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
+             passthrough_per_s=round(base), ratio=round(rate / base, 3), shards=2, timer_partitions=PARTITIONS)
+    finally:
+        consumer.close()
+        close(pipe)
+
+
+class _Lateness:
+    """Sends ``rate`` msg/s for ``seconds``, delays 1-5 s, and collects the delivered records."""
+
+    def __init__(self, pipe: Pipeline, dest: str, rate: int, seconds: float) -> None:
+        self.pipe, self.dest, self.rate, self.seconds = pipe, dest, rate, seconds
+        self.due: dict[bytes, int] = {}
+        self.late: list[int] = []
+        self.sent = 0
+
+    def run(self) -> dict[str, Any]:
+        kafka = self.pipe.kafka
+        stop = threading.Event()
+        consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, auto_offset_reset="earliest",
+                                 fetch_max_wait_ms=50)
+        tps = [TopicPartition(self.dest, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        delivered: dict[bytes, int] = {}
+
+        def collect() -> None:
+            while not stop.is_set():
+                for recs in consumer.poll(timeout_ms=100, max_records=5000).values():
+                    for r in recs:
+                        h = dict(r.headers or ())
+                        delivered.setdefault(bytes(h.get("tw-id", b"")), int(h.get("tw-delivered-at", b"0")))
+
+        reader = threading.Thread(target=collect, daemon=True)
+        reader.start()
+        producer = _producer(kafka)
+        rng = random.Random(1)
+        t0 = time.monotonic()
+        dest = self.dest.encode()
+        while time.monotonic() - t0 < self.seconds:
+            target = int((time.monotonic() - t0) * self.rate)
+            while self.sent < target:
+                mid = b"l%d" % self.sent
+                at = now_ms() + rng.randint(1_000, 5_000)
+                self.due[mid] = at
+                producer.send(self.pipe.timer_topic, key=mid, value=VALUE, partition=self.sent % PARTITIONS,
+                              headers=[("tw-topic", dest), ("tw-deliver-at", str(at).encode()), ("tw-id", mid)])
+                self.sent += 1
+            time.sleep(0.002)
+        producer.flush()
+        behind = 0
+        deadline = time.monotonic() + 5 + 5  # the longest delay, then what counts as keeping up
+        while len(delivered) < self.sent and time.monotonic() < deadline:
+            time.sleep(0.1)
+        behind = self.sent - len(delivered)
+        stop.set()
+        reader.join(5)
+        consumer.close()
+        producer.close()
+        late = sorted(at - self.due[mid] for mid, at in delivered.items() if mid in self.due)
+        self.late = late
+        return {"sent": self.sent, "delivered": len(late), "behind_after_10s": behind,
+                "p50": percentile(late, 0.5), "p99": percentile(late, 0.99), "max": late[-1] if late else None,
+                "early": sum(1 for x in late if x < 0)}
+
+
+def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float) -> dict[str, Any]:
+    pipe = new_pipeline(kafka, redis_url, tick_ms=100, batch_size=200, max_in_flight=5_000)
+    dest = pipe.dest("late")
+    try:
+        pipe.create_timer_topic()
+        pipe.create_topic(dest, PARTITIONS)
+        pipe.start_all(120)
+        return _Lateness(pipe, dest, rate, seconds).run()
+    finally:
+        close(pipe)
+
+
+def keeps_up(result: dict[str, Any]) -> bool:
+    return bool(result["behind_after_10s"] == 0 and result["p99"] <= 1_000)
+
+
+def lateness(kafka: str, redis_url: str, rate: int, seconds: float) -> None:
+    asked = rate
+    probe_s = min(15.0, seconds)
+    while True:
+        probe = _lateness_run(kafka, redis_url, rate, probe_s)
+        say(f"lateness probe at {rate} msg/s for {probe_s:.0f} s: p50 {probe['p50']:.0f} ms, "
+            f"p99 {probe['p99']:.0f} ms, {probe['behind_after_10s']} not delivered 10 s after the last send")
+        if keeps_up(probe) or rate <= 50:
+            break
+        rate //= 2
+    result = _lateness_run(kafka, redis_url, rate, seconds)
+    sustained = rate == asked and keeps_up(result)
+    if rate != asked:
+        say(f"the pipeline does not sustain {asked} msg/s on this machine; measured at {rate} msg/s, "
+            f"the highest of {asked}, {asked // 2}, ... that kept up in a probe")
+    emit("production.lateness.p99", result["p99"], "ms", p50=result["p50"], max=result["max"],
+         early=result["early"], scheduled=result["sent"], delivered=result["delivered"],
+         not_delivered_10s_after_last_send=result["behind_after_10s"], rate_per_s=rate, asked_rate_per_s=asked,
+         sustained_asked_rate=sustained, seconds=seconds, tick_ms=100)
+
+
+def burst(kafka: str, redis_url: str, n: int) -> None:
+    pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000)
+    dest = pipe.dest("burst")
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
+    try:
+        pipe.create_timer_topic()
+        pipe.create_topic(dest, PARTITIONS)
+        pipe.start_all(120)
+        # Due far enough ahead that every record is in the TimerLog when the second comes.
+        due = now_ms() + 30_000 + n // 2
+        t0 = time.monotonic()
+        fill_s = fill(kafka, pipe.timer_topic, dest, n, due)
+        while True:
+            written = sum(sum(pipe.checkpoint(s)["next_offsets"].values()) for s in range(2))
+            if written >= n:
+                break
+            time.sleep(0.2)
+        enqueue_s = time.monotonic() - t0
+        left_ms = due - now_ms()
+        say(f"burst: {n:,} records produced in {fill_s:.1f} s, in the TimerLogs after {enqueue_s:.1f} s, "
+            f"{left_ms / 1000:.1f} s before they are due")
+        if left_ms > 0:
+            time.sleep(left_ms / 1000)
+        start = time.monotonic()
+        t1 = wait_delivered(consumer, dest, n, 1800)
+        if t1 is None:
+            raise RuntimeError(f"burst: not all {n} delivered within 1800 s\n{pipe.tails()}")
+        drain = t1 - start
+        rss = {name: round(pipe.vm_hwm_kb(name) / 1024, 1) for name in STAGES}
+        say(f"burst drained in {drain:.1f} s ({n / drain:,.0f} msg/s); peak RSS MiB {rss}")
+        emit("production.burst", n / drain, "messages/s", messages=n, drain_s=round(drain, 2),
+             enqueue_s=round(enqueue_s, 2), enqueue_per_s=round(n / enqueue_s), due_late_s=round(max(0, -left_ms) / 1000, 1),
+             peak_rss_mb=rss)
+    finally:
+        consumer.close()
+        close(pipe)
+
+
+def main() -> None:
+    kafka, redis_url = servers()
+    only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY", "throughput,lateness,burst").split(",")))
+    if "throughput" in only:
+        throughput(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
+    if "lateness" in only:
+        lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
+    if "burst" in only:
+        burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Tracing through the five stages (embedded, simulated clock, in-memory span exporter) and the
+metrics a run leaves behind."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from stages.scenario import by_id, header, step_through
+from timerwheel import SimulatedClock, telemetry
+from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.health import HealthServer
+
+ROLL_WINDOW_MS = 10_000
+START = 1_700_000_000_000
+
+
+@pytest.fixture
+def clock() -> SimulatedClock:
+    return SimulatedClock(start_ms=START)
+
+
+@pytest.fixture
+def tw(tmp_path: Path, clock: SimulatedClock) -> Iterator[EmbeddedTimerwheel]:
+    """An embedded timerwheel whose roll window makes a 25 s delay roll twice."""
+    with EmbeddedTimerwheel(tmp_path / "data", clock=clock, tick_ms=100, roll_window_ms=ROLL_WINDOW_MS,
+                            fsync=False) as opened:
+        yield opened
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry.use(provider)
+    try:
+        yield exporter
+    finally:
+        telemetry.use(None)
+        provider.shutdown()
+
+
+SpanKey = tuple[int, int]
+
+
+def _key(span: ReadableSpan) -> SpanKey:
+    assert span.context is not None
+    return span.context.trace_id, span.context.span_id
+
+
+def joined(start: ReadableSpan, spans: list[ReadableSpan]) -> list[ReadableSpan]:
+    """Every span reachable from ``start`` through parents, children and links (either way)."""
+    edges: dict[SpanKey, set[SpanKey]] = {}
+    for s in spans:
+        others = [(link.context.trace_id, link.context.span_id) for link in s.links]
+        if s.parent is not None:
+            others.append((s.parent.trace_id, s.parent.span_id))
+        for o in others:
+            edges.setdefault(_key(s), set()).add(o)
+            edges.setdefault(o, set()).add(_key(s))
+    seen = {_key(start)}
+    todo = [_key(start)]
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return [s for s in spans if _key(s) in seen]
+
+
+def send_span_of(spans: list[ReadableSpan], message_id: str) -> ReadableSpan:
+    found = [s for s in spans if s.kind == SpanKind.PRODUCER and s.attributes is not None
+             and s.attributes.get("messaging.message.id") == message_id]
+    assert len(found) == 1, [s.name for s in found]
+    return found[0]
+
+
+def run_scenario(tw: EmbeddedTimerwheel, clock: SimulatedClock) -> dict[str, Any]:
+    normal = tw.schedule("orders", b"normal", delay_ms=1_000)
+    rolled = tw.schedule("orders", b"rolled", delay_ms=25_000)
+    cancelled = tw.schedule("orders", b"cancelled", delay_ms=2_000)
+    invalid = tw.schedule(tw.config.timer_topic, b"loops", delay_ms=1_000)  # destination is the timer topic
+    tw.wait_idle()
+    tw.cancel(cancelled)
+    step_through(tw, clock, [normal.deliver_at_ms, cancelled.deliver_at_ms, rolled.deliver_at_ms],
+                 rolled.deliver_at_ms + 1_000)
+    return {"normal": normal, "rolled": rolled, "cancelled": cancelled, "invalid": invalid}
+
+
+def test_a_delivered_message_is_one_linked_trace_from_send_to_delivery(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock, spans: InMemorySpanExporter) -> None:
+    t = run_scenario(tw, clock)
+    timer_topic = tw.config.timer_topic
+    done = list(spans.get_finished_spans())
+    delivered = by_id(tw.read("orders"))
+    assert set(delivered) == {t["normal"].message_id, t["rolled"].message_id}
+
+    send = send_span_of(done, t["normal"].message_id)
+    assert send.name == f"send {timer_topic}"
+    trace = joined(send, done)
+    names = {s.name for s in trace}
+    assert {f"send {timer_topic}", f"process {timer_topic}", "enqueue-put", f"receive {timer_topic}",
+            "send orders"} <= names, names
+
+    # The stage spans that link the send span directly (a batch span also links other messages).
+    by_name = {s.name: s for s in trace if any(li.context.span_id == send.context.span_id  # type: ignore[union-attr]
+                                               for li in s.links)}
+    assert {f"process {timer_topic}", "enqueue-put", f"receive {timer_topic}", "send orders"} <= set(by_name)
+    assert by_name[f"process {timer_topic}"].kind == SpanKind.CONSUMER
+    assert by_name[f"receive {timer_topic}"].kind == SpanKind.CLIENT
+    assert by_name["enqueue-put"].attributes is not None
+    assert "timerwheel.shard" in by_name["enqueue-put"].attributes
+    for s in (send, by_name[f"process {timer_topic}"], by_name["send orders"]):
+        assert s.attributes is not None and s.attributes["messaging.system"] == "kafka"
+    assert by_name[f"process {timer_topic}"].attributes["messaging.consumer.group.name"] == "timerwheel"  # type: ignore[index]
+
+    put = by_name["send orders"]
+    assert put.kind == SpanKind.PRODUCER
+    assert put.attributes is not None and put.attributes["messaging.destination.name"] == "orders"
+    link = next(li for li in put.links if li.context.span_id == send.context.span_id)  # type: ignore[union-attr]
+    assert link.attributes is not None
+    assert link.attributes["messaging.message.id"] == t["normal"].message_id
+    assert link.attributes["timerwheel.lateness_ms"] >= 0  # type: ignore[operator]
+    assert link.attributes["timerwheel.deliver_at"] == t["normal"].deliver_at_ms
+
+    # The delivered record continues the trace from dequeue-put's span.
+    (record,) = delivered[t["normal"].message_id]
+    version, trace_id, span_id, _flags = header(record, "traceparent").split("-")
+    assert (int(trace_id, 16), int(span_id, 16)) == _key(put)
+
+    # The rolled message: each roll hop's dequeue-put span is linked to the one before.
+    (rolled_record,) = delivered[t["rolled"].message_id]
+    hops = int(header(rolled_record, "tw-roll"))
+    assert hops >= 1
+    rolled_trace = joined(send_span_of(done, t["rolled"].message_id), done)
+    puts = [s for s in rolled_trace if s.name in ("send orders", f"send {timer_topic}") and s.kind == SpanKind.PRODUCER
+            and s.attributes is not None and s.attributes.get("messaging.operation.type") == "send"
+            and "messaging.batch.message_count" in s.attributes]
+    assert len(puts) >= hops + 1
+    _, r_trace, r_span, _ = header(rolled_record, "traceparent").split("-")
+    assert (int(r_trace, 16), int(r_span, 16)) in {_key(s) for s in puts}
+
+
+def test_cancelled_and_dead_lettered_messages_end_their_traces(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock, spans: InMemorySpanExporter) -> None:
+    t = run_scenario(tw, clock)
+    done = list(spans.get_finished_spans())
+
+    send = send_span_of(done, t["cancelled"].message_id)
+    ends = [s for s in done if s.parent is not None and s.parent.span_id == send.context.span_id]  # type: ignore[union-attr]
+    assert [e.name for s in ends for e in s.events] == ["cancelled"]
+    assert all(s.context.trace_id == send.context.trace_id for s in ends)  # type: ignore[union-attr]
+
+    bad = send_span_of(done, t["invalid"].message_id)
+    errors = [s for s in done if s.parent is not None and s.parent.span_id == bad.context.span_id]  # type: ignore[union-attr]
+    assert len(errors) == 1
+    (err,) = errors
+    assert err.status.status_code == StatusCode.ERROR
+    assert err.attributes is not None and err.attributes["error.type"] == "InvalidTimerMessage"
+    (event,) = err.events
+    assert event.name == "exception"
+    assert "timer topic" in str(event.attributes["exception.message"])  # type: ignore[index]
+    assert len(tw.read(tw.config.dlq_topic)) == 1
+
+
+def test_tracing_off_records_no_spans(clock: SimulatedClock, tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry.use(None)
+    assert telemetry.tracer() is None and telemetry.batch_start() is None
+    with EmbeddedTimerwheel(tmp_path / "data", clock=clock, tick_ms=100, roll_window_ms=ROLL_WINDOW_MS,
+                            fsync=False) as tw:
+        run_scenario(tw, clock)
+        assert exporter.get_finished_spans() == ()
+        assert all(r.header("traceparent") is None for r in tw.read("orders"))
+
+
+def test_tracing_is_configured_by_the_otel_variables() -> None:
+    assert not telemetry.tracing_requested({})
+    assert telemetry.tracing_requested({"OTEL_TRACES_EXPORTER": "otlp"})
+    assert not telemetry.tracing_requested({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"})
+    assert telemetry.tracing_requested({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+    assert telemetry.metrics_requested({"OTEL_METRICS_EXPORTER": "otlp"})
+    assert not telemetry.configure_from_env(env={})
+
+
+def test_every_counter_equals_the_truth_and_metrics_renders_it(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock) -> None:
+    normal = [tw.schedule("orders", b"n", delay_ms=1_000 + 100 * i) for i in range(5)]
+    rolled = [tw.schedule("orders", b"r", delay_ms=25_000 + 100 * i) for i in range(2)]
+    doomed = [tw.schedule("orders", b"c", delay_ms=3_000 + 100 * i) for i in range(3)]
+    for _ in range(2):
+        tw.schedule(tw.config.timer_topic, b"x", delay_ms=1_000)
+    tw.wait_idle()
+    for ticket in doomed:
+        tw.cancel(ticket)
+    tw.wait_idle()
+    tw.sample_gauges()
+    m = tw.metrics
+    # 10 messages and 3 cancel markers wait in the wheels; nothing is queued between stages.
+    assert sum(m.gauges["pending"].values()) == 13
+    assert set(m.gauges["queue_depth"].values()) == {0}
+
+    due = [x.deliver_at_ms for x in normal + rolled + doomed]
+    step_through(tw, clock, due, max(due) + 1_000)
+    delivered = tw.read("orders")
+    hops = sum(int(header(r, "tw-roll")) for r in delivered)
+    assert len(delivered) == 7 and hops >= 2
+    tw.sample_gauges()
+    assert sum(m.gauges["pending"].values()) == 0
+
+    assert m.counter("scheduled", topic="orders") == 10
+    assert m.counter("cancel_requests") == 3
+    assert m.counter("delivered", topic="orders") == 7
+    assert m.counter("cancelled", topic="orders") == 3
+    assert m.counter("rolled", topic="orders") == hops
+    assert m.counter("dead_lettered", topic=tw.config.timer_topic) == 2
+    assert m.counter("dead_lettered") == 2
+    assert m.histograms["delivery_lateness_ms"][()].count == 7
+
+    server = HealthServer(0, m, live=lambda: True, ready=lambda: True, host="127.0.0.1").start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        server.close()
+    lines = set(text.splitlines())
+    timer_topic = tw.config.timer_topic
+    for line in ('timerwheel_scheduled_total{topic="orders"} 10', 'timerwheel_delivered_total{topic="orders"} 7',
+                 'timerwheel_cancelled_total{topic="orders"} 3', f'timerwheel_rolled_total{{topic="orders"}} {hops}',
+                 f'timerwheel_dead_lettered_total{{topic="{timer_topic}"}} 2', "timerwheel_cancel_requests_total 3",
+                 "timerwheel_delivery_lateness_ms_count 7", 'timerwheel_pending{shard="0"} 0',
+                 'timerwheel_queue_depth{partition="0",queue="put"} 0'):
+        assert line in lines, f"{line!r} not in /metrics:\n{text}"
