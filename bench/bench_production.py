@@ -6,8 +6,8 @@
   acks=all, measured in the same run). The ratio is the figure.
 * ``production.lateness``: a steady rate (default 1,000 msg/s) for S seconds (default 60), tick
   100 ms, delays 1-5 s: lateness p50 / p99 / max. If the pipeline cannot keep up with the rate
-  here, the rate is halved until a short probe keeps up, the figure is measured there, and the
-  output says so (``sustained=false`` for the asked rate).
+  here (``keeps_up``), the rate is halved until a short probe keeps up, the figure is measured
+  there, and the output says so (``sustained_asked_rate=false``).
 * ``production.burst``: N messages (default 200,000) due in the same second: time to drain,
   messages/s, and the peak RSS (VmHWM) of each stage process.
 
@@ -243,7 +243,9 @@ def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float) -> dict
 
 
 def keeps_up(result: dict[str, Any]) -> bool:
-    return bool(result["behind_after_10s"] == 0 and result["p99"] <= 1_000)
+    """Sustained: nothing left 10 s after the last send and no backlog building up (p99 under 3 s;
+    a rate above what the pipeline handles shows a lateness that grows through the run)."""
+    return bool(result["behind_after_10s"] == 0 and result["p99"] <= 3_000)
 
 
 def lateness(kafka: str, redis_url: str, rate: int, seconds: float) -> None:
@@ -276,7 +278,7 @@ def burst(kafka: str, redis_url: str, n: int) -> None:
         pipe.create_topic(dest, PARTITIONS)
         pipe.start_all(120)
         # Due far enough ahead that every record is in the TimerLog when the second comes.
-        due = now_ms() + 30_000 + n // 2
+        due = now_ms() + 10_000 + n // 3  # the enqueue side takes ~4,500 msg/s here; due_late_s says if not
         t0 = time.monotonic()
         fill_s = fill(kafka, pipe.timer_topic, dest, n, due)
         while True:

@@ -16,6 +16,7 @@ import hashlib
 import re
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from timerwheel.config import TimerConfig
 from timerwheel.errors import InvalidTimerMessage
@@ -40,6 +41,7 @@ CONTROL_HEADERS = frozenset({H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H
 SERVICE_HEADERS = frozenset({H_ID, H_ROLL, H_ENQUEUED_AT, H_DELIVERED_AT})
 
 MAX_ID_BYTES = 1024
+_DECIMAL = re.compile(r"-?\d{1,20}")
 #: Kafka's rule for topic names.
 TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 #: Latest accepted delivery time: the year 9999.
@@ -59,9 +61,9 @@ def default_id(partition: int, offset: int) -> str:
     return f"{partition}-{offset}"
 
 
-@dataclass(frozen=True, slots=True)
-class TimerRequest:
-    """A valid timer record, normalised: what enqueue-put needs to write it."""
+class TimerRequest(NamedTuple):
+    """A valid timer record, normalised: what enqueue-put needs to write it (one per message:
+    a NamedTuple, immutable and cheap)."""
 
     deliver_ms: int
     cancel: bool
@@ -97,10 +99,13 @@ class Ticket:
 
 
 def _decimal(name: str, raw: bytes) -> int:
-    text = raw.decode("ascii", "replace").strip()
-    if not re.fullmatch(r"-?\d{1,20}", text):
-        raise InvalidTimerMessage(f"unparsable {name}: {text[:40]!r}")
-    value = int(text)
+    if raw.isdigit() and len(raw) <= 20:  # the common case, without a regex
+        value = int(raw)
+    else:
+        text = raw.decode("ascii", "replace").strip()
+        if not _DECIMAL.fullmatch(text):
+            raise InvalidTimerMessage(f"unparsable {name}: {text[:40]!r}")
+        value = int(text)
     if value < 0:
         raise InvalidTimerMessage(f"negative {name}: {value}")
     if value > MAX_EPOCH_MS:
@@ -114,16 +119,38 @@ class TimerRules:
     def __init__(self, config: TimerConfig) -> None:
         self.config = config
         self._allow = [re.compile(p) for p in config.allow_topics]
+        #: destination -> why it is refused ("" if allowed); destinations are few, checks are regexes.
+        self._verdicts: dict[str, str] = {}
+
+    def destination_error(self, topic: str) -> str:
+        """Why ``topic`` cannot be a destination, or "" if it can."""
+        verdict = self._verdicts.get(topic)
+        if verdict is None:
+            if not TOPIC_NAME.fullmatch(topic) or topic in (".", ".."):
+                verdict = f"invalid destination topic name {topic[:60]!r}"
+            elif topic == self.config.timer_topic:
+                verdict = f"destination is the timer topic {topic!r}"
+            elif not self.topic_allowed(topic):
+                verdict = f"destination {topic!r} not allowed by allow_topics"
+            else:
+                verdict = ""
+            if len(self._verdicts) > 10_000:
+                self._verdicts.clear()
+            self._verdicts[topic] = verdict
+        return verdict
 
     def topic_allowed(self, topic: str) -> bool:
         if topic in (self.config.timer_topic, self.config.dlq_topic):
             return False
         return any(p.fullmatch(topic) for p in self._allow)
 
-    def delivery_time(self, record: Record, now_ms: int, check_max: bool = True) -> int:
-        at = record.header(H_DELIVER_AT)
-        delay = record.header(H_DELAY_MS)
-        level = record.header(H_DELAY_LEVEL)
+    def delivery_time(self, record: Record, now_ms: int, check_max: bool = True,
+                      headers: dict[str, bytes] | None = None) -> int:
+        """The record's delivery time; ``headers`` may pass ``dict(record.headers)`` already built."""
+        hdr = headers if headers is not None else dict(record.headers)
+        at = hdr.get(H_DELIVER_AT)
+        delay = hdr.get(H_DELAY_MS)
+        level = hdr.get(H_DELAY_LEVEL)
         given = [h for h, v in ((H_DELIVER_AT, at), (H_DELAY_MS, delay), (H_DELAY_LEVEL, level)) if v is not None]
         if not given:
             raise InvalidTimerMessage(f"no delivery time: set one of {H_DELIVER_AT}, {H_DELAY_MS}, {H_DELAY_LEVEL}")
@@ -171,12 +198,9 @@ class TimerRules:
         if raw_topic is None or not raw_topic:
             raise InvalidTimerMessage(f"missing {H_TOPIC}")
         topic = raw_topic.decode("utf-8", "replace")
-        if not TOPIC_NAME.fullmatch(topic) or topic in (".", ".."):
-            raise InvalidTimerMessage(f"invalid destination topic name {topic[:60]!r}")
-        if topic == self.config.timer_topic:
-            raise InvalidTimerMessage(f"destination is the timer topic {topic!r}")
-        if not self.topic_allowed(topic):
-            raise InvalidTimerMessage(f"destination {topic!r} not allowed by allow_topics")
+        refused = self.destination_error(topic)
+        if refused:
+            raise InvalidTimerMessage(refused)
         raw_id = record.header(H_ID)
         if raw_id is not None and (not raw_id or len(raw_id) > MAX_ID_BYTES):
             raise InvalidTimerMessage(f"{H_ID} must be 1..{MAX_ID_BYTES} bytes")

@@ -59,3 +59,29 @@ def test_already_due_goes_to_the_slot_of_w() -> None:
 def test_remaining_under_a_third_rolls_to_half_the_window() -> None:
     assert fire_time(DAY + DAY // 4, 0, DAY) == (DAY // 2, True)
     assert fire_time(DAY + DAY // 2, 0, DAY) == (DAY, True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    deliver=st.lists(st.integers(0, 400 * DAY), min_size=1, max_size=50),
+    write_ms=st.integers(0, 2 * DAY),
+    window=st.sampled_from([DAY // 2, DAY, 2 * DAY]),
+)
+def test_vectorised_batch_matches_fire_time(deliver: list[int], write_ms: int, window: int) -> None:
+    """enqueue-put builds a batch's records column-wise; each must fire where fire_time says."""
+    from types import SimpleNamespace
+
+    from timerwheel.config import TimerConfig
+    from timerwheel.stages.enqueue_put import EnqueuePut
+    from timerwheel.store import Flag
+
+    put = EnqueuePut.__new__(EnqueuePut)
+    put.ctx = SimpleNamespace(config=TimerConfig(roll_window_ms=window))  # type: ignore[assignment]
+    rows = [(1, i, 10, 5, d, i % 2, 7, 2**63 + i) for i, d in enumerate(deliver)]
+    arr = put._records(rows, write_ms)
+    for i, d in enumerate(deliver):
+        fire, rolled = fire_time(d, write_ms, window)
+        assert int(arr["deliver_ms"][i]) == fire
+        flags = int(arr["magic"][i]) & 0xFF
+        assert bool(flags & Flag.ROLL) == rolled and bool(flags & Flag.DELETE) == bool(i % 2)
+        assert int(arr["id_hash"][i]) == 2**63 + i and int(arr["src_offset"][i]) == i

@@ -16,11 +16,12 @@ done       shard                 DoneEntry: per slot, how many messages dequeue-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Union, cast
 
 import msgpack
 
 from timerwheel.records import Record
+from timerwheel.transports.base import WorkQueue
 
 Q_PUT = "put"
 Q_FETCH = "fetch"
@@ -28,6 +29,18 @@ Q_DELIVER = "deliver"
 Q_DONE = "done"
 #: The stage that consumes each queue (woken when an entry is put).
 CONSUMER_OF = {Q_PUT: "enqueue-put", Q_FETCH: "dequeue-getmsg", Q_DELIVER: "dequeue-put", Q_DONE: "dequeue-get"}
+
+
+Entry = Union["PutEntry", "FetchEntry", "DeliverEntry", "DoneEntry"]
+
+
+def wire(queue: WorkQueue, entry: Entry) -> bytes:
+    """What to put into ``queue``: the entry's msgpack bytes, or, for an in-process queue
+    (``in_process = True``), the entry object itself — no encoding, no copy. Every
+    ``decode`` accepts both."""
+    if getattr(queue, "in_process", False):
+        return cast(bytes, entry)
+    return entry.encode()
 
 
 def _pack(obj: Any) -> bytes:
@@ -63,6 +76,8 @@ class PutEntry:
 
     @classmethod
     def decode(cls, data: bytes) -> PutEntry:
+        if isinstance(data, cls):
+            return data  # an in-process queue passes the entry itself
         p, lo, hi, reqs = _unpack(data)
         make = PutRequest._make
         return cls(p, lo, hi, tuple(make(r) for r in reqs))
@@ -92,6 +107,8 @@ class FetchEntry:
 
     @classmethod
     def decode(cls, data: bytes) -> FetchEntry:
+        if isinstance(data, cls):
+            return data  # an in-process queue passes the entry itself
         shard, gen, slot, items = _unpack(data)
         make = FetchItem._make
         return cls(shard, gen, slot, tuple(make(i) for i in items))
@@ -130,6 +147,8 @@ class DeliverEntry:
 
     @classmethod
     def decode(cls, data: bytes) -> DeliverEntry:
+        if isinstance(data, cls):
+            return data  # an in-process queue passes the entry itself
         shard, gen, slot, items = _unpack(data)
         return cls(shard, gen, slot, tuple(
             DeliverItem(k, fire, enq, _record_from(rec), sp, so, tp) for k, fire, enq, rec, sp, so, tp in items
@@ -148,5 +167,7 @@ class DoneEntry:
 
     @classmethod
     def decode(cls, data: bytes) -> DoneEntry:
+        if isinstance(data, cls):
+            return data  # an in-process queue passes the entry itself
         shard, gen, counts = _unpack(data)
         return cls(shard, gen, {s: n for s, n in counts})

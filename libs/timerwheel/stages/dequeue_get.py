@@ -35,7 +35,7 @@ from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
 from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext
-from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem
+from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
 from timerwheel.transports.base import WorkQueue
@@ -225,7 +225,7 @@ class DequeueGet:
         if not st.outbox:
             return True
         try:
-            self.fetch_q.put(st.shard_id, [e.encode() for e in st.outbox], 0.001)
+            self.fetch_q.put(st.shard_id, [wire(self.fetch_q, e) for e in st.outbox], 0.001)
         except QueueFullError:
             return False
         st.outbox.clear()

@@ -15,7 +15,16 @@ from timerwheel import telemetry
 from timerwheel.log import stage_logger
 from timerwheel.records import Record
 from timerwheel.stages.base import QueueStage, StageContext, put_blocking
-from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DeliverItem, FetchEntry
+from timerwheel.stages.codec import (
+    CANCELLED,
+    DELIVER,
+    MISSING,
+    ROLL,
+    DeliverEntry,
+    DeliverItem,
+    FetchEntry,
+    wire,
+)
 from timerwheel.store import Flag
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import H_CANCEL, message_id_of
@@ -68,7 +77,7 @@ class DequeueGetMsg(QueueStage):
                     kind = DELIVER
                 items.append(DeliverItem(kind, item.fire_ms, item.enqueued_ms, rec, item.src_partition,
                                          item.src_offset, traceparent))
-            out.append(DeliverEntry(f.shard, f.generation, f.slot_time, tuple(items)).encode())
+            out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, tuple(items))))
         if missing:
             self.logger.warning("source records gone from the log", records=missing, partition=partition)
         put_blocking(self.ctx, self.deliver_q, partition, out, self.logger.bind(shard=partition))

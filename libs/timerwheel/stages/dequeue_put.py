@@ -18,7 +18,7 @@ from timerwheel import telemetry
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord
 from timerwheel.stages.base import QueueStage, StageContext, append_until_written, put_blocking
-from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry
+from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry, wire
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
     H_ERROR,
@@ -79,9 +79,10 @@ class DequeuePut(QueueStage):
                         (H_SOURCE, f"{cfg.timer_topic}/{item.src_partition}/{item.src_offset}".encode()))))
                     dead["-"] = dead.get("-", 0) + 1
                     continue
-                raw_topic = rec.header(H_TOPIC)
+                hdr = dict(rec.headers)  # one pass; the last of repeated headers wins, as Record.header
+                raw_topic = hdr.get(H_TOPIC)
                 topic = raw_topic.decode("utf-8", "replace") if raw_topic else "-"
-                raw_roll = rec.header(H_ROLL)
+                raw_roll = hdr.get(H_ROLL)
                 roll = int(raw_roll) if raw_roll else 0
                 if item.kind == CANCELLED:
                     cancelled[topic] = cancelled.get(topic, 0) + 1
@@ -94,7 +95,7 @@ class DequeuePut(QueueStage):
                     rolled[topic] = rolled.get(topic, 0) + 1
                 else:
                     assert item.kind == DELIVER
-                    raw_part = rec.header(H_PARTITION)
+                    raw_part = hdr.get(H_PARTITION)
                     dest_partition = int(raw_part) if raw_part else None
                     if dest_partition is not None and dest_partition >= self._partitions_of(topic):
                         reason = f"tw-partition {dest_partition} out of range for {topic!r}"
@@ -106,12 +107,12 @@ class DequeuePut(QueueStage):
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(topic, rec.key, rec.value, headers, partition=dest_partition))
                     delivered[topic] = delivered.get(topic, 0) + 1
-                    lateness.append(now - ctx.rules.delivery_time(rec, now, check_max=False))
+                    lateness.append(now - ctx.rules.delivery_time(rec, now, check_max=False, headers=hdr))
         append_until_written(ctx, self.log, out, self.logger)
         # Report before ack: a crash in between redelivers the entries (a bounded duplicate)
         # instead of stalling the slot until dequeue-get re-sends it.
         for (shard, generation), counts in done.items():
-            put_blocking(ctx, self.done_q, shard, [DoneEntry(shard, generation, counts).encode()],
+            put_blocking(ctx, self.done_q, shard, [wire(self.done_q, DoneEntry(shard, generation, counts))],
                          self.logger.bind(shard=shard))
         self.deliver_q.ack(partition, [eid for eid, _ in entries])
         m = ctx.metrics

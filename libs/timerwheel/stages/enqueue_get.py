@@ -21,7 +21,7 @@ from timerwheel.errors import InvalidTimerMessage
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import StageContext, append_until_written, put_blocking
-from timerwheel.stages.codec import PutEntry, PutRequest
+from timerwheel.stages.codec import PutEntry, PutRequest, wire
 from timerwheel.transports.base import CommitLog, Consumer, WorkQueue
 from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
 
@@ -118,7 +118,7 @@ class EnqueueGet:
         by_shard: dict[int, list[bytes]] = {}
         for p, (lo, hi) in ranges.items():
             entry = PutEntry(p, lo, hi, tuple(requests[p]))
-            by_shard.setdefault(self.shard_of(p), []).append(entry.encode())
+            by_shard.setdefault(self.shard_of(p), []).append(wire(self.queue, entry))
         for shard, entries in by_shard.items():
             put_blocking(ctx, self.queue, shard, entries, self.logger.bind(shard=shard))
         if scheduled:

@@ -78,6 +78,9 @@ class MemoryWorkQueue:
     """A WorkQueue in one process (see the module header). ``clock`` times pending entries for
     ``claim_stale``; by default real monotonic time, since idleness is about live consumers."""
 
+    #: Entries stay Python objects: the stages skip encoding for this queue (codec.wire).
+    in_process = True
+
     def __init__(self, name: str, partitions: int, bound: int, *, clock: Clock | None = None) -> None:
         if partitions < 1:
             raise ValueError(f"MemoryWorkQueue {name!r}: partitions must be >= 1, got {partitions}")
