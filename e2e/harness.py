@@ -1,13 +1,16 @@
 """End-to-end harness: the five stages as separate processes on real Kafka and Redis.
 
-    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=2)
+    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=2)   # TW_* settings as keywords
+    pipe.create_topic(pipe.dest("a"), 2)
     pipe.start_all()                     # five `timerwheel stage NAME` processes, waits on /readyz
     producer = TimerProducer(pipe)       # plain kafka-python, wire-contract headers
     collector = Collector(pipe, [pipe.dest("a")])
-    producer.schedule(pipe.dest("a"), deliver_at_ms=now_ms() + 5_000)
-    pipe.kill("dequeue-put"); pipe.restart("dequeue-put")
-    rep = report(producer, collector, settle_s=...)   # scheduled, delivered, lost, duplicated, late
-    pipe.stop_all()
+    m = producer.schedule(pipe.dest("a"), now_ms() + 5_000); producer.cancel(m)
+    load = SteadyLoad(producer, pipe.dest("a"), rate=60, min_delay_ms=500, max_delay_ms=20_000).start()
+    pipe.kill("dequeue-put"); pipe.start("dequeue-put")              # SIGKILL, then a new process
+    collector.wait_for(producer.expected(), timeout_s=60, pipe=pipe)
+    rep = make_report("name", producer, collector)  # prints scheduled, delivered, lost, duplicated, late
+    pipe.stop_all()                      # SIGTERM each, wait; exit codes
 
 Everything a test creates is its own: topic names carry a random suffix, the data directory is
 the test's tmp_path, Redis is one database of the server flushed at the start. Each stage

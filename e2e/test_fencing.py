@@ -35,11 +35,14 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
         pipe.kill("enqueue-put", signal.SIGSTOP)  # paused mid-work, holding its leases and writer locks
         time.sleep(LEASE_TTL_MS / 1000 + 1.5)
         pipe.start("enqueue-put#2", wait_ready=False)
-        time.sleep(3)
-        # The successor took the leases (the paused owner is fenced by them) but waits for the
+        # The successor takes the leases (the paused owner is fenced by them) but waits for the
         # writer locks the paused process still holds: it writes nothing yet.
+        deadline = time.monotonic() + 30
+        while len(events(pipe, "enqueue-put#2", "shard still locked by its previous owner, waiting")) < SHARDS:
+            assert time.monotonic() < deadline and pipe.procs["enqueue-put#2"].alive(), pipe.tails(["enqueue-put#2"])
+            time.sleep(0.2)
+        time.sleep(1)
         assert not pipe.ready("enqueue-put#2"), pipe.tails(["enqueue-put#2"])
-        assert events(pipe, "enqueue-put#2", "shard still locked by its previous owner, waiting")
         pipe.kill("enqueue-put", signal.SIGCONT)
         pipe.wait_ready("enqueue-put#2", 30)
 
@@ -72,6 +75,8 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
         assert not [line for line in pipe.log_lines("dequeue-get") if "corrupt" in str(line.get("event"))]
         assert all(pipe.checkpoint(s)["epoch"] == second_epochs[s] for s in range(SHARDS))
         assert pipe.procs["enqueue-put"].alive(), "the fenced owner should wait as a standby, not die"
+        codes = pipe.stop_all()
+        assert all(code == 0 for code in codes.values()), f"exit codes on SIGTERM {codes}\n{pipe.tails()}"
     finally:
         load.stop()
         collector.close()

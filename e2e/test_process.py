@@ -28,6 +28,7 @@ BAD_VALUES = [
     ("TW_DLQ_TOPIC", "__timer"),
     ("TW_KAFKA_BOOTSTRAP", ""),
     ("TW_REDIS_URL", ""),
+    ("TW_LOG_LEVEL", "chatty"),
 ]
 
 

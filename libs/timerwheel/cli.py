@@ -296,7 +296,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_logging(os.environ.get("TW_LOG_LEVEL", "INFO"))
+    level = os.environ.get("TW_LOG_LEVEL", "") or "INFO"
+    try:
+        configure_logging(level)
+    except ValueError:
+        sys.stderr.write(f"timerwheel: error: TW_LOG_LEVEL: must be DEBUG, INFO, WARNING or ERROR, got {level!r}\n")
+        return 2
     telemetry.configure_from_env()
     parser = make_parser()
     args = parser.parse_args(argv)

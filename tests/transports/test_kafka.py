@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -234,4 +235,43 @@ def test_the_log_keeps_working_across_a_broker_restart(
         assert polled == list(range(20, 25))
         consumer.close()
     finally:
+        commit_log.close()
+
+
+def test_appends_work_again_after_records_in_flight_expired_during_a_broker_outage(
+    kafka_bootstrap: str, kafka_control: ServerControl
+) -> None:
+    """Seen in e2e: records in flight when the broker went away expired, and kafka-python's
+    idempotent producer then held every later record of the partition for good."""
+    commit_log = KafkaCommitLog(kafka_bootstrap, request_timeout_s=4)
+    topic = new_topic(commit_log, partitions=1)
+    done: list[float] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def keep_appending() -> None:
+        while not stop.is_set():
+            try:
+                fill(commit_log, topic, 0, 50)
+                done.append(time.monotonic())
+            except KafkaLogError as exc:
+                failures.append(str(exc))
+                time.sleep(0.2)
+
+    writer = threading.Thread(target=keep_appending, daemon=True)
+    writer.start()
+    try:
+        time.sleep(1)
+        kafka_control.stop()
+        time.sleep(6)  # past the delivery timeout: what was in flight expires
+        kafka_control.start()
+        back = time.monotonic()
+        deadline = back + 60
+        while not [t for t in done if t > back + 1] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert [t for t in done if t > back + 1], f"appends never went through again: {failures[-3:]}"
+        assert failures, "nothing failed during the outage: the test did not test anything"
+    finally:
+        stop.set()
+        writer.join(60)
         commit_log.close()

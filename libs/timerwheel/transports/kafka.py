@@ -81,6 +81,22 @@ def _to_record(rec: Any) -> Record:
     )
 
 
+def _close_producer(producer: Any, timeout_s: float) -> None:
+    """Close, dropping whatever could not be sent within the timeout (kafka-python's own close
+    raises then, and leaves its I/O thread running)."""
+    try:
+        producer.close(timeout=timeout_s)
+        return
+    except kafka_errors.KafkaError:
+        pass
+    sender = getattr(producer, "_sender", None)
+    if sender is not None:
+        sender.force_close()  # fails the pending records' futures, stops the I/O thread
+        sender.join(5)
+    with suppress(kafka_errors.KafkaError):
+        producer.close(timeout=0)
+
+
 class KafkaConsumerAdapter:
     """``Consumer`` over some partitions of one topic, positioned by the caller."""
 
@@ -379,9 +395,20 @@ class KafkaCommitLog:
                 continue
             written[i] = (md.partition, md.offset)
         if errors:
+            # After records expired (a broker restart outlasting the delivery timeout), kafka-python's
+            # idempotent producer can stay wedged: seen in e2e, every later record of the partition
+            # sat in its accumulator for good. A new producer (new producer id) starts clean; what
+            # the old one still held is failed here and retried by the caller.
+            self._drop_producer(producer)
             failed = sum(1 for w in written if w is None)
             raise KafkaLogError(f"append: {failed} of {len(records)} records failed, first: {errors[0]}", written)
         return [w for w in written if w is not None]
+
+    def _drop_producer(self, producer: Any) -> None:
+        with self._producer_lock:
+            if self._producer is producer:
+                self._producer = None
+        _close_producer(producer, 0)
 
     # -- random reads ------------------------------------------------------------------------
 
@@ -486,7 +513,7 @@ class KafkaCommitLog:
         self._closed = True
         with self._producer_lock:
             if self._producer is not None:
-                self._producer.close(timeout=5)
+                _close_producer(self._producer, 5)
                 self._producer = None
         with self._reader_lock:
             if self._reader is not None:
