@@ -4,7 +4,8 @@
 directory, safe for several processes) and in-process bounded queues, each stage in its own
 thread. It stops cleanly (every stage finishes its batch; enqueue-put publishes a final
 checkpoint) and restarts from the same data directory; a crash at any point loses nothing
-and re-delivers at most the in-flight window (``max_in_flight`` per shard).
+and re-delivers only what was delivered from slots at or after ``R`` (bounded by the
+queues and ``max_in_flight``, which keep ``R`` close behind).
 
     with EmbeddedTimerwheel(data_dir, clock=clock, tick_ms=100, shards=2) as tw:
         ticket = tw.schedule("orders", b"value", key=b"k", delay_ms=5_000)

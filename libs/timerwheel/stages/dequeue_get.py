@@ -15,7 +15,7 @@ trusts), walks the slot's chain:
 
 ``R`` (``dequeue.ckpt``) advances past a slot only when dequeue-put has reported every
 message of it done (invariant 3), so after a crash the slots from ``R`` on are read again:
-delivery is at-least-once and duplicates are bounded by ``max_in_flight``. Empty slots are
+delivery is at-least-once: what was delivered from slots at or after ``R`` is delivered again. Empty slots are
 skipped in bulk (``TimerWheel.next_nonempty``), so catching up after a long outage is fast
 and never skips a slot (PITFALLS: RocketMQ's 7-day catch-up cap).
 
