@@ -121,6 +121,8 @@ class TimerRules:
         self._allow = [re.compile(p) for p in config.allow_topics]
         #: destination -> why it is refused ("" if allowed); destinations are few, checks are regexes.
         self._verdicts: dict[str, str] = {}
+        #: raw tw-topic header -> the allowed destination it names (decoded once).
+        self._topics: dict[bytes, str] = {}
 
     def destination_error(self, topic: str) -> str:
         """Why ``topic`` cannot be a destination, or "" if it can."""
@@ -151,24 +153,25 @@ class TimerRules:
         at = hdr.get(H_DELIVER_AT)
         delay = hdr.get(H_DELAY_MS)
         level = hdr.get(H_DELAY_LEVEL)
-        given = [h for h, v in ((H_DELIVER_AT, at), (H_DELAY_MS, delay), (H_DELAY_LEVEL, level)) if v is not None]
-        if not given:
-            raise InvalidTimerMessage(f"no delivery time: set one of {H_DELIVER_AT}, {H_DELAY_MS}, {H_DELAY_LEVEL}")
-        if len(given) > 1:
-            raise InvalidTimerMessage(f"more than one delivery time: {', '.join(given)}")
-        if at is not None:
+        if at is not None and delay is None and level is None:  # the common case first
             deliver = _decimal(H_DELIVER_AT, at)
-        elif delay is not None:
-            deliver = record.timestamp_ms + _decimal(H_DELAY_MS, delay)
         else:
-            assert level is not None
-            n = _decimal(H_DELAY_LEVEL, level)
-            levels = self.config.delay_levels_ms
-            if not 1 <= n <= len(levels):
-                raise InvalidTimerMessage(f"unknown {H_DELAY_LEVEL} {n} (levels are 1..{len(levels)})")
-            deliver = record.timestamp_ms + levels[n - 1]
-        if deliver > MAX_EPOCH_MS:
-            raise InvalidTimerMessage(f"delivery time out of range: {deliver}")
+            given = [h for h, v in ((H_DELIVER_AT, at), (H_DELAY_MS, delay), (H_DELAY_LEVEL, level)) if v is not None]
+            if not given:
+                raise InvalidTimerMessage(f"no delivery time: set one of {H_DELIVER_AT}, {H_DELAY_MS}, {H_DELAY_LEVEL}")
+            if len(given) > 1:
+                raise InvalidTimerMessage(f"more than one delivery time: {', '.join(given)}")
+            if delay is not None:
+                deliver = record.timestamp_ms + _decimal(H_DELAY_MS, delay)
+            else:
+                assert level is not None
+                n = _decimal(H_DELAY_LEVEL, level)
+                levels = self.config.delay_levels_ms
+                if not 1 <= n <= len(levels):
+                    raise InvalidTimerMessage(f"unknown {H_DELAY_LEVEL} {n} (levels are 1..{len(levels)})")
+                deliver = record.timestamp_ms + levels[n - 1]
+            if deliver > MAX_EPOCH_MS:
+                raise InvalidTimerMessage(f"delivery time out of range: {deliver}")
         if check_max and deliver - now_ms > self.config.max_delay_ms:
             raise InvalidTimerMessage(
                 f"delay of {deliver - now_ms} ms exceeds max_delay_ms {self.config.max_delay_ms}"
@@ -176,35 +179,49 @@ class TimerRules:
         return deliver
 
     def parse(self, record: Record, now_ms: int) -> TimerRequest:
-        """Validate a timer-topic record; raise InvalidTimerMessage(reason) if it cannot be scheduled."""
-        size = record.size
+        """Validate a timer-topic record; raise InvalidTimerMessage(reason) if it cannot be scheduled.
+
+        One pass over the headers builds a dict (the last of repeated headers wins, as
+        ``Record.header``) and adds up the record's size; everything else reads the dict.
+        """
+        headers = record.headers
+        key, value = record.key, record.value
+        size = (len(key) if key else 0) + (len(value) if value else 0)
+        for k, v in headers:
+            size += len(k) + len(v)
         if size > self.config.max_record_bytes:
             raise InvalidTimerMessage(f"record of {size} bytes exceeds max_record_bytes {self.config.max_record_bytes}")
-        deliver = self.delivery_time(record, now_ms)
-        raw_roll = record.header(H_ROLL)
+        hdr = dict(headers)
+        deliver = self.delivery_time(record, now_ms, headers=hdr)
+        raw_roll = hdr.get(H_ROLL)
         roll = _decimal(H_ROLL, raw_roll) if raw_roll is not None else 0
-        raw_enq = record.header(H_ENQUEUED_AT)
+        raw_enq = hdr.get(H_ENQUEUED_AT)
         enqueued = _decimal(H_ENQUEUED_AT, raw_enq) if raw_enq is not None else record.timestamp_ms
-        raw_part = record.header(H_PARTITION)
+        raw_part = hdr.get(H_PARTITION)
         if raw_part is not None:
             _decimal(H_PARTITION, raw_part)
-        cancel = record.header(H_CANCEL)
+        cancel = hdr.get(H_CANCEL)
         if cancel is not None:
             target = cancel.decode("utf-8", "replace")
             if not target or len(cancel) > MAX_ID_BYTES:
                 raise InvalidTimerMessage(f"{H_CANCEL} must be a message id of 1..{MAX_ID_BYTES} bytes")
             return TimerRequest(deliver, True, target, "", roll, enqueued, record.partition, record.offset, size)
-        raw_topic = record.header(H_TOPIC)
-        if raw_topic is None or not raw_topic:
+        raw_topic = hdr.get(H_TOPIC)
+        if not raw_topic:
             raise InvalidTimerMessage(f"missing {H_TOPIC}")
-        topic = raw_topic.decode("utf-8", "replace")
-        refused = self.destination_error(topic)
-        if refused:
-            raise InvalidTimerMessage(refused)
-        raw_id = record.header(H_ID)
+        topic = self._topics.get(raw_topic)
+        if topic is None:
+            topic = raw_topic.decode("utf-8", "replace")
+            refused = self.destination_error(topic)
+            if refused:
+                raise InvalidTimerMessage(refused)
+            if len(self._topics) > 10_000:
+                self._topics.clear()
+            self._topics[raw_topic] = topic  # only allowed destinations are remembered
+        raw_id = hdr.get(H_ID)
         if raw_id is not None and (not raw_id or len(raw_id) > MAX_ID_BYTES):
             raise InvalidTimerMessage(f"{H_ID} must be 1..{MAX_ID_BYTES} bytes")
-        message_id = raw_id.decode("utf-8", "replace") if raw_id else default_id(record.partition, record.offset)
+        message_id = raw_id.decode("utf-8", "replace") if raw_id else f"{record.partition}-{record.offset}"
         return TimerRequest(deliver, False, message_id, topic, roll, enqueued, record.partition, record.offset, size)
 
 
@@ -213,18 +230,25 @@ def message_id_of(record: Record) -> str:
     return raw.decode("utf-8", "replace") if raw else default_id(record.partition, record.offset)
 
 
+_NOT_DELIVERED = CONTROL_HEADERS | SERVICE_HEADERS
+
+
 def user_headers(headers: Headers) -> list[tuple[str, bytes]]:
-    return [(k, v) for k, v in headers if k not in CONTROL_HEADERS and k not in SERVICE_HEADERS]
+    return [(k, v) for k, v in headers if k not in _NOT_DELIVERED]
 
 
-def delivered_headers(record: Record, message_id: str, roll: int, enqueued_ms: int, now_ms: int) -> Headers:
-    """Headers of the record delivered to its destination: user headers kept, control ones removed."""
-    out = user_headers(record.headers)
-    out.append((H_ID, message_id.encode()))
-    out.append((H_ROLL, str(roll).encode()))
-    out.append((H_ENQUEUED_AT, str(enqueued_ms).encode()))
-    out.append((H_DELIVERED_AT, str(now_ms).encode()))
-    return tuple(out)
+def delivered_headers(record: Record, message_id: str, roll: int, enqueued_ms: int, now_ms: int,
+                      now_text: bytes | None = None) -> Headers:
+    """Headers of the record delivered to its destination: user headers kept, control ones removed.
+
+    ``now_text`` may pass ``str(now_ms).encode()`` made once per batch."""
+    return (
+        *[(k, v) for k, v in record.headers if k not in _NOT_DELIVERED],
+        (H_ID, message_id.encode()),
+        (H_ROLL, b"0" if roll == 0 else str(roll).encode()),
+        (H_ENQUEUED_AT, str(enqueued_ms).encode()),
+        (H_DELIVERED_AT, now_text if now_text is not None else str(now_ms).encode()),
+    )
 
 
 def rolled_headers(record: Record, message_id: str, deliver_ms: int, roll: int, enqueued_ms: int) -> Headers:

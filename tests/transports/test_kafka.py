@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from infra import ServerControl
@@ -124,14 +125,54 @@ def test_offsets_before_the_log_start_or_past_the_end_read_as_none(
 
 
 def test_a_log_start_that_moved_after_the_bounds_were_cached_reads_as_none(
-    log: KafkaCommitLog, admin: KafkaAdminClient
+    kafka_bootstrap: str, admin: KafkaAdminClient
 ) -> None:
-    topic = new_topic(log, partitions=1)
-    fill(log, topic, 0, 30)
-    assert log.read(topic, [(0, 1)])[0] is not None  # caches the bounds [0, 30)
-    admin.delete_records({TopicPartition(topic, 0): 25})
-    got = log.read(topic, [(0, 3), (0, 26)])
-    assert [r.offset if r else None for r in got] == [None, 26]
+    # Without the cache of records read in passing: with it, offset 3 (walked past by the first
+    # read) would still be served after the deletion, which is right but not what is tested here.
+    log = KafkaCommitLog(kafka_bootstrap, read_cache_records=0)
+    try:
+        topic = new_topic(log, partitions=1)
+        fill(log, topic, 0, 30)
+        assert log.read(topic, [(0, 1)])[0] is not None  # caches the bounds [0, 30)
+        admin.delete_records({TopicPartition(topic, 0): 25})
+        got = log.read(topic, [(0, 3), (0, 26)])
+        assert [r.offset if r else None for r in got] == [None, 26]
+    finally:
+        log.close()
+
+
+def test_records_walked_past_are_kept_and_served_without_a_fetch(kafka_bootstrap: str) -> None:
+    cached = KafkaCommitLog(kafka_bootstrap, read_gap=50, read_cache_records=40)
+    try:
+        topic = new_topic(cached, partitions=1)
+        fill(cached, topic, 0, 100)
+        # Wanted offsets 10 apart: the read walks through the records between them, in order.
+        first = cached.read(topic, [(0, o) for o in range(0, 100, 10)])
+        assert [r.offset for r in first if r] == list(range(0, 100, 10))
+        fetches = 0
+        real = cached._read_locked
+
+        def counting(*args: Any) -> None:
+            nonlocal fetches
+            fetches += 1
+            real(*args)
+
+        cached._read_locked = counting  # type: ignore[method-assign]
+        # The newest 40 walked past are kept (81..89 among them); a position asked twice gets
+        # the record twice.
+        again = cached.read(topic, [(0, 85), (0, 81), (0, 85)])
+        assert fetches == 0
+        assert [(r.offset, r.value[:6]) for r in again if r and r.value] == [
+            (85, b"000085"), (81, b"000081"), (85, b"000085")]
+        # A record served from the cache leaves it; the next read of it fetches again.
+        assert [r.offset for r in cached.read(topic, [(0, 85)]) if r] == [85]
+        assert fetches == 1
+        # Offset 1 was walked past first, so it was dropped when the cache was full.
+        assert [r.offset for r in cached.read(topic, [(0, 1)]) if r] == [1]
+        assert fetches == 2
+        assert 0 < len(cached._passed) <= 40
+    finally:
+        cached.close()
 
 
 def test_a_consumer_reads_assigned_partitions_from_the_callers_offsets_and_seeks(log: KafkaCommitLog) -> None:

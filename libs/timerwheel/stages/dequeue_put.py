@@ -22,11 +22,13 @@ from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEn
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
     H_ERROR,
+    H_ID,
     H_PARTITION,
     H_ROLL,
     H_SOURCE,
     H_TOPIC,
     dead_letter_headers,
+    default_id,
     delivered_headers,
     message_id_of,
     rolled_headers,
@@ -65,6 +67,7 @@ class DequeuePut(QueueStage):
         cancelled: dict[str, int] = {}
         dead: dict[str, int] = {}
         lateness: list[int] = []
+        now_text = str(now).encode()
         done: dict[tuple[int, int], dict[int, int]] = {}
         for _eid, payload in entries:
             entry = DeliverEntry.decode(payload)
@@ -102,7 +105,9 @@ class DequeuePut(QueueStage):
                         out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
                         dead[topic] = dead.get(topic, 0) + 1
                         continue
-                    headers = delivered_headers(rec, message_id_of(rec), roll, item.enqueued_ms, now)
+                    raw_id = hdr.get(H_ID)
+                    message_id = raw_id.decode("utf-8", "replace") if raw_id else default_id(rec.partition, rec.offset)
+                    headers = delivered_headers(rec, message_id, roll, item.enqueued_ms, now, now_text)
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(topic, rec.key, rec.value, headers, partition=dest_partition))

@@ -45,6 +45,8 @@ class EnqueueGet:
         self.partitions = list(partitions)
         self.checkpoint_offsets = checkpoint_offsets
         self.logger = stage_logger(STAGE)
+        #: destination -> its hash in the TimerLog (destinations are few).
+        self._topic_hashes: dict[str, int] = {}
         self.consumer: Consumer = commit_log.consumer(ctx.config.timer_topic, self.resume_offsets())
         self._suspects: dict[int, int] = {}
         self._last_check = time.monotonic()
@@ -86,6 +88,7 @@ class EnqueueGet:
         cancels = 0
         ranges: dict[int, list[int]] = {}
         requests: dict[int, list[PutRequest]] = {}
+        topic_hashes = self._topic_hashes
         for r in records:
             span = ranges.get(r.partition)
             if span is None:
@@ -102,9 +105,13 @@ class EnqueueGet:
                 reasons[label] = reasons.get(label, 0) + 1
                 continue
             tp = r.header("traceparent")
+            th = topic_hashes.get(req.topic)
+            if th is None:
+                if len(topic_hashes) > 10_000:
+                    topic_hashes.clear()
+                th = topic_hashes[req.topic] = topic_hash(req.topic) if req.topic else 0
             requests[r.partition].append(PutRequest(
-                r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel,
-                topic_hash(req.topic) if req.topic else 0, id_hash(req.message_id),
+                r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel, th, id_hash(req.message_id),
                 tp.decode("ascii", "replace") if tp else None,
             ))
             if req.cancel:
