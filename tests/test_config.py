@@ -38,6 +38,16 @@ def test_env_errors_name_the_variable() -> None:
         TimerConfig.from_env({"TW_SHARDS": "two"})
 
 
+def test_an_unknown_tw_variable_is_refused_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"^TW_SHARD: unknown variable \(did you mean TW_SHARDS\?\)"):
+        TimerConfig.from_env({"TW_SHARD": "4"})
+    with pytest.raises(ConfigError, match=r"^TW_NOTHING_LIKE_IT: unknown variable; the README"):
+        TimerConfig.from_env({"TW_NOTHING_LIKE_IT": "1"})
+    # The project's own tooling variables and other prefixes are not the service's business.
+    cfg = TimerConfig.from_env({"TW_KEEP_SERVERS": "1", "TW_BENCH_MESSAGES": "5", "TWX": "1", "PATH": "/bin"})
+    assert cfg.shards == TimerConfig().shards
+
+
 def test_env_values_are_parsed() -> None:
     cfg = TimerConfig.from_env({"TW_ROLL_WINDOW_MS": "1d", "TW_ALLOW_TOPICS": "a.*, b", "TW_FSYNC": "false",
                                 "TW_DELAY_LEVELS": "1s 2s"})

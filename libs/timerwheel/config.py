@@ -8,6 +8,7 @@ the same fields, so an env var and a keyword argument are validated by the same 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -137,7 +138,13 @@ class TimerConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> TimerConfig:
-        """Build from ``TW_*`` variables (see ENV_VARS). A bad value names its variable."""
+        """Build from ``TW_*`` variables (see ENV_VARS). A bad value names its variable, and so
+        does a ``TW_*`` variable nobody reads: a typo (``TW_SHARD=4``) must not pass unseen."""
+        for var in sorted(environ):
+            if var.startswith("TW_") and not known_env_var(var):
+                close = difflib.get_close_matches(var, [*ENV_VARS, *OTHER_ENV_VARS], 1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(var, f"unknown variable{hint}; the README lists every TW_* variable")
         values: dict[str, Any] = {}
         for var, (attr, kind, _doc) in ENV_VARS.items():
             raw = environ.get(var)
@@ -211,3 +218,18 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
 OTHER_ENV_VARS = {
     "TW_LOG_LEVEL": "log level of the JSON log lines on stderr (default INFO)",
 }
+
+#: Variables of the project's own scripts, tests and benchmarks (README "Tests and tooling");
+#: a process may inherit them from a developer's shell, so they are not reported as unknown.
+TOOLING_ENV_VARS = {
+    "TW_KEEP_SERVERS": "tests: leave the Kafka and Redis they started running",
+    "TW_KAFKA_START_TIMEOUT": "scripts/kafka.sh: seconds to wait for the broker",
+    "TW_KAFKA_HEAP": "scripts/kafka.sh: the broker's JVM heap",
+    "TW_REDIS_START_TIMEOUT": "scripts/redis.sh: seconds to wait for redis-server",
+}
+#: Prefix of the benchmarks' own variables (bench/).
+TOOLING_PREFIX = "TW_BENCH_"
+
+
+def known_env_var(var: str) -> bool:
+    return var in ENV_VARS or var in OTHER_ENV_VARS or var in TOOLING_ENV_VARS or var.startswith(TOOLING_PREFIX)
