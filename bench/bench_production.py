@@ -10,10 +10,14 @@
   there, and the output says so (``sustained_asked_rate=false``).
 * ``production.burst``: N messages (default 200,000) due in the same second: time to drain,
   messages/s, and the peak RSS (VmHWM) of each stage process.
+* ``production.slot_reads``: dequeue-getmsg's read pattern alone: a producer at the lateness rate
+  with delays 1-5 s, and every 100 ms a ``KafkaCommitLog.read`` of the positions due in the slot
+  that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
+  records read in passing and without it (``read_cache_records=0``), side by side.
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, lateness, burst). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+list of throughput, lateness, burst, slot_reads). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
 else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
 """
 
@@ -307,15 +311,81 @@ def burst(kafka: str, redis_url: str, n: int) -> None:
         close(pipe)
 
 
+def _slot_reads(kafka: str, rate: int, seconds: float, cache: int) -> dict[str, Any]:
+    from timerwheel.records import OutRecord
+    from timerwheel.transports.kafka import KafkaCommitLog
+
+    writer, reader = KafkaCommitLog(kafka, client_id="bench-w"), KafkaCommitLog(kafka, read_cache_records=cache)
+    topic = f"bench-reads-{random.randrange(1 << 30):x}"
+    writer.ensure_topic(topic, PARTITIONS)
+    due: list[tuple[int, int, int]] = []  # (deliver_at, partition, offset)
+    lock, stop = threading.Lock(), threading.Event()
+    rng = random.Random(3)
+
+    def produce() -> None:
+        sent, t0 = 0, time.monotonic()
+        while not stop.is_set():
+            k = int((time.monotonic() - t0) * rate) - sent
+            if k > 0:
+                at = [now_ms() + rng.randint(1_000, 5_000) for _ in range(k)]
+                pos = writer.append([OutRecord(topic, None, VALUE, (("h", b"v"),), partition=rng.randrange(PARTITIONS))
+                                     for _ in range(k)])
+                with lock:
+                    due.extend((a, p, o) for a, (p, o) in zip(at, pos, strict=True))
+                sent += k
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        time.sleep(6)  # the first slots due
+        slot = now_ms() // 100 * 100 - 100
+        took: list[float] = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            while now_ms() < slot + 100:
+                time.sleep(0.002)
+            with lock:
+                wanted = [(p, o) for a, p, o in due if slot <= a < slot + 100]
+            t0 = time.perf_counter()
+            got = reader.read(topic, wanted)
+            took.append((time.perf_counter() - t0) * 1000)
+            if not all(got):
+                raise RuntimeError("slot reads: a record that exists read as missing")
+            slot += 100
+        behind = now_ms() - slot
+    finally:
+        stop.set()
+        thread.join(5)
+        writer.close()
+        reader.close()
+    took.sort()
+    return {"p50": round(percentile(took, 0.5), 1), "p90": round(percentile(took, 0.9), 1),
+            "slots": len(took), "behind_ms": max(0, behind)}
+
+
+def slot_reads(kafka: str, rate: int, seconds: float) -> None:
+    on = _slot_reads(kafka, rate, seconds, 50_000)
+    off = _slot_reads(kafka, rate, seconds, 0)
+    say(f"slot reads at {rate} msg/s, delays 1-5 s: with the read cache p50 {on['p50']} ms "
+        f"(behind {on['behind_ms']} ms at the end), without p50 {off['p50']} ms (behind {off['behind_ms']} ms)")
+    emit("production.slot_reads.p50", on["p50"], "ms", p90=on["p90"], behind_ms=on["behind_ms"], slots=on["slots"],
+         uncached_p50=off["p50"], uncached_p90=off["p90"], uncached_behind_ms=off["behind_ms"],
+         uncached_slots=off["slots"], ratio=round(off["p50"] / max(on["p50"], 0.1), 1), rate_per_s=rate,
+         seconds=seconds)
+
+
 def main() -> None:
     kafka, redis_url = servers()
-    only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY", "throughput,lateness,burst").split(",")))
+    only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY", "throughput,lateness,burst,slot_reads").split(",")))
     if "throughput" in only:
         throughput(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "lateness" in only:
         lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
     if "burst" in only:
         burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000))
+    if "slot_reads" in only:
+        slot_reads(kafka, _env_int("TW_BENCH_PROD_RATE", 1_000), 20.0)
 
 
 if __name__ == "__main__":
