@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 from stages.scenario import by_id, header, step_through
 from timerwheel import SimulatedClock, telemetry
 from timerwheel.embedded import EmbeddedTimerwheel
@@ -107,7 +108,7 @@ def test_a_delivered_message_is_one_linked_trace_from_send_to_delivery(
     assert send.name == f"send {timer_topic}"
     trace = joined(send, done)
     names = {s.name for s in trace}
-    assert {f"send {timer_topic}", f"process {timer_topic}", "enqueue-put", f"receive {timer_topic}",
+    assert {f"send {timer_topic}", f"process {timer_topic}", "enqueue-put", "dequeue-get", f"receive {timer_topic}",
             "send orders"} <= names, names
 
     # The stage spans that link the send span directly (a batch span also links other messages).
@@ -118,6 +119,18 @@ def test_a_delivered_message_is_one_linked_trace_from_send_to_delivery(
     assert by_name[f"receive {timer_topic}"].kind == SpanKind.CLIENT
     assert by_name["enqueue-put"].attributes is not None
     assert "timerwheel.shard" in by_name["enqueue-put"].attributes
+
+    # dequeue-get (which reads the TimerLog, where no context is kept) joins through the
+    # receive span: it links the dequeue-get span of the message's slot as well.
+    receive = by_name[f"receive {timer_topic}"]
+    msg_link = next(li for li in receive.links if li.context.span_id == send.context.span_id)  # type: ignore[union-attr]
+    slot_time = msg_link.attributes["timerwheel.slot_time"]  # type: ignore[index]
+    gets = {_key(s): s for s in done if s.name == "dequeue-get"}
+    linked_gets = [gets[(li.context.trace_id, li.context.span_id)] for li in receive.links
+                   if (li.context.trace_id, li.context.span_id) in gets]
+    (get,) = [g for g in linked_gets if g.attributes["timerwheel.slot_time"] == slot_time]  # type: ignore[index]
+    assert get.kind == SpanKind.INTERNAL and len(get.links) == 0
+    assert get.attributes["timerwheel.shard"] == by_name["enqueue-put"].attributes["timerwheel.shard"]  # type: ignore[index]
     for s in (send, by_name[f"process {timer_topic}"], by_name["send orders"]):
         assert s.attributes is not None and s.attributes["messaging.system"] == "kafka"
     assert by_name[f"process {timer_topic}"].attributes["messaging.consumer.group.name"] == "timerwheel"  # type: ignore[index]
@@ -169,6 +182,27 @@ def test_cancelled_and_dead_lettered_messages_end_their_traces(
     assert event.name == "exception"
     assert "timer topic" in str(event.attributes["exception.message"])  # type: ignore[index]
     assert len(tw.read(tw.config.dlq_topic)) == 1
+
+
+def test_tracestate_rides_the_put_queue_into_the_enqueue_put_links(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock, spans: InMemorySpanExporter) -> None:
+    state = TraceState([("vendor", "v1"), ("team", "orders")])
+    caller = NonRecordingSpan(SpanContext(0x1234_5678_9ABC_DEF0_1234_5678_9ABC_DEF0, 0x1234_5678_9ABC_DEF0,
+                                          is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                                          trace_state=state))
+    with trace.use_span(caller):
+        ticket = tw.schedule("orders", b"v", delay_ms=1_000)
+    step_through(tw, clock, [ticket.deliver_at_ms], ticket.deliver_at_ms + 500)
+    done = list(spans.get_finished_spans())
+
+    send = send_span_of(done, ticket.message_id)
+    assert send.parent is not None and send.parent.span_id == caller.get_span_context().span_id
+    (timer_record,) = [r for r in tw.read(tw.config.timer_topic) if r.header("tw-id") == ticket.message_id.encode()]
+    assert header(timer_record, "tracestate") == "vendor=v1,team=orders"
+    put = next(s for s in done if s.name == "enqueue-put")
+    (link,) = [li for li in put.links if li.context.span_id == send.context.span_id]  # type: ignore[union-attr]
+    assert link.context.trace_state == state
+    assert link.context.trace_id == caller.get_span_context().trace_id
 
 
 def test_tracing_off_records_no_spans(clock: SimulatedClock, tmp_path: Path) -> None:

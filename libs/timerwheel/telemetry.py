@@ -11,8 +11,8 @@ Trace shape. A stage handles batches, so each stage records ONE span per batch, 
 per span; the messages past the cap are not examined, only counted in
 ``timerwheel.links_dropped``. The message's context is the
 ``traceparent`` / ``tracestate`` of its timer record, which rides in the Kafka headers and
-in the put queue's entries (``PutRequest.traceparent``; the fetch and deliver entries point
-at the timer record, whose headers carry it).
+in the put queue's entries (``PutRequest.traceparent`` / ``.tracestate``; the fetch and
+deliver entries point at the timer record, whose headers carry it).
 
 =================  ========================  ========  ========================================
 stage              span name                 kind      links to
@@ -21,14 +21,19 @@ TimerClient        send <timer topic>        PRODUCER  (the caller's current spa
 enqueue-get        process <timer topic>     CONSUMER  each record's context
 enqueue-put        enqueue-put               INTERNAL  each request's context (from the put entry)
 dequeue-get        dequeue-get               INTERNAL  none: the TimerLog stores no context; one
-                                                       span per slot batch, with timerwheel.shard
-                                                       and timerwheel.slot_time to correlate
-dequeue-getmsg     receive <timer topic>     CLIENT    each read record's context
+                                                       span per slot batch (timerwheel.shard,
+                                                       timerwheel.slot_time), whose context rides
+                                                       in the fetch entry (``FetchEntry.traceparent``)
+dequeue-getmsg     receive <timer topic>     CLIENT    the dequeue-get span of each fetch entry,
+                                                       and each read record's context
 dequeue-put        send <topic>              PRODUCER  each delivered / rolled record's context
 =================  ========================  ========  ========================================
 
 The wait (enqueue-put -> dequeue-get) is a hop across time: the spans after it are new
-spans linked to the message's context, as are all hops here. dequeue-put injects ITS span's
+spans linked to the message's context, as are all hops here. dequeue-get cannot link the
+messages (it reads TimerLog records, not timer records), so its span is joined to their
+traces through dequeue-getmsg's span, which links both: one message's trace is send ->
+process -> enqueue-put -> receive (-> dequeue-get) -> send <topic> -> the consumer. dequeue-put injects ITS span's
 context into the delivered record (and into a rolled record going back to the timer topic,
 so the next hop links to the previous one), replacing the producer's ``traceparent``: a
 consumer continues the trace from the delivery. The exceptional outcomes get a short span
@@ -205,11 +210,17 @@ def _span(tr: Tracer, name: str, kind: SpanKind, start_ns: int, attrs: dict[str,
     return tr.start_span(name, kind=kind, attributes=attrs, links=links.links, start_time=start_ns)
 
 
-def _context_of_traceparent(tp: str | None) -> SpanContext | None:
+def _context_of_traceparent(tp: str | None, ts: str | None = None) -> SpanContext | None:
     if not tp:
         return None
-    sc = trace.get_current_span(_propagator.extract({"traceparent": tp})).get_span_context()
+    carrier = {"traceparent": tp} if ts is None else {"traceparent": tp, "tracestate": ts}
+    sc = trace.get_current_span(_propagator.extract(carrier)).get_span_context()
     return sc if sc.is_valid else None
+
+
+def _traceparent(span: Span) -> str:
+    sc = span.get_span_context()
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
 
 
 def _message_attrs(rec: Record) -> dict[str, Any]:
@@ -284,7 +295,7 @@ def enqueue_put_batch(start_ns: int, shard_id: int, requests: Iterable[tuple[int
         rec = by_src.get((p, req.src_offset))
         if rec is None or links.full():
             continue
-        links.add(_context_of_traceparent(req.traceparent), {
+        links.add(_context_of_traceparent(req.traceparent, req.tracestate), {
             "messaging.destination.partition.id": str(p), "messaging.kafka.offset": req.src_offset,
             "timerwheel.slot_time": slot_of(rec.deliver_ms), "timerwheel.deliver_at": req.deliver_ms,
             "timerwheel.roll_hop": bool(rec.flags & _ROLL), "timerwheel.cancel": bool(req.cancel)})
@@ -292,16 +303,20 @@ def enqueue_put_batch(start_ns: int, shard_id: int, requests: Iterable[tuple[int
     _span(tr, "enqueue-put", SpanKind.INTERNAL, start_ns, attrs, links).end()
 
 
-def dequeue_get_batch(shard_id: int, slot_time: int, items: Sequence[Any], now_ms: int, roll_flag: int) -> None:
-    """One span per fetch entry (a slot's batch): no per-message context exists here."""
+def dequeue_get_batch(shard_id: int, slot_time: int, items: Sequence[Any], now_ms: int,
+                      roll_flag: int) -> str | None:
+    """One span per fetch entry (a slot's batch): no per-message context exists here. Returns
+    the span's ``traceparent``, for the fetch entry (dequeue-getmsg links it); None when off."""
     tr = _tracer
     if tr is None:
-        return
+        return None
     rolls = sum(1 for i in items if i.flags & roll_flag)
     attrs = {"timerwheel.shard": shard_id, "timerwheel.slot_time": slot_time,
              "timerwheel.lateness_ms": max(0, now_ms - slot_time), "messaging.batch.message_count": len(items),
              "timerwheel.roll_hops": rolls}
-    tr.start_span("dequeue-get", kind=SpanKind.INTERNAL, attributes=attrs).end()
+    span = tr.start_span("dequeue-get", kind=SpanKind.INTERNAL, attributes=attrs)
+    span.end()
+    return _traceparent(span)
 
 
 def dequeue_getmsg_batch(start_ns: int, cfg: TimerConfig, fetches: Sequence[Any],
@@ -310,6 +325,10 @@ def dequeue_getmsg_batch(start_ns: int, cfg: TimerConfig, fetches: Sequence[Any]
     if tr is None:
         return
     links = Links()
+    for f in fetches:  # dequeue-get's spans first: they join its span to the messages' traces
+        if not links.full():
+            links.add(_context_of_traceparent(f.traceparent), {"timerwheel.shard": f.shard,
+                                                                "timerwheel.slot_time": f.slot_time})
     count = 0
     for f in fetches:
         for item in f.items:

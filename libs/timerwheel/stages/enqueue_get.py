@@ -102,10 +102,12 @@ class EnqueueGet:
                 reasons[label] = reasons.get(label, 0) + 1
                 continue
             tp = r.header("traceparent")
+            ts = r.header("tracestate") if tp else None
             requests[r.partition].append(PutRequest(
                 r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel,
                 topic_hash(req.topic) if req.topic else 0, id_hash(req.message_id),
                 tp.decode("ascii", "replace") if tp else None,
+                ts.decode("ascii", "replace") if ts else None,
             ))
             if req.cancel:
                 cancels += 1
