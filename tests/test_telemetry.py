@@ -77,9 +77,11 @@ def joined(start: ReadableSpan, spans: list[ReadableSpan]) -> list[ReadableSpan]
     return [s for s in spans if _key(s) in seen]
 
 
-def send_span_of(spans: list[ReadableSpan], message_id: str) -> ReadableSpan:
+def send_span_of(spans: list[ReadableSpan], message_id: str, cancel: bool = False) -> ReadableSpan:
+    """The client's span of the message ``message_id`` (``cancel``: of the cancel of it)."""
     found = [s for s in spans if s.kind == SpanKind.PRODUCER and s.attributes is not None
-             and s.attributes.get("messaging.message.id") == message_id]
+             and s.attributes.get("messaging.message.id") == message_id
+             and bool(s.attributes.get("timerwheel.cancel")) == cancel]
     assert len(found) == 1, [s.name for s in found]
     return found[0]
 
@@ -182,6 +184,31 @@ def test_cancelled_and_dead_lettered_messages_end_their_traces(
     assert event.name == "exception"
     assert "timer topic" in str(event.attributes["exception.message"])  # type: ignore[index]
     assert len(tw.read(tw.config.dlq_topic)) == 1
+
+
+def test_a_cancel_is_a_producer_span_whose_context_rides_the_cancel_record(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock, spans: InMemorySpanExporter) -> None:
+    t = run_scenario(tw, clock)
+    done = list(spans.get_finished_spans())
+    timer_topic = tw.config.timer_topic
+    target = t["cancelled"]
+
+    cancel = send_span_of(done, target.message_id, cancel=True)
+    assert cancel.name == f"send {timer_topic}"
+    assert cancel.attributes is not None and "timerwheel.topic" not in cancel.attributes
+    assert cancel.attributes["messaging.destination.partition.id"] == str(target.partition)
+    assert cancel.attributes["messaging.system"] == "kafka"
+    assert _key(cancel)[0] != _key(send_span_of(done, target.message_id))[0]  # no current span: a trace of its own
+
+    (record,) = [r for r in tw.read(timer_topic) if r.header("tw-cancel") == target.message_id.encode()]
+    _version, trace_id, span_id, _flags = header(record, "traceparent").split("-")
+    assert (int(trace_id, 16), int(span_id, 16)) == _key(cancel)
+    # The enqueue side links it like any timer record; it ends in the target's `cancelled` span.
+    linking = {s.name: s for s in done if any(li.context.span_id == cancel.context.span_id  # type: ignore[union-attr]
+                                                 for li in s.links)}
+    assert set(linking) == {f"process {timer_topic}", "enqueue-put"}
+    (link,) = [li for li in linking["enqueue-put"].links if li.context.span_id == cancel.context.span_id]  # type: ignore[union-attr]
+    assert link.attributes is not None and link.attributes["timerwheel.cancel"] is True
 
 
 def test_tracestate_rides_the_put_queue_into_the_enqueue_put_links(

@@ -17,7 +17,9 @@ deliver entries point at the timer record, whose headers carry it).
 =================  ========================  ========  ========================================
 stage              span name                 kind      links to
 =================  ========================  ========  ========================================
-TimerClient        send <timer topic>        PRODUCER  (the caller's current span is the parent)
+TimerClient        send <timer topic>        PRODUCER  (the caller's current span is the parent);
+                                                       a cancel too, with timerwheel.cancel=true
+                                                       and the target's messaging.message.id
 enqueue-get        process <timer topic>     CONSUMER  each record's context
 enqueue-put        enqueue-put               INTERNAL  each request's context (from the put entry)
 dequeue-get        dequeue-get               INTERNAL  none: the TimerLog stores no context; one
@@ -411,15 +413,22 @@ def dequeue_put_batch(span: Span, cfg: TimerConfig, rules: TimerRules, entries: 
     span.end()
 
 
-def send_span(timer_topic: str, message_id: str, partition: int, destination: str) -> tuple[Span, Headers] | None:
-    """The client's PRODUCER span of one timer record and the headers that carry it."""
+def send_span(timer_topic: str, message_id: str, partition: int, destination: str | None,
+              cancel: bool = False) -> tuple[Span, Headers] | None:
+    """The client's PRODUCER span of one timer record and the headers that carry it: a message
+    to ``destination``, or (``cancel``) the cancel of the message ``message_id``."""
     tr = _tracer
     if tr is None:
         return None
-    span = tr.start_span(f"send {timer_topic}", kind=SpanKind.PRODUCER, attributes={
+    attrs: dict[str, Any] = {
         "messaging.system": "kafka", "messaging.operation.type": "send",
         "messaging.destination.name": timer_topic, "messaging.destination.partition.id": str(partition),
-        "messaging.message.id": message_id, "timerwheel.topic": destination})
+        "messaging.message.id": message_id}
+    if destination is not None:
+        attrs["timerwheel.topic"] = destination
+    if cancel:
+        attrs["timerwheel.cancel"] = True
+    span = tr.start_span(f"send {timer_topic}", kind=SpanKind.PRODUCER, attributes=attrs)
     return span, inject(span)
 
 
