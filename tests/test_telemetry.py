@@ -1,5 +1,5 @@
 """Tracing through the five stages (embedded, simulated clock, in-memory span exporter) and the
-metrics a run leaves behind."""
+metrics a run leaves behind (on /metrics and over OTLP/http to a receiver in the test)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
+from otlp_receiver import OtlpReceiver
 from stages.scenario import by_id, header, step_through
 from timerwheel import SimulatedClock, telemetry
 from timerwheel.embedded import EmbeddedTimerwheel
@@ -230,6 +231,49 @@ def test_tracestate_rides_the_put_queue_into_the_enqueue_put_links(
     (link,) = [li for li in put.links if li.context.span_id == send.context.span_id]  # type: ignore[union-attr]
     assert link.context.trace_state == state
     assert link.context.trace_id == caller.get_span_context().trace_id
+
+
+def test_metrics_are_exported_over_otlp_with_the_counts_of_a_run(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    normal = [tw.schedule("orders", b"n", delay_ms=1_000 + 100 * i) for i in range(4)]
+    doomed = [tw.schedule("orders", b"c", delay_ms=2_000 + 100 * i) for i in range(2)]
+    tw.schedule(tw.config.timer_topic, b"x", delay_ms=1_000)  # dead-lettered
+    tw.wait_idle()
+    for ticket in doomed:
+        tw.cancel(ticket)
+    due = [x.deliver_at_ms for x in normal + doomed]
+    step_through(tw, clock, due, max(due) + 1_000)
+    assert len(tw.read("orders")) == 4
+    tw.sample_gauges()
+
+    receiver = OtlpReceiver().start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    provider = telemetry.export_metrics(tw.metrics, env={})
+    try:
+        assert provider.force_flush(10_000)
+    finally:
+        provider.shutdown()
+        receiver.close()
+    assert receiver.bad_requests == []
+
+    def points(name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
+        found = receiver.metric(f"timerwheel.{name}")
+        assert found, f"timerwheel.{name} not exported; got {len(receiver.metric_requests)} requests"
+        return {tuple(sorted(attrs.items())): value for attrs, value, _facts in found}
+
+    assert points("scheduled") == {(("topic", "orders"),): 6}
+    assert points("delivered") == {(("topic", "orders"),): 4}
+    assert points("cancelled") == {(("topic", "orders"),): 2}
+    assert points("dead_lettered") == {(("topic", tw.config.timer_topic),): 1}
+    assert points("cancel_requests") == {(): 2}
+    assert points("delivery_lateness_ms.count") == {(): 4}
+    (_attrs, _value, facts), *_ = receiver.metric("timerwheel.delivered")
+    assert facts["type"] == "sum" and facts["monotonic"] is True
+    assert facts["resource"]["service.name"] == "timerwheel"
+    # Gauges go as gauges: nothing is left in the wheels.
+    pending = receiver.metric("timerwheel.pending")
+    assert pending and {v for _a, v, _f in pending} == {0}
+    assert {f["type"] for _a, _v, f in pending} == {"gauge"}
 
 
 def test_tracing_off_records_no_spans(clock: SimulatedClock, tmp_path: Path) -> None:
