@@ -129,8 +129,9 @@ class TimerClient:
                 if sent is not None:
                     spans.append(sent[0])
                     headers += sent[1]
-            records.append(OutRecord(self.config.timer_topic, None, None, headers, partition=ticket.partition,
-                                     timestamp_ms=now))
+            # Keyed by the target: Kafka's client refuses a record with neither key nor value.
+            records.append(OutRecord(self.config.timer_topic, ticket.message_id.encode(), None, headers,
+                                     partition=ticket.partition, timestamp_ms=now))
         self.log.append(records)
         for span in spans:
             span.end()
