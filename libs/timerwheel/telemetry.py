@@ -112,18 +112,22 @@ def metrics_requested(env: Mapping[str, str]) -> bool:
     return "otlp" in env.get("OTEL_METRICS_EXPORTER", "").strip().lower().split(",")
 
 
-def _resource(env: Mapping[str, str]) -> Any:
+def _resource(env: Mapping[str, str], stage: str | None = None) -> Any:
     from opentelemetry.sdk.resources import Resource
 
     attrs = {} if env.get("OTEL_SERVICE_NAME") else {"service.name": "timerwheel"}
+    if stage is not None:
+        attrs["timerwheel.stage"] = stage
     return Resource.create(attrs)
 
 
-def configure_from_env(metrics: Metrics | None = None, env: Mapping[str, str] | None = None) -> bool:
+def configure_from_env(metrics: Metrics | None = None, env: Mapping[str, str] | None = None,
+                       stage: str | None = None) -> bool:
     """Set up OTLP/http export from the ``OTEL_*`` variables; True if tracing is on.
 
     Tracing is configured once per process; ``metrics`` (the process's registry) is exported
-    through OTLP when ``OTEL_METRICS_EXPORTER=otlp``."""
+    through OTLP when ``OTEL_METRICS_EXPORTER=otlp``. A process running one stage names it in
+    the resource (``timerwheel.stage``)."""
     env = os.environ if env is None else env
     with _lock:
         if _tracer is None and tracing_requested(env):
@@ -131,14 +135,14 @@ def configure_from_env(metrics: Metrics | None = None, env: Mapping[str, str] | 
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-            provider = TracerProvider(resource=_resource(env))
+            provider = TracerProvider(resource=_resource(env, stage))
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             use(provider)
             import atexit
 
             atexit.register(provider.shutdown)
         if metrics is not None and metrics_requested(env):
-            export_metrics(metrics, env)
+            export_metrics(metrics, env, stage)
     return _tracer is not None
 
 
@@ -433,7 +437,7 @@ def send_span(timer_topic: str, message_id: str, partition: int, destination: st
 
 
 # -- metrics over OTLP --------------------------------------------------------------------
-def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None) -> Any:
+def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None, stage: str | None = None) -> Any:
     """Export the registry through OTLP/http: observable instruments that read it on collection."""
     global _metrics_provider
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -443,7 +447,7 @@ def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None) -> An
 
     env = os.environ if env is None else env
     reader = PeriodicExportingMetricReader(OTLPMetricExporter())
-    provider = MeterProvider(metric_readers=[reader], resource=_resource(env))
+    provider = MeterProvider(metric_readers=[reader], resource=_resource(env, stage))
     meter = provider.get_meter(SCOPE)
     registered: set[tuple[str, str]] = set()
 
