@@ -3,7 +3,7 @@
     receiver = OtlpReceiver().start()     # a thread; POST /v1/traces and /v1/metrics
     env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
     ...
-    spans = receiver.spans()              # every span received so far, flattened
+    spans = receiver.spans()              # every span received so far, flattened (SpanRec)
     points = receiver.metric("timerwheel.delivered")
     receiver.close()
 
@@ -32,6 +32,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.sdk.trace import ReadableSpan
 
 #: Span kinds and status codes by their OpenTelemetry API names.
 KINDS = {Span.SPAN_KIND_INTERNAL: "INTERNAL", Span.SPAN_KIND_SERVER: "SERVER", Span.SPAN_KIND_CLIENT: "CLIENT",
@@ -75,6 +76,38 @@ class SpanRec:
 
     def links_to(self, trace_id: int, span_id: int) -> list[LinkRec]:
         return [li for li in self.links if (li.trace_id, li.span_id) == (trace_id, span_id)]
+
+    @classmethod
+    def of(cls, s: ReadableSpan) -> SpanRec:
+        """The same view of a span recorded in this process (an SDK span)."""
+        assert s.context is not None
+        return cls(
+            name=s.name, kind=s.kind.name, trace_id=s.context.trace_id, span_id=s.context.span_id,
+            parent_span_id=s.parent.span_id if s.parent is not None else None, attributes=dict(s.attributes or {}),
+            links=tuple(LinkRec(li.context.trace_id, li.context.span_id, li.context.trace_state.to_header(),
+                                dict(li.attributes or {})) for li in s.links),
+            events=tuple((e.name, dict(e.attributes or {})) for e in s.events),
+            status=s.status.status_code.name, resource=dict(s.resource.attributes))
+
+
+def joined(start: SpanRec, spans: list[SpanRec]) -> list[SpanRec]:
+    """Every span reachable from ``start`` through parents, children and links (either way)."""
+    edges: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for s in spans:
+        others = [(li.trace_id, li.span_id) for li in s.links]
+        if s.parent_span_id is not None:
+            others.append((s.trace_id, s.parent_span_id))
+        for o in others:
+            edges.setdefault((s.trace_id, s.span_id), set()).add(o)
+            edges.setdefault(o, set()).add((s.trace_id, s.span_id))
+    seen = {(start.trace_id, start.span_id)}
+    todo = list(seen)
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return [s for s in spans if (s.trace_id, s.span_id) in seen]
 
 
 def _id(raw: bytes) -> int:
