@@ -14,7 +14,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
-from otlp_receiver import OtlpReceiver
+from otlp_receiver import OtlpReceiver, SpanRec
+from otlp_receiver import joined as joined_records
 from stages.scenario import by_id, header, step_through
 from timerwheel import SimulatedClock, telemetry
 from timerwheel.embedded import EmbeddedTimerwheel
@@ -60,22 +61,8 @@ def _key(span: ReadableSpan) -> SpanKey:
 
 def joined(start: ReadableSpan, spans: list[ReadableSpan]) -> list[ReadableSpan]:
     """Every span reachable from ``start`` through parents, children and links (either way)."""
-    edges: dict[SpanKey, set[SpanKey]] = {}
-    for s in spans:
-        others = [(link.context.trace_id, link.context.span_id) for link in s.links]
-        if s.parent is not None:
-            others.append((s.parent.trace_id, s.parent.span_id))
-        for o in others:
-            edges.setdefault(_key(s), set()).add(o)
-            edges.setdefault(o, set()).add(_key(s))
-    seen = {_key(start)}
-    todo = [_key(start)]
-    while todo:
-        for nxt in edges.get(todo.pop(), ()):
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return [s for s in spans if _key(s) in seen]
+    reached = {(r.trace_id, r.span_id) for r in joined_records(SpanRec.of(start), [SpanRec.of(s) for s in spans])}
+    return [s for s in spans if _key(s) in reached]
 
 
 def send_span_of(spans: list[ReadableSpan], message_id: str, cancel: bool = False) -> ReadableSpan:
