@@ -34,14 +34,16 @@ dequeue-put        send <topic>              PRODUCER  each delivered / rolled r
 The wait (enqueue-put -> dequeue-get) is a hop across time: the spans after it are new
 spans linked to the message's context, as are all hops here. dequeue-get cannot link the
 messages (it reads TimerLog records, not timer records), so its span is joined to their
-traces through dequeue-getmsg's span, which links both: one message's trace is send ->
-process -> enqueue-put -> receive (-> dequeue-get) -> send <topic> -> the consumer. dequeue-put injects ITS span's
+traces through dequeue-getmsg's span, which links both. dequeue-put injects ITS span's
 context into the delivered record (and into a rolled record going back to the timer topic,
 so the next hop links to the previous one), replacing the producer's ``traceparent``: a
-consumer continues the trace from the delivery. The exceptional outcomes get a short span
-of their own, a CHILD of the message's context (so they sit in the message's own trace):
-a cancelled message ends with span event ``cancelled``; a dead-lettered one has status
-ERROR, ``error.type`` and an ``exception`` event carrying the reason.
+consumer continues the trace from the delivery. One message's trace is thus send ->
+process -> enqueue-put -> receive (-> dequeue-get) -> send <topic> -> the consumer.
+
+The exceptional outcomes get a short span of their own, a CHILD of the message's context
+(so they sit in the message's own trace): a cancelled message ends with span event
+``cancelled``; a dead-lettered one has status ERROR, ``error.type`` and an ``exception``
+event carrying the reason.
 
 Attributes follow the messaging conventions (``messaging.system=kafka``,
 ``messaging.operation.type``, ``messaging.destination.name``,
@@ -224,11 +226,6 @@ def _context_of_traceparent(tp: str | None, ts: str | None = None) -> SpanContex
     return sc if sc.is_valid else None
 
 
-def _traceparent(span: Span) -> str:
-    sc = span.get_span_context()
-    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
-
-
 def _message_attrs(rec: Record) -> dict[str, Any]:
     return {"messaging.message.id": message_id_of(rec), "messaging.destination.partition.id": str(rec.partition),
             "messaging.kafka.offset": rec.offset}
@@ -322,7 +319,7 @@ def dequeue_get_batch(shard_id: int, slot_time: int, items: Sequence[Any], now_m
              "timerwheel.roll_hops": rolls}
     span = tr.start_span("dequeue-get", kind=SpanKind.INTERNAL, attributes=attrs)
     span.end()
-    return _traceparent(span)
+    return dict(inject(span))["traceparent"].decode()
 
 
 def dequeue_getmsg_batch(start_ns: int, cfg: TimerConfig, fetches: Sequence[Any],
