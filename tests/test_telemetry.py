@@ -1,5 +1,5 @@
 """Tracing through the five stages (embedded, simulated clock, in-memory span exporter) and the
-metrics a run leaves behind."""
+metrics a run leaves behind (on /metrics and over OTLP/http to a receiver in the test)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
+from otlp_receiver import OtlpReceiver, SpanRec
+from otlp_receiver import joined as joined_records
 from stages.scenario import by_id, header, step_through
 from timerwheel import SimulatedClock, telemetry
 from timerwheel.embedded import EmbeddedTimerwheel
@@ -58,27 +61,15 @@ def _key(span: ReadableSpan) -> SpanKey:
 
 def joined(start: ReadableSpan, spans: list[ReadableSpan]) -> list[ReadableSpan]:
     """Every span reachable from ``start`` through parents, children and links (either way)."""
-    edges: dict[SpanKey, set[SpanKey]] = {}
-    for s in spans:
-        others = [(link.context.trace_id, link.context.span_id) for link in s.links]
-        if s.parent is not None:
-            others.append((s.parent.trace_id, s.parent.span_id))
-        for o in others:
-            edges.setdefault(_key(s), set()).add(o)
-            edges.setdefault(o, set()).add(_key(s))
-    seen = {_key(start)}
-    todo = [_key(start)]
-    while todo:
-        for nxt in edges.get(todo.pop(), ()):
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return [s for s in spans if _key(s) in seen]
+    reached = {(r.trace_id, r.span_id) for r in joined_records(SpanRec.of(start), [SpanRec.of(s) for s in spans])}
+    return [s for s in spans if _key(s) in reached]
 
 
-def send_span_of(spans: list[ReadableSpan], message_id: str) -> ReadableSpan:
+def send_span_of(spans: list[ReadableSpan], message_id: str, cancel: bool = False) -> ReadableSpan:
+    """The client's span of the message ``message_id`` (``cancel``: of the cancel of it)."""
     found = [s for s in spans if s.kind == SpanKind.PRODUCER and s.attributes is not None
-             and s.attributes.get("messaging.message.id") == message_id]
+             and s.attributes.get("messaging.message.id") == message_id
+             and bool(s.attributes.get("timerwheel.cancel")) == cancel]
     assert len(found) == 1, [s.name for s in found]
     return found[0]
 
@@ -107,7 +98,7 @@ def test_a_delivered_message_is_one_linked_trace_from_send_to_delivery(
     assert send.name == f"send {timer_topic}"
     trace = joined(send, done)
     names = {s.name for s in trace}
-    assert {f"send {timer_topic}", f"process {timer_topic}", "enqueue-put", f"receive {timer_topic}",
+    assert {f"send {timer_topic}", f"process {timer_topic}", "enqueue-put", "dequeue-get", f"receive {timer_topic}",
             "send orders"} <= names, names
 
     # The stage spans that link the send span directly (a batch span also links other messages).
@@ -118,6 +109,18 @@ def test_a_delivered_message_is_one_linked_trace_from_send_to_delivery(
     assert by_name[f"receive {timer_topic}"].kind == SpanKind.CLIENT
     assert by_name["enqueue-put"].attributes is not None
     assert "timerwheel.shard" in by_name["enqueue-put"].attributes
+
+    # dequeue-get (which reads the TimerLog, where no context is kept) joins through the
+    # receive span: it links the dequeue-get span of the message's slot as well.
+    receive = by_name[f"receive {timer_topic}"]
+    msg_link = next(li for li in receive.links if li.context.span_id == send.context.span_id)  # type: ignore[union-attr]
+    slot_time = msg_link.attributes["timerwheel.slot_time"]  # type: ignore[index]
+    gets = {_key(s): s for s in done if s.name == "dequeue-get"}
+    linked_gets = [gets[(li.context.trace_id, li.context.span_id)] for li in receive.links
+                   if (li.context.trace_id, li.context.span_id) in gets]
+    (get,) = [g for g in linked_gets if g.attributes["timerwheel.slot_time"] == slot_time]  # type: ignore[index]
+    assert get.kind == SpanKind.INTERNAL and len(get.links) == 0
+    assert get.attributes["timerwheel.shard"] == by_name["enqueue-put"].attributes["timerwheel.shard"]  # type: ignore[index]
     for s in (send, by_name[f"process {timer_topic}"], by_name["send orders"]):
         assert s.attributes is not None and s.attributes["messaging.system"] == "kafka"
     assert by_name[f"process {timer_topic}"].attributes["messaging.consumer.group.name"] == "timerwheel"  # type: ignore[index]
@@ -169,6 +172,95 @@ def test_cancelled_and_dead_lettered_messages_end_their_traces(
     assert event.name == "exception"
     assert "timer topic" in str(event.attributes["exception.message"])  # type: ignore[index]
     assert len(tw.read(tw.config.dlq_topic)) == 1
+
+
+def test_a_cancel_is_a_producer_span_whose_context_rides_the_cancel_record(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock, spans: InMemorySpanExporter) -> None:
+    t = run_scenario(tw, clock)
+    done = list(spans.get_finished_spans())
+    timer_topic = tw.config.timer_topic
+    target = t["cancelled"]
+
+    cancel = send_span_of(done, target.message_id, cancel=True)
+    assert cancel.name == f"send {timer_topic}"
+    assert cancel.attributes is not None and "timerwheel.topic" not in cancel.attributes
+    assert cancel.attributes["messaging.destination.partition.id"] == str(target.partition)
+    assert cancel.attributes["messaging.system"] == "kafka"
+    assert _key(cancel)[0] != _key(send_span_of(done, target.message_id))[0]  # no current span: a trace of its own
+
+    (record,) = [r for r in tw.read(timer_topic) if r.header("tw-cancel") == target.message_id.encode()]
+    _version, trace_id, span_id, _flags = header(record, "traceparent").split("-")
+    assert (int(trace_id, 16), int(span_id, 16)) == _key(cancel)
+    # The enqueue side links it like any timer record; it ends in the target's `cancelled` span.
+    linking = {s.name: s for s in done if any(li.context.span_id == cancel.context.span_id  # type: ignore[union-attr]
+                                                 for li in s.links)}
+    assert set(linking) == {f"process {timer_topic}", "enqueue-put"}
+    (link,) = [li for li in linking["enqueue-put"].links if li.context.span_id == cancel.context.span_id]  # type: ignore[union-attr]
+    assert link.attributes is not None and link.attributes["timerwheel.cancel"] is True
+
+
+def test_tracestate_rides_the_put_queue_into_the_enqueue_put_links(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock, spans: InMemorySpanExporter) -> None:
+    state = TraceState([("vendor", "v1"), ("team", "orders")])
+    caller = NonRecordingSpan(SpanContext(0x1234_5678_9ABC_DEF0_1234_5678_9ABC_DEF0, 0x1234_5678_9ABC_DEF0,
+                                          is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                                          trace_state=state))
+    with trace.use_span(caller):
+        ticket = tw.schedule("orders", b"v", delay_ms=1_000)
+    step_through(tw, clock, [ticket.deliver_at_ms], ticket.deliver_at_ms + 500)
+    done = list(spans.get_finished_spans())
+
+    send = send_span_of(done, ticket.message_id)
+    assert send.parent is not None and send.parent.span_id == caller.get_span_context().span_id
+    (timer_record,) = [r for r in tw.read(tw.config.timer_topic) if r.header("tw-id") == ticket.message_id.encode()]
+    assert header(timer_record, "tracestate") == "vendor=v1,team=orders"
+    put = next(s for s in done if s.name == "enqueue-put")
+    (link,) = [li for li in put.links if li.context.span_id == send.context.span_id]  # type: ignore[union-attr]
+    assert link.context.trace_state == state
+    assert link.context.trace_id == caller.get_span_context().trace_id
+
+
+def test_metrics_are_exported_over_otlp_with_the_counts_of_a_run(
+        tw: EmbeddedTimerwheel, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    normal = [tw.schedule("orders", b"n", delay_ms=1_000 + 100 * i) for i in range(4)]
+    doomed = [tw.schedule("orders", b"c", delay_ms=2_000 + 100 * i) for i in range(2)]
+    tw.schedule(tw.config.timer_topic, b"x", delay_ms=1_000)  # dead-lettered
+    tw.wait_idle()
+    for ticket in doomed:
+        tw.cancel(ticket)
+    due = [x.deliver_at_ms for x in normal + doomed]
+    step_through(tw, clock, due, max(due) + 1_000)
+    assert len(tw.read("orders")) == 4
+    tw.sample_gauges()
+
+    receiver = OtlpReceiver().start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    provider = telemetry.export_metrics(tw.metrics, env={})
+    try:
+        assert provider.force_flush(10_000)
+    finally:
+        provider.shutdown()
+        receiver.close()
+    assert receiver.bad_requests == []
+
+    def points(name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
+        found = receiver.metric(f"timerwheel.{name}")
+        assert found, f"timerwheel.{name} not exported; got {len(receiver.metric_requests)} requests"
+        return {tuple(sorted(attrs.items())): value for attrs, value, _facts in found}
+
+    assert points("scheduled") == {(("topic", "orders"),): 6}
+    assert points("delivered") == {(("topic", "orders"),): 4}
+    assert points("cancelled") == {(("topic", "orders"),): 2}
+    assert points("dead_lettered") == {(("topic", tw.config.timer_topic),): 1}
+    assert points("cancel_requests") == {(): 2}
+    assert points("delivery_lateness_ms.count") == {(): 4}
+    (_attrs, _value, facts), *_ = receiver.metric("timerwheel.delivered")
+    assert facts["type"] == "sum" and facts["monotonic"] is True
+    assert facts["resource"]["service.name"] == "timerwheel"
+    # Gauges go as gauges: nothing is left in the wheels.
+    pending = receiver.metric("timerwheel.pending")
+    assert pending and {v for _a, v, _f in pending} == {0}
+    assert {f["type"] for _a, _v, f in pending} == {"gauge"}
 
 
 def test_tracing_off_records_no_spans(clock: SimulatedClock, tmp_path: Path) -> None:

@@ -302,9 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         sys.stderr.write(f"timerwheel: error: TW_LOG_LEVEL: must be DEBUG, INFO, WARNING or ERROR, got {level!r}\n")
         return 2
-    telemetry.configure_from_env()
     parser = make_parser()
     args = parser.parse_args(argv)
+    telemetry.configure_from_env(stage=args.name if args.command == "stage" else None)
     handlers = {"run": cmd_run, "schedule": cmd_schedule, "cancel": cmd_cancel, "consume": cmd_consume,
                 "inspect": cmd_inspect, "demo": cmd_demo, "stage": cmd_stage}
     try:

@@ -117,9 +117,21 @@ class TimerClient:
     def cancel_many(self, tickets: Sequence[Ticket | str]) -> None:
         now = self.clock.now_ms()
         records = []
+        spans: list[Span] = []
+        tracing = telemetry.tracer() is not None
         for t in tickets:
             ticket = Ticket.parse(t) if isinstance(t, str) else t
-            headers = ((H_CANCEL, ticket.message_id.encode()), (H_DELIVER_AT, str(ticket.deliver_at_ms).encode()))
-            records.append(OutRecord(self.config.timer_topic, None, None, headers, partition=ticket.partition,
-                                     timestamp_ms=now))
+            headers: Headers = ((H_CANCEL, ticket.message_id.encode()),
+                                (H_DELIVER_AT, str(ticket.deliver_at_ms).encode()))
+            if tracing:
+                sent = telemetry.send_span(self.config.timer_topic, ticket.message_id, ticket.partition, None,
+                                           cancel=True)
+                if sent is not None:
+                    spans.append(sent[0])
+                    headers += sent[1]
+            # Keyed by the target: Kafka's client refuses a record with neither key nor value.
+            records.append(OutRecord(self.config.timer_topic, ticket.message_id.encode(), None, headers,
+                                     partition=ticket.partition, timestamp_ms=now))
         self.log.append(records)
+        for span in spans:
+            span.end()

@@ -117,7 +117,7 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
     """
     log = stage_logger(name)
     metrics = Metrics()
-    telemetry.configure_from_env(metrics)
+    telemetry.configure_from_env(metrics, stage=name)
     ctx = StageContext(cfg, SystemClock(), metrics, consumer=f"{name}-{os.uname().nodename}-{os.getpid()}")
     running: dict[str, Any] = {}
 

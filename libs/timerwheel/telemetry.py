@@ -11,30 +11,39 @@ Trace shape. A stage handles batches, so each stage records ONE span per batch, 
 per span; the messages past the cap are not examined, only counted in
 ``timerwheel.links_dropped``. The message's context is the
 ``traceparent`` / ``tracestate`` of its timer record, which rides in the Kafka headers and
-in the put queue's entries (``PutRequest.traceparent``; the fetch and deliver entries point
-at the timer record, whose headers carry it).
+in the put queue's entries (``PutRequest.traceparent`` / ``.tracestate``; the fetch and
+deliver entries point at the timer record, whose headers carry it).
 
 =================  ========================  ========  ========================================
 stage              span name                 kind      links to
 =================  ========================  ========  ========================================
-TimerClient        send <timer topic>        PRODUCER  (the caller's current span is the parent)
+TimerClient        send <timer topic>        PRODUCER  (the caller's current span is the parent);
+                                                       a cancel too, with timerwheel.cancel=true
+                                                       and the target's messaging.message.id
 enqueue-get        process <timer topic>     CONSUMER  each record's context
 enqueue-put        enqueue-put               INTERNAL  each request's context (from the put entry)
 dequeue-get        dequeue-get               INTERNAL  none: the TimerLog stores no context; one
-                                                       span per slot batch, with timerwheel.shard
-                                                       and timerwheel.slot_time to correlate
-dequeue-getmsg     receive <timer topic>     CLIENT    each read record's context
+                                                       span per slot batch (timerwheel.shard,
+                                                       timerwheel.slot_time), whose context rides
+                                                       in the fetch entry (``FetchEntry.traceparent``)
+dequeue-getmsg     receive <timer topic>     CLIENT    the dequeue-get span of each fetch entry,
+                                                       and each read record's context
 dequeue-put        send <topic>              PRODUCER  each delivered / rolled record's context
 =================  ========================  ========  ========================================
 
 The wait (enqueue-put -> dequeue-get) is a hop across time: the spans after it are new
-spans linked to the message's context, as are all hops here. dequeue-put injects ITS span's
+spans linked to the message's context, as are all hops here. dequeue-get cannot link the
+messages (it reads TimerLog records, not timer records), so its span is joined to their
+traces through dequeue-getmsg's span, which links both. dequeue-put injects ITS span's
 context into the delivered record (and into a rolled record going back to the timer topic,
 so the next hop links to the previous one), replacing the producer's ``traceparent``: a
-consumer continues the trace from the delivery. The exceptional outcomes get a short span
-of their own, a CHILD of the message's context (so they sit in the message's own trace):
-a cancelled message ends with span event ``cancelled``; a dead-lettered one has status
-ERROR, ``error.type`` and an ``exception`` event carrying the reason.
+consumer continues the trace from the delivery. One message's trace is thus send ->
+process -> enqueue-put -> receive (-> dequeue-get) -> send <topic> -> the consumer.
+
+The exceptional outcomes get a short span of their own, a CHILD of the message's context
+(so they sit in the message's own trace): a cancelled message ends with span event
+``cancelled``; a dead-lettered one has status ERROR, ``error.type`` and an ``exception``
+event carrying the reason.
 
 Attributes follow the messaging conventions (``messaging.system=kafka``,
 ``messaging.operation.type``, ``messaging.destination.name``,
@@ -105,18 +114,22 @@ def metrics_requested(env: Mapping[str, str]) -> bool:
     return "otlp" in env.get("OTEL_METRICS_EXPORTER", "").strip().lower().split(",")
 
 
-def _resource(env: Mapping[str, str]) -> Any:
+def _resource(env: Mapping[str, str], stage: str | None = None) -> Any:
     from opentelemetry.sdk.resources import Resource
 
     attrs = {} if env.get("OTEL_SERVICE_NAME") else {"service.name": "timerwheel"}
+    if stage is not None:
+        attrs["timerwheel.stage"] = stage
     return Resource.create(attrs)
 
 
-def configure_from_env(metrics: Metrics | None = None, env: Mapping[str, str] | None = None) -> bool:
+def configure_from_env(metrics: Metrics | None = None, env: Mapping[str, str] | None = None,
+                       stage: str | None = None) -> bool:
     """Set up OTLP/http export from the ``OTEL_*`` variables; True if tracing is on.
 
     Tracing is configured once per process; ``metrics`` (the process's registry) is exported
-    through OTLP when ``OTEL_METRICS_EXPORTER=otlp``."""
+    through OTLP when ``OTEL_METRICS_EXPORTER=otlp``. A process running one stage names it in
+    the resource (``timerwheel.stage``)."""
     env = os.environ if env is None else env
     with _lock:
         if _tracer is None and tracing_requested(env):
@@ -124,14 +137,14 @@ def configure_from_env(metrics: Metrics | None = None, env: Mapping[str, str] | 
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-            provider = TracerProvider(resource=_resource(env))
+            provider = TracerProvider(resource=_resource(env, stage))
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             use(provider)
             import atexit
 
             atexit.register(provider.shutdown)
         if metrics is not None and metrics_requested(env):
-            export_metrics(metrics, env)
+            export_metrics(metrics, env, stage)
     return _tracer is not None
 
 
@@ -205,10 +218,11 @@ def _span(tr: Tracer, name: str, kind: SpanKind, start_ns: int, attrs: dict[str,
     return tr.start_span(name, kind=kind, attributes=attrs, links=links.links, start_time=start_ns)
 
 
-def _context_of_traceparent(tp: str | None) -> SpanContext | None:
+def _context_of_traceparent(tp: str | None, ts: str | None = None) -> SpanContext | None:
     if not tp:
         return None
-    sc = trace.get_current_span(_propagator.extract({"traceparent": tp})).get_span_context()
+    carrier = {"traceparent": tp} if ts is None else {"traceparent": tp, "tracestate": ts}
+    sc = trace.get_current_span(_propagator.extract(carrier)).get_span_context()
     return sc if sc.is_valid else None
 
 
@@ -284,7 +298,7 @@ def enqueue_put_batch(start_ns: int, shard_id: int, requests: Iterable[tuple[int
         rec = by_src.get((p, req.src_offset))
         if rec is None or links.full():
             continue
-        links.add(_context_of_traceparent(req.traceparent), {
+        links.add(_context_of_traceparent(req.traceparent, req.tracestate), {
             "messaging.destination.partition.id": str(p), "messaging.kafka.offset": req.src_offset,
             "timerwheel.slot_time": slot_of(rec.deliver_ms), "timerwheel.deliver_at": req.deliver_ms,
             "timerwheel.roll_hop": bool(rec.flags & _ROLL), "timerwheel.cancel": bool(req.cancel)})
@@ -292,16 +306,20 @@ def enqueue_put_batch(start_ns: int, shard_id: int, requests: Iterable[tuple[int
     _span(tr, "enqueue-put", SpanKind.INTERNAL, start_ns, attrs, links).end()
 
 
-def dequeue_get_batch(shard_id: int, slot_time: int, items: Sequence[Any], now_ms: int, roll_flag: int) -> None:
-    """One span per fetch entry (a slot's batch): no per-message context exists here."""
+def dequeue_get_batch(shard_id: int, slot_time: int, items: Sequence[Any], now_ms: int,
+                      roll_flag: int) -> str | None:
+    """One span per fetch entry (a slot's batch): no per-message context exists here. Returns
+    the span's ``traceparent``, for the fetch entry (dequeue-getmsg links it); None when off."""
     tr = _tracer
     if tr is None:
-        return
+        return None
     rolls = sum(1 for i in items if i.flags & roll_flag)
     attrs = {"timerwheel.shard": shard_id, "timerwheel.slot_time": slot_time,
              "timerwheel.lateness_ms": max(0, now_ms - slot_time), "messaging.batch.message_count": len(items),
              "timerwheel.roll_hops": rolls}
-    tr.start_span("dequeue-get", kind=SpanKind.INTERNAL, attributes=attrs).end()
+    span = tr.start_span("dequeue-get", kind=SpanKind.INTERNAL, attributes=attrs)
+    span.end()
+    return dict(inject(span))["traceparent"].decode()
 
 
 def dequeue_getmsg_batch(start_ns: int, cfg: TimerConfig, fetches: Sequence[Any],
@@ -310,6 +328,10 @@ def dequeue_getmsg_batch(start_ns: int, cfg: TimerConfig, fetches: Sequence[Any]
     if tr is None:
         return
     links = Links()
+    for f in fetches:  # dequeue-get's spans first: they join its span to the messages' traces
+        if not links.full():
+            links.add(_context_of_traceparent(f.traceparent), {"timerwheel.shard": f.shard,
+                                                                "timerwheel.slot_time": f.slot_time})
     count = 0
     for f in fetches:
         for item in f.items:
@@ -392,20 +414,27 @@ def dequeue_put_batch(span: Span, cfg: TimerConfig, rules: TimerRules, entries: 
     span.end()
 
 
-def send_span(timer_topic: str, message_id: str, partition: int, destination: str) -> tuple[Span, Headers] | None:
-    """The client's PRODUCER span of one timer record and the headers that carry it."""
+def send_span(timer_topic: str, message_id: str, partition: int, destination: str | None,
+              cancel: bool = False) -> tuple[Span, Headers] | None:
+    """The client's PRODUCER span of one timer record and the headers that carry it: a message
+    to ``destination``, or (``cancel``) the cancel of the message ``message_id``."""
     tr = _tracer
     if tr is None:
         return None
-    span = tr.start_span(f"send {timer_topic}", kind=SpanKind.PRODUCER, attributes={
+    attrs: dict[str, Any] = {
         "messaging.system": "kafka", "messaging.operation.type": "send",
         "messaging.destination.name": timer_topic, "messaging.destination.partition.id": str(partition),
-        "messaging.message.id": message_id, "timerwheel.topic": destination})
+        "messaging.message.id": message_id}
+    if destination is not None:
+        attrs["timerwheel.topic"] = destination
+    if cancel:
+        attrs["timerwheel.cancel"] = True
+    span = tr.start_span(f"send {timer_topic}", kind=SpanKind.PRODUCER, attributes=attrs)
     return span, inject(span)
 
 
 # -- metrics over OTLP --------------------------------------------------------------------
-def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None) -> Any:
+def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None, stage: str | None = None) -> Any:
     """Export the registry through OTLP/http: observable instruments that read it on collection."""
     global _metrics_provider
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -415,7 +444,7 @@ def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None) -> An
 
     env = os.environ if env is None else env
     reader = PeriodicExportingMetricReader(OTLPMetricExporter())
-    provider = MeterProvider(metric_readers=[reader], resource=_resource(env))
+    provider = MeterProvider(metric_readers=[reader], resource=_resource(env, stage))
     meter = provider.get_meter(SCOPE)
     registered: set[tuple[str, str]] = set()
 

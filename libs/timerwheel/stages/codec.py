@@ -7,7 +7,8 @@ NamedTuples (msgpack packs them as arrays, and they are cheap to build per messa
 queue      partition             entry
 =========  ====================  =========================================================
 put        shard                 PutEntry: one timer partition's offset range and its requests
-fetch      shard                 FetchEntry: TimerLog records of one slot to read and deliver
+fetch      shard                 FetchEntry: TimerLog records of one slot to read and deliver, and
+                                 dequeue-get's trace context
 deliver    shard                 DeliverEntry: the same, with the original records attached
 done       shard                 DoneEntry: per slot, how many messages dequeue-put finished
 =========  ====================  =========================================================
@@ -60,6 +61,11 @@ class PutRequest(NamedTuple):
     topic_hash: int
     id_hash: int
     traceparent: str | None = None
+    #: Added after ``traceparent``: entries written without it (8 fields) still decode.
+    tracestate: str | None = None
+
+
+_PUT_FIELDS = len(PutRequest._fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +86,7 @@ class PutEntry:
             return data  # an in-process queue passes the entry itself
         p, lo, hi, reqs = _unpack(data)
         make = PutRequest._make
-        return cls(p, lo, hi, tuple(make(r) for r in reqs))
+        return cls(p, lo, hi, tuple(make(r) if len(r) == _PUT_FIELDS else PutRequest(*r) for r in reqs))
 
 
 class FetchItem(NamedTuple):
@@ -101,17 +107,22 @@ class FetchEntry:
     generation: int
     slot_time: int
     items: tuple[FetchItem, ...]
+    #: dequeue-get's span of this batch (the TimerLog holds no trace context); dequeue-getmsg
+    #: links it. Packed only when set, so an entry without it keeps the 4-element form.
+    traceparent: str | None = None
 
     def encode(self) -> bytes:
-        return _pack([self.shard, self.generation, self.slot_time, self.items])
+        if self.traceparent is None:
+            return _pack([self.shard, self.generation, self.slot_time, self.items])
+        return _pack([self.shard, self.generation, self.slot_time, self.items, self.traceparent])
 
     @classmethod
     def decode(cls, data: bytes) -> FetchEntry:
         if isinstance(data, cls):
             return data  # an in-process queue passes the entry itself
-        shard, gen, slot, items = _unpack(data)
+        shard, gen, slot, items, *rest = _unpack(data)
         make = FetchItem._make
-        return cls(shard, gen, slot, tuple(make(i) for i in items))
+        return cls(shard, gen, slot, tuple(make(i) for i in items), rest[0] if rest else None)
 
 
 #: What dequeue-put does with an item.

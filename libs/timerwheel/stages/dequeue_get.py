@@ -158,9 +158,10 @@ class DequeueGet:
             reader = st.reader
             items = tuple(itertools.islice(reader.items, batch))
             if items:
-                st.outbox.append(FetchEntry(st.shard_id, st.generation, reader.slot_time, items))
+                tp = None
                 if telemetry.tracer() is not None:
-                    telemetry.dequeue_get_batch(st.shard_id, reader.slot_time, items, self.ctx.clock.now_ms(), _ROLL)
+                    tp = telemetry.dequeue_get_batch(st.shard_id, reader.slot_time, items, self.ctx.clock.now_ms(), _ROLL)
+                st.outbox.append(FetchEntry(st.shard_id, st.generation, reader.slot_time, items, tp))
                 st.pending[reader.slot_time] = st.pending.get(reader.slot_time, 0) + len(items)
                 in_flight += len(items)
                 work += len(items)

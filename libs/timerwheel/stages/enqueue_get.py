@@ -105,6 +105,7 @@ class EnqueueGet:
                 reasons[label] = reasons.get(label, 0) + 1
                 continue
             tp = r.header("traceparent")
+            ts = r.header("tracestate") if tp else None
             th = topic_hashes.get(req.topic)
             if th is None:
                 if len(topic_hashes) > 10_000:
@@ -113,6 +114,7 @@ class EnqueueGet:
             requests[r.partition].append(PutRequest(
                 r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel, th, id_hash(req.message_id),
                 tp.decode("ascii", "replace") if tp else None,
+                ts.decode("ascii", "replace") if ts else None,
             ))
             if req.cancel:
                 cancels += 1

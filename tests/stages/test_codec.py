@@ -1,0 +1,32 @@
+"""Work-queue entries round-trip, and entries written before a field was added still decode
+(Redis may hold them across an upgrade)."""
+
+from __future__ import annotations
+
+import msgpack
+from timerwheel.stages.codec import FetchEntry, FetchItem, PutEntry, PutRequest
+
+TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def test_a_put_entry_round_trips_with_its_trace_context() -> None:
+    entry = PutEntry(3, 10, 12, (PutRequest(10, 120, 1_000, 2_000, False, 7, 9, TP, "vendor=v1"),
+                                 PutRequest(11, 80, 1_001, 2_001, True, 0, 9)))
+    assert PutEntry.decode(entry.encode()) == entry
+
+
+def test_a_put_entry_written_without_tracestate_still_decodes() -> None:
+    old = msgpack.packb([3, 10, 12, [[10, 120, 1_000, 2_000, False, 7, 9, TP], [11, 80, 1_001, 2_001, True, 0, 9, None]]])
+    entry = PutEntry.decode(old)
+    assert entry.requests == (PutRequest(10, 120, 1_000, 2_000, False, 7, 9, TP, None),
+                              PutRequest(11, 80, 1_001, 2_001, True, 0, 9, None, None))
+
+
+def test_a_fetch_entry_carries_dequeue_gets_context_and_old_entries_decode() -> None:
+    items = (FetchItem(0, 1, 2, 30, 5_000, 4_000), FetchItem(64, 1, 2, 31, 5_000, 4_000, 2, 40))
+    traced = FetchEntry(1, 7, 5_000, items, TP)
+    assert FetchEntry.decode(traced.encode()) == traced
+    untraced = FetchEntry(1, 7, 5_000, items)
+    assert untraced.encode() == msgpack.packb([1, 7, 5_000, [list(i) for i in items]])  # the 4-element form
+    assert FetchEntry.decode(untraced.encode()) == untraced
+    assert FetchEntry.decode(untraced.encode()).traceparent is None
