@@ -30,7 +30,7 @@ test-fast: setup
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
 lint: setup
-	$(BIN)/ruff check libs tests e2e bench services operator
+	$(BIN)/ruff check $(wildcard libs tests e2e bench services operator)
 	$(BIN)/mypy
 
 bench: setup

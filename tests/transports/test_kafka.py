@@ -64,6 +64,13 @@ def test_append_then_read_round_trips_key_value_and_headers(log: KafkaCommitLog)
     assert got[0] is not None and abs(got[0].timestamp_ms - time.time() * 1000) < 60_000
 
 
+def test_a_record_with_neither_key_nor_value_is_written_with_an_empty_value(log: KafkaCommitLog) -> None:
+    topic = new_topic(log, partitions=1)
+    [(p, o)] = log.append([OutRecord(topic, None, None, (("why", b"gone"),))])
+    [rec] = log.read(topic, [(p, o)])
+    assert rec is not None and rec.key is None and rec.value == b"" and rec.headers == (("why", b"gone"),)
+
+
 def test_the_key_chooses_the_partition_when_none_is_given(log: KafkaCommitLog) -> None:
     topic = new_topic(log, partitions=4)
     written = log.append([OutRecord(topic, b"same-key", b"%d" % i) for i in range(10)])

@@ -136,6 +136,7 @@ class DeliverItem(NamedTuple):
     record: Record | None  # None for MISSING
     src_partition: int
     src_offset: int
+    #: Unused (the record's own headers carry its context); kept so that entries stay readable.
     traceparent: str | None = None
 
 

@@ -62,8 +62,6 @@ class DequeueGetMsg(QueueStage):
             items = []
             for item in f.items:
                 rec = wanted[(item.src_partition, item.src_offset)]
-                tp = rec.header("traceparent") if rec is not None else None
-                traceparent = tp.decode("ascii", "replace") if tp else None
                 if rec is None:
                     kind = MISSING
                     missing += 1
@@ -75,8 +73,9 @@ class DequeueGetMsg(QueueStage):
                     if item.cancel_partition >= 0:
                         self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
                     kind = DELIVER
+                # The record carries its own trace headers: DeliverItem.traceparent stays unset.
                 items.append(DeliverItem(kind, item.fire_ms, item.enqueued_ms, rec, item.src_partition,
-                                         item.src_offset, traceparent))
+                                         item.src_offset))
             out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, tuple(items))))
         if missing:
             self.logger.warning("source records gone from the log", records=missing, partition=partition)

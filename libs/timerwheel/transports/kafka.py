@@ -378,7 +378,10 @@ class KafkaCommitLog:
                 futures.append(
                     producer.send(
                         r.topic,
-                        value=r.value,
+                        # kafka-python refuses a record with neither key nor value (other clients
+                        # allow it): such a record (a dead letter for a vanished source, a producer's
+                        # empty message) goes with an empty value rather than stalling its stage.
+                        value=r.value if r.value is not None or r.key is not None else b"",
                         key=r.key,
                         headers=list(r.headers),
                         partition=r.partition,
