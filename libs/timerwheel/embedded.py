@@ -32,7 +32,7 @@ from timerwheel.errors import TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
 from timerwheel.records import Headers, Record
-from timerwheel.runtime import StageRunner, sample_gauges
+from timerwheel.runtime import Heartbeat, StageRunner, sample_gauges
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
@@ -170,6 +170,8 @@ class EmbeddedTimerwheel:
             StageRunner("dequeue-getmsg", self.dequeue_getmsg, ctx),
             StageRunner("dequeue-put", self.dequeue_put, ctx),
         ]
+        if not all(getattr(q, "in_process", False) for q in self.queues.values()):
+            Heartbeat(self.queues[Q_DELIVER], owner, ctx.stop).start()  # shared queues (run --redis)
         for r in self.runners:
             r.start()
         self._started = True

@@ -15,6 +15,7 @@ dequeue-getmsg and dequeue-put scale freely as consumers of the work-queue group
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import threading
 from typing import Any
@@ -26,7 +27,7 @@ from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.health import HealthServer
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
-from timerwheel.runtime import StageRunner, sample_gauges
+from timerwheel.runtime import Heartbeat, StageRunner, sample_gauges
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.base import Stopped
 from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
@@ -118,7 +119,10 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
     log = stage_logger(name)
     metrics = Metrics()
     telemetry.configure_from_env(metrics, stage=name)
-    ctx = StageContext(cfg, SystemClock(), metrics, consumer=f"{name}-{os.uname().nodename}-{os.getpid()}")
+    # Unique per process start: a restarted container keeps its host name and often its pid, and
+    # the entries its previous life held must be claimable (the old name's heartbeat lapses).
+    ctx = StageContext(cfg, SystemClock(), metrics,
+                       consumer=f"{name}-{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}")
     running: dict[str, Any] = {}
 
     def on_signal(*_: object) -> None:
@@ -146,6 +150,7 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
             owned = getattr(stage, "owned", {}) if name == "dequeue-get" else {}
             sample_gauges(metrics, cfg, sources, {sid: st.shard for sid, st in list(owned.items())})
 
+        Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)
         runner = StageRunner(name, tracked, ctx, idle_s=0.01, sample=sample)
         running.update(runner=runner, stage=stage, tracked=tracked)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
-from timerwheel.stages.base import StageContext, Stopped
+from timerwheel.stages.base import HEARTBEAT_EVERY_S, HEARTBEAT_TTL_MS, StageContext, Stopped
 
 if TYPE_CHECKING:
     from timerwheel.config import TimerConfig
@@ -85,6 +85,42 @@ class StageRunner:
             self.stage.close()
         except Exception:  # noqa: BLE001
             self.log.error("close failed", exc=True)
+
+
+class Heartbeat:
+    """Tells the work queues, from a thread of its own, that ``consumer`` is alive
+    (``WorkQueue.heartbeat`` every HEARTBEAT_EVERY_S, valid for HEARTBEAT_TTL_MS): once a killed
+    process's heartbeat lapses, the entries it held are claimed by the others within seconds.
+    A thread, not the stage loop, so that a long batch does not make a live consumer look dead."""
+
+    def __init__(self, queue: WorkQueue, consumer: str, stop: threading.Event) -> None:
+        self.queue = queue
+        self.consumer = consumer
+        self.stop = stop
+        self.log = stage_logger("heartbeat")
+        self._failing = False
+        self.thread = threading.Thread(target=self._run, name="tw-heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        try:
+            self.queue.heartbeat(self.consumer, HEARTBEAT_TTL_MS)
+        except Exception as exc:  # noqa: BLE001 - the queue's own calls report the outage
+            if not self._failing:
+                self.log.warning("heartbeat failed", error=str(exc)[:200])
+            self._failing = True
+        else:
+            if self._failing:
+                self.log.info("heartbeat works again")
+            self._failing = False
+
+    def start(self) -> Heartbeat:
+        self.beat()
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.stop.wait(HEARTBEAT_EVERY_S):
+            self.beat()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.002) -> bool:

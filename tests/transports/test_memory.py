@@ -82,6 +82,26 @@ def test_claim_stale_redelivers_entries_of_a_dead_consumer_to_another() -> None:
     assert q.depth(0) == 1
 
 
+def test_entries_of_a_consumer_whose_heartbeat_lapsed_are_claimed_early() -> None:
+    clock = SimulatedClock()
+    q = MemoryWorkQueue("q", partitions=1, bound=10, clock=clock)
+    q.put(0, [b"a", b"b"], 1)
+    q.heartbeat("killed", ttl_ms=5_000)
+    q.heartbeat("slow", ttl_ms=5_000)
+    killed = q.get(0, "killed", 1, 0.01)
+    slow = q.get(0, "slow", 1, 0.01)
+    clock.advance(4_000)
+    q.heartbeat("slow", ttl_ms=5_000)  # "slow" keeps beating, "killed" stopped at 0
+    assert q.claim_stale(0, "r", idle_ms=30_000, max_entries=10, dead_idle_ms=1_000) == []  # not lapsed yet
+    clock.advance(1_500)
+    q.heartbeat("slow", ttl_ms=5_000)
+    assert q.claim_stale(0, "r", idle_ms=30_000, max_entries=10, dead_idle_ms=1_000) == killed
+    # A live consumer keeps its entry until idle_ms; without dead_idle_ms nothing changes.
+    assert q.claim_stale(0, "r", idle_ms=30_000, max_entries=10, dead_idle_ms=1_000) == []
+    clock.advance(30_000)
+    assert q.claim_stale(0, "r2", idle_ms=30_000, max_entries=10) == slow + killed  # stalest first: "b" was not claimed since
+
+
 def test_close_wakes_blocked_callers_and_refuses_puts() -> None:
     q = MemoryWorkQueue("q", partitions=1, bound=1)
     q.put(0, [b"x"], 1)

@@ -106,6 +106,28 @@ def test_claim_stale_gives_a_dead_consumers_entries_to_another(client: redis.Red
     assert [p for _, p in q.get(0, "rescuer", 10, 1)] == [b"c"]
 
 
+def test_entries_of_a_consumer_whose_heartbeat_lapsed_are_claimed_early(client: redis.Redis) -> None:
+    q = queue(client)
+    q.put(0, [b"a", b"b", b"c"], timeout_s=1)
+    q.heartbeat("killed", ttl_ms=300)
+    q.heartbeat("slow", ttl_ms=60_000)
+    killed = q.get(0, "killed", 2, 1)
+    slow = q.get(0, "slow", 1, 1)
+    time.sleep(0.1)
+    # Both still alive: nothing moves before idle_ms.
+    assert q.claim_stale(0, "r", idle_ms=60_000, max_entries=10, dead_idle_ms=50) == []
+    time.sleep(0.4)  # "killed"'s heartbeat has lapsed, "slow"'s has not
+    assert q.claim_stale(0, "r", idle_ms=60_000, max_entries=10, dead_idle_ms=50) == killed
+    pending = q.pending(0)
+    assert sorted(pending.values()) == ["r", "r", "slow"]
+    # The dead consumer held nothing more, so it left the group; the live one stays.
+    names = {c["name"].decode() for c in client.xinfo_consumers(q.key(0), q.group)}
+    assert "killed" not in names and "slow" in names
+    assert [p for _, p in slow] == [b"c"]
+    # Without dead_idle_ms, the old rule only.
+    assert q.claim_stale(0, "r2", idle_ms=60_000, max_entries=10) == []
+
+
 def test_claim_stale_respects_max_entries_across_a_long_pending_list(client: redis.Redis) -> None:
     q = queue(client, bound=1000)
     q.put(0, [b"%d" % i for i in range(300)], timeout_s=1)

@@ -105,16 +105,22 @@ def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequ
             backoff = min(backoff * 2, 2.0)
 
 
-#: Entries pending this long (their consumer died) are claimed by another consumer.
+#: Entries pending this long are claimed by another consumer, even from a live one (stuck).
 CLAIM_IDLE_MS = 30_000
-CLAIM_EVERY_S = 5.0
+#: ... and this long, from a consumer whose heartbeat lapsed (a dead process).
+DEAD_IDLE_MS = 1_000
+CLAIM_EVERY_S = 1.0
+#: Stage processes say they are alive this often, for this long (WorkQueue.heartbeat).
+HEARTBEAT_EVERY_S = 1.0
+HEARTBEAT_TTL_MS = 5_000
 
 
 class QueueStage:
     """A stateless stage that drains one queue's partitions: dequeue-getmsg and dequeue-put.
 
     ``step`` takes up to ``max_entries`` entries per partition, and every CLAIM_EVERY_S also the
-    entries a dead consumer left pending; subclasses ``handle`` a partition's entries and ack them.
+    entries a dead consumer left pending (after DEAD_IDLE_MS once its heartbeat lapsed, after
+    CLAIM_IDLE_MS in any case); subclasses ``handle`` a partition's entries and ack them.
     """
 
     stage = ""
@@ -135,7 +141,7 @@ class QueueStage:
         for p in self.partitions:
             entries = self.source.get(p, consumer, self.max_entries, 0)
             if claim:
-                entries += self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, self.max_entries)
+                entries += self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, self.max_entries, DEAD_IDLE_MS)
             if entries:
                 self.handle(p, entries)
                 work += len(entries)

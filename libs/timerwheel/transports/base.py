@@ -69,7 +69,9 @@ class WorkQueue(Protocol):
 
     Entries are opaque bytes. ``get`` hands entries to one consumer; an entry stays pending
     until acked, and ``claim_stale`` gives entries pending longer than ``idle_ms`` (their
-    consumer died) to another consumer.
+    consumer died, or is stuck) to another consumer. A consumer that says it is alive with
+    ``heartbeat`` and then stops saying so is dead: its entries are claimable sooner, after
+    ``dead_idle_ms``.
     """
 
     name: str
@@ -86,8 +88,14 @@ class WorkQueue(Protocol):
 
     def ack(self, partition: int, entry_ids: Sequence[str]) -> None: ...
 
-    def claim_stale(self, partition: int, consumer: str, idle_ms: int, max_entries: int) -> list[tuple[str, bytes]]:
-        """Entries delivered to some consumer but not acked for ``idle_ms``: now this consumer's."""
+    def claim_stale(self, partition: int, consumer: str, idle_ms: int, max_entries: int,
+                    dead_idle_ms: int | None = None) -> list[tuple[str, bytes]]:
+        """Entries delivered to some consumer but not acked for ``idle_ms``: now this consumer's.
+        With ``dead_idle_ms``, also those pending that long with a consumer whose heartbeat lapsed."""
+        ...
+
+    def heartbeat(self, consumer: str, ttl_ms: int) -> None:
+        """``consumer`` is alive for the next ``ttl_ms``."""
         ...
 
     def depth(self, partition: int) -> int:

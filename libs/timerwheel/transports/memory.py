@@ -91,6 +91,8 @@ class MemoryWorkQueue:
         self.bound = bound
         self._clock: Clock = clock or _MonotonicClock()
         self._parts = [_QueuePartition() for _ in range(partitions)]
+        #: consumer -> until when its last heartbeat says it is alive.
+        self._alive_until: dict[str, int] = {}
         self._closed = False
 
     def _part(self, partition: int) -> _QueuePartition:
@@ -151,22 +153,32 @@ class MemoryWorkQueue:
                 qp.not_full.notify_all()
 
     def claim_stale(
-        self, partition: int, consumer: str, idle_ms: int, max_entries: int
+        self, partition: int, consumer: str, idle_ms: int, max_entries: int, dead_idle_ms: int | None = None
     ) -> list[tuple[str, bytes]]:
         qp = self._part(partition)
         with qp.lock:
             now = self._clock.now_ms()
             stale: list[str] = []
             for entry_id, entry in qp.pending.items():
-                if len(stale) >= max_entries or now - entry.since_ms < idle_ms:
+                if len(stale) >= max_entries:
                     break
-                stale.append(entry_id)
+                idle = now - entry.since_ms
+                if idle >= idle_ms or (
+                    dead_idle_ms is not None and idle >= dead_idle_ms and entry.consumer != consumer
+                    and self._alive_until.get(entry.consumer, 0) <= now  # never said it lives, or lapsed
+                ):
+                    stale.append(entry_id)
+                elif dead_idle_ms is None:
+                    break  # oldest first: the rest are younger
             out = []
             for entry_id in stale:
                 entry = qp.pending.pop(entry_id)
                 qp.pending[entry_id] = _Pending(entry.payload, consumer, now)
                 out.append((entry_id, entry.payload))
             return out
+
+    def heartbeat(self, consumer: str, ttl_ms: int) -> None:
+        self._alive_until[consumer] = self._clock.now_ms() + ttl_ms
 
     def depth(self, partition: int) -> int:
         qp = self._part(partition)

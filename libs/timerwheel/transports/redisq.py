@@ -8,6 +8,13 @@ The bound check and the XADDs run in one Lua script, so concurrent producers can
 together; a batch is admitted whole while the partition holds fewer than ``bound`` entries.
 ``get`` is XREADGROUP with a bounded BLOCK, ``claim_stale`` is XAUTOCLAIM.
 
+Consumers say they are alive with ``heartbeat``: a key ``tw:alive:{consumer}`` with a TTL
+(every stage process refreshes it from a thread of its own, so a long batch does not lapse it).
+``claim_stale(..., dead_idle_ms=D)`` also claims, after ``D``, the entries pending with a consumer
+whose key is gone (a killed process: its entries move on in seconds instead of waiting out
+``idle_ms``, which stays long so that a live but slow consumer is not robbed), and removes that
+consumer from the group once nothing is pending with it.
+
 Redis is a transport, not a store (ARCHITECTURE.md, section 4): after FLUSHALL or a restart the
 streams and groups are gone. Every call that meets NOGROUP recreates the group (MKSTREAM, from
 id 0, so whatever is still in the stream is delivered again) and retries; the stages rebuild the
@@ -108,6 +115,14 @@ def _redis_call(what: str) -> Iterator[None]:
 
 def _is_nogroup(exc: redis.ResponseError) -> bool:
     return str(exc).startswith("NOGROUP")
+
+
+def alive_key(consumer: str) -> str:
+    return f"tw:alive:{consumer}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _entries(raw: Any) -> list[tuple[str, bytes]]:
@@ -238,11 +253,41 @@ class RedisWorkQueue:
             pipe.xdel(key, *entry_ids)
             pipe.execute()
 
-    def claim_stale(self, partition: int, consumer: str, idle_ms: int, max_entries: int) -> list[tuple[str, bytes]]:
+    def heartbeat(self, consumer: str, ttl_ms: int) -> None:
+        with _redis_call(f"heartbeat of {consumer!r}"):
+            self.client.set(alive_key(consumer), b"1", px=ttl_ms)
+
+    def _claim_dead(self, partition: int, consumer: str, dead_idle_ms: int, max_entries: int) -> list[tuple[str, bytes]]:
+        key = self.key(partition)
+        summary = self._grouped(partition, lambda: self.client.xpending(key, self.group))
+        others = [c for c in summary.get("consumers") or () if _text(c["name"]) != consumer and int(c["pending"]) > 0]
+        if not others:
+            return []
+        out: list[tuple[str, bytes]] = []
+        for c in others:
+            name = _text(c["name"])
+            if self.client.exists(alive_key(name)):
+                continue
+            rows = self.client.xpending_range(key, self.group, min="-", max="+", count=max_entries - len(out),
+                                              consumername=name, idle=dead_idle_ms)
+            ids: list[Any] = [r["message_id"] for r in rows]
+            if ids:
+                out.extend(_entries(self.client.xclaim(key, self.group, consumer, dead_idle_ms, ids)))
+            if len(ids) == int(c["pending"]):
+                # Nothing left with it (what was deleted under us is dropped by XCLAIM): forget it.
+                self.client.xgroup_delconsumer(key, self.group, name)
+            if len(out) >= max_entries:
+                break
+        return out
+
+    def claim_stale(self, partition: int, consumer: str, idle_ms: int, max_entries: int,
+                    dead_idle_ms: int | None = None) -> list[tuple[str, bytes]]:
         key = self._check(partition)
         out: list[tuple[str, bytes]] = []
         start = "0-0"
         with _redis_call(f"claim_stale on queue {self.name!r} partition {partition}"):
+            if dead_idle_ms is not None:
+                out = self._claim_dead(partition, consumer, dead_idle_ms, max_entries)
             while len(out) < max_entries:
 
                 def claim(start: str = start) -> Any:
