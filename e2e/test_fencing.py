@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Collector, Pipeline, SteadyLoad, TimerProducer, make_report
+from harness import LoadRun, Pipeline, make_report
 
 pytestmark = pytest.mark.e2e
 
@@ -25,11 +25,8 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, lease_ttl_ms=LEASE_TTL_MS)
     dest = pipe.dest("load")
     pipe.create_topic(dest, 2)
-    pipe.start_all()
-    producer = TimerProducer(pipe, seed=5)
-    collector = Collector(pipe, [dest])
-    load = SteadyLoad(producer, dest, rate=50, min_delay_ms=500, max_delay_ms=15_000).start()
-    try:
+    with pipe.running(), LoadRun(pipe, dest, seed=5, rate=50, min_delay_ms=500, max_delay_ms=15_000) as run:
+        producer, collector, load = run.producer, run.collector, run.load
         time.sleep(4)
         first_epochs = {int(str(e["shard"])): int(str(e["epoch"])) for e in events(pipe, "enqueue-put", "recovered")}
         pipe.kill("enqueue-put", signal.SIGSTOP)  # paused mid-work, holding its leases and writer locks
@@ -75,10 +72,4 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
         assert not [line for line in pipe.log_lines("dequeue-get") if "corrupt" in str(line.get("event"))]
         assert all(pipe.checkpoint(s)["epoch"] == second_epochs[s] for s in range(SHARDS))
         assert pipe.procs["enqueue-put"].alive(), "the fenced owner should wait as a standby, not die"
-        codes = pipe.stop_all()
-        assert all(code == 0 for code in codes.values()), f"exit codes on SIGTERM {codes}\n{pipe.tails()}"
-    finally:
-        load.stop()
-        collector.close()
-        producer.close()
-        pipe.stop_all()
+        pipe.stop_cleanly()
