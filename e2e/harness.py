@@ -595,7 +595,8 @@ class LoadRun:
         with ExitStack() as opened:  # what opened before a failure here is closed again
             self.producer = opened.enter_context(TimerProducer(pipe, seed=seed))
             self.collector = opened.enter_context(Collector(pipe, [topic]))
-            self.load = opened.enter_context(SteadyLoad(self.producer, topic, rate, min_delay_ms, max_delay_ms))
+            self.load = opened.enter_context(SteadyLoad(self.producer, topic, rate, min_delay_ms,
+                                                        max_delay_ms))
             self._opened = opened.pop_all()
 
     def __enter__(self) -> LoadRun:
