@@ -15,6 +15,7 @@
     with pipe.running(), LoadRun(pipe, pipe.dest("a"), seed=1, rate=60, min_delay_ms=500,
                                  max_delay_ms=20_000) as run:
         ...
+        missing, rep = run.drain("name", timeout_s=60)  # stop the load, wait for the rest, report
 
 Everything a test creates is its own: topic names carry a random suffix, the data directory is
 the test's tmp_path, Redis is one database of the server flushed at the start. Each stage
@@ -598,6 +599,16 @@ class LoadRun:
             self.load = opened.enter_context(SteadyLoad(self.producer, topic, rate, min_delay_ms,
                                                         max_delay_ms))
             self._opened = opened.pop_all()
+
+    def drain(self, name: str, timeout_s: float) -> tuple[set[str], Report]:
+        """Stop the load, wait until every acknowledged message is delivered (at most
+        ``timeout_s``, less if a stage dies), give late copies 2 s to show, and report (see
+        ``make_report``). Returns the ids still missing and the report."""
+        self.load.stop()
+        self.producer.flush()
+        missing = self.collector.wait_for(self.producer.expected(), timeout_s, self.pipe)
+        time.sleep(2)
+        return missing, make_report(name, self.producer, self.collector)
 
     def __enter__(self) -> LoadRun:
         return self

@@ -104,25 +104,19 @@ def duplicates_after(collector: Collector, events: list[tuple[int, str]]) -> dic
 
 
 def finish(pipe: Pipeline, run: LoadRun, name: str, ledger: Ledger, damaged: int, max_delay_ms: int) -> None:
-    producer, collector, load = run.producer, run.collector, run.load
-    load.stop()
-    producer.flush()
-    expected = producer.expected()
-    missing = collector.wait_for(expected, max_delay_ms / 1000 + RECLAIM_S, pipe)
-    time.sleep(2)
-    rep = make_report(name, producer, collector)
+    missing, rep = run.drain(name, max_delay_ms / 1000 + RECLAIM_S)
     bound = ledger.bound + damaged
     print(f"[{name}] disruptions={len(ledger.events)} records cut={damaged} duplicate bound={bound} "
-          f"load sent={load.sent} send errors={load.errors}", flush=True)
-    print(f"[{name}] duplicates by the disruption before them: {duplicates_after(collector, ledger.events)}",
+          f"load sent={run.load.sent} send errors={run.load.errors}", flush=True)
+    print(f"[{name}] duplicates by the disruption before them: {duplicates_after(run.collector, ledger.events)}",
           flush=True)
     assert not pipe.dead(), f"stages died: {pipe.dead()}\n{pipe.tails(pipe.dead())}"
     assert not missing and not rep.lost, (
         f"lost {len(rep.lost)} of {rep.scheduled}: {rep.lost[:20]}\n"
-        f"{[expected[m] for m in rep.lost[:5]]}\n{pipe.tails()}")
+        f"{[run.producer.messages[m] for m in rep.lost[:5]]}\n{pipe.tails()}")
     assert rep.duplicated <= bound, f"{rep.duplicated} duplicates, more than the bound {bound}\n{rep.line()}"
     assert not rep.early, f"delivered early: {rep.early[:10]}"
-    assert rep.scheduled >= load.rate * 30, f"the load only got {rep.scheduled} messages scheduled"
+    assert rep.scheduled >= run.load.rate * 30, f"the load only got {rep.scheduled} messages scheduled"
 
 
 def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
