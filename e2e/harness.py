@@ -2,15 +2,20 @@
 
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=2)   # TW_* settings as keywords
     pipe.create_topic(pipe.dest("a"), 2)
-    pipe.start_all()                     # five `timerwheel stage NAME` processes, waits on /readyz
-    producer = TimerProducer(pipe)       # plain kafka-python, wire-contract headers
-    collector = Collector(pipe, [pipe.dest("a")])
-    m = producer.schedule(pipe.dest("a"), now_ms() + 5_000); producer.cancel(m)
-    load = SteadyLoad(producer, pipe.dest("a"), rate=60, min_delay_ms=500, max_delay_ms=20_000).start()
-    pipe.kill("dequeue-put"); pipe.start("dequeue-put")              # SIGKILL, then a new process
-    collector.wait_for(producer.expected(), timeout_s=60, pipe=pipe)
-    rep = make_report("name", producer, collector)  # prints scheduled, delivered, lost, duplicated, late
-    pipe.stop_all()                      # SIGTERM each, wait; exit codes
+    with pipe.running(), TimerProducer(pipe) as producer, Collector(pipe, [pipe.dest("a")]) as collector:
+        # five `timerwheel stage NAME` processes, ready on /readyz; the producer writes with plain
+        # kafka-python and the wire-contract headers. All stopped or closed when the block ends.
+        m = producer.schedule(pipe.dest("a"), now_ms() + 5_000); producer.cancel(m)
+        pipe.kill("dequeue-put"); pipe.start("dequeue-put")      # SIGKILL, then a new process
+        collector.wait_for(producer.expected(), timeout_s=60, pipe=pipe)
+        rep = make_report("name", producer, collector)  # prints scheduled, delivered, lost, duplicated, late
+        pipe.stop_cleanly()              # SIGTERM each, wait; asserts that every one exited 0
+
+    # Or under a steady load: LoadRun starts run.producer, run.collector and run.load (SteadyLoad).
+    with pipe.running(), LoadRun(pipe, pipe.dest("a"), seed=1, rate=60, min_delay_ms=500,
+                                 max_delay_ms=20_000) as run:
+        ...
+        missing, rep = run.drain("name", timeout_s=60)  # stop the load, wait for the rest, report
 
 Everything a test creates is its own: topic names carry a random suffix, the data directory is
 the test's tmp_path, Redis is one database of the server flushed at the start. Each stage
@@ -34,7 +39,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -225,6 +231,15 @@ class Pipeline:
         for name in order:
             self.wait_ready(name, timeout_s)
 
+    @contextmanager
+    def running(self, timeout_s: float = 90.0) -> Iterator[Pipeline]:
+        """``start_all()``, and ``stop_all()`` on the way out whatever happened (a failed start too)."""
+        try:
+            self.start_all(timeout_s)
+            yield self
+        finally:
+            self.stop_all()
+
     def start_all_missing(self, timeout_s: float = 90.0) -> None:
         """Start every stage not running yet, then wait until all are ready."""
         for name in ("enqueue-put", "enqueue-get", "dequeue-get", "dequeue-getmsg", "dequeue-put"):
@@ -294,6 +309,14 @@ class Pipeline:
             self._admin = None
         self.redis.close()
         return codes
+
+    def stop_cleanly(self) -> None:
+        """``stop_all()``, then assert that every stage exited 0 on SIGTERM, naming those that did
+        not (None: still running 20 s after SIGTERM, killed), with the end of every log."""
+        codes = self.stop_all()
+        unclean = {name: code for name, code in codes.items() if code != 0}
+        assert not unclean, (f"not stopped cleanly by SIGTERM: {unclean} (exit codes of all: {codes})\n"
+                             f"{self.tails()}")
 
     def dead(self) -> list[str]:
         """Processes that were started and have exited on their own."""
@@ -415,6 +438,12 @@ class TimerProducer:
     def close(self) -> None:
         self.producer.close(timeout=10)
 
+    def __enter__(self) -> TimerProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def expected(self) -> dict[str, Scheduled]:
         """Acknowledged, not cancelled: what must be delivered."""
         with self._lock:
@@ -455,6 +484,12 @@ class SteadyLoad:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(30)
+
+    def __enter__(self) -> SteadyLoad:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 # -- consuming -----------------------------------------------------------------------------------
@@ -541,6 +576,45 @@ class Collector:
         self._stop.set()
         self._thread.join(10)
         self.consumer.close(autocommit=False)
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LoadRun:
+    """A steady load and what watches it, for the length of a ``with`` block: a TimerProducer
+    (``producer``), a Collector of ``topic`` (``collector``) and a SteadyLoad into ``topic``
+    (``load``), started at once. Leaving the block stops the load and closes the collector and
+    the producer, whatever happened."""
+
+    def __init__(self, pipe: Pipeline, topic: str, *, seed: int, rate: float, min_delay_ms: int,
+                 max_delay_ms: int) -> None:
+        self.pipe = pipe
+        with ExitStack() as opened:  # what opened before a failure here is closed again
+            self.producer = opened.enter_context(TimerProducer(pipe, seed=seed))
+            self.collector = opened.enter_context(Collector(pipe, [topic]))
+            self.load = opened.enter_context(SteadyLoad(self.producer, topic, rate, min_delay_ms,
+                                                        max_delay_ms))
+            self._opened = opened.pop_all()
+
+    def drain(self, name: str, timeout_s: float) -> tuple[set[str], Report]:
+        """Stop the load, wait until every acknowledged message is delivered (at most
+        ``timeout_s``, less if a stage dies), give late copies 2 s to show, and report (see
+        ``make_report``). Returns the ids still missing and the report."""
+        self.load.stop()
+        self.producer.flush()
+        missing = self.collector.wait_for(self.producer.expected(), timeout_s, self.pipe)
+        time.sleep(2)
+        return missing, make_report(name, self.producer, self.collector)
+
+    def __enter__(self) -> LoadRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._opened.close()  # in reverse: the load, the collector, the producer
 
 
 # -- the report ----------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from harness import (
     DEQUEUE_SIDE,
     STAGES,
     Collector,
+    LoadRun,
     Pipeline,
-    SteadyLoad,
     TimerProducer,
     make_report,
     now_ms,
@@ -103,26 +103,20 @@ def duplicates_after(collector: Collector, events: list[tuple[int, str]]) -> dic
     return out
 
 
-def finish(pipe: Pipeline, producer: TimerProducer, collector: Collector, load: SteadyLoad, name: str,
-           ledger: Ledger, damaged: int, max_delay_ms: int) -> None:
-    load.stop()
-    producer.flush()
-    expected = producer.expected()
-    missing = collector.wait_for(expected, max_delay_ms / 1000 + RECLAIM_S, pipe)
-    time.sleep(2)
-    rep = make_report(name, producer, collector)
+def finish(pipe: Pipeline, run: LoadRun, name: str, ledger: Ledger, damaged: int, max_delay_ms: int) -> None:
+    missing, rep = run.drain(name, max_delay_ms / 1000 + RECLAIM_S)
     bound = ledger.bound + damaged
     print(f"[{name}] disruptions={len(ledger.events)} records cut={damaged} duplicate bound={bound} "
-          f"load sent={load.sent} send errors={load.errors}", flush=True)
-    print(f"[{name}] duplicates by the disruption before them: {duplicates_after(collector, ledger.events)}",
+          f"load sent={run.load.sent} send errors={run.load.errors}", flush=True)
+    print(f"[{name}] duplicates by the disruption before them: {duplicates_after(run.collector, ledger.events)}",
           flush=True)
     assert not pipe.dead(), f"stages died: {pipe.dead()}\n{pipe.tails(pipe.dead())}"
     assert not missing and not rep.lost, (
         f"lost {len(rep.lost)} of {rep.scheduled}: {rep.lost[:20]}\n"
-        f"{[expected[m] for m in rep.lost[:5]]}\n{pipe.tails()}")
+        f"{[run.producer.messages[m] for m in rep.lost[:5]]}\n{pipe.tails()}")
     assert rep.duplicated <= bound, f"{rep.duplicated} duplicates, more than the bound {bound}\n{rep.line()}"
     assert not rep.early, f"delivered early: {rep.early[:10]}"
-    assert rep.scheduled >= load.rate * 30, f"the load only got {rep.scheduled} messages scheduled"
+    assert rep.scheduled >= run.load.rate * 30, f"the load only got {rep.scheduled} messages scheduled"
 
 
 def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
@@ -136,12 +130,8 @@ def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
     pipe.create_topic(dest, 2)
     rng = random.Random(17)
     damaged = 0
-    pipe.start_all()
-    producer = TimerProducer(pipe, seed=17)
-    ledger = Ledger(pipe, producer)
-    collector = Collector(pipe, [dest])
-    load = SteadyLoad(producer, dest, rate=60, min_delay_ms=500, max_delay_ms=25_000).start()
-    try:
+    with pipe.running(), LoadRun(pipe, dest, seed=17, rate=60, min_delay_ms=500, max_delay_ms=25_000) as run:
+        ledger = Ledger(pipe, run.producer)
         rounds = [[s] for s in STAGES] + [rng.sample(STAGES, 2), rng.sample(STAGES, 2)]
         for victims in rounds:
             time.sleep(rng.uniform(2.0, 5.0))
@@ -156,16 +146,10 @@ def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
             for name in victims:
                 pipe.wait_ready(name)
         time.sleep(3)
-        finish(pipe, producer, collector, load, "chaos-kill", ledger, damaged, 25_000)
+        finish(pipe, run, "chaos-kill", ledger, damaged, 25_000)
         recovered = [line for line in pipe.log_lines("enqueue-put") if line.get("event") == "recovered"]
         assert any(line["truncated_bytes"] > 0 for line in recovered), recovered
-        codes = pipe.stop_all()
-        assert all(code == 0 for code in codes.values()), f"exit codes on SIGTERM {codes}\n{pipe.tails()}"
-    finally:
-        load.stop()
-        collector.close()
-        producer.close()
-        pipe.stop_all()
+        pipe.stop_cleanly()
 
 
 def test_redis_flushall_a_redis_restart_and_a_broker_restart_mid_run_lose_nothing(
@@ -178,12 +162,8 @@ def test_redis_flushall_a_redis_restart_and_a_broker_restart_mid_run_lose_nothin
                     batch_size=BATCH_SIZE, roll_window_ms=ROLL_WINDOW_MS)
     dest = pipe.dest("load")
     pipe.create_topic(dest, 2)
-    pipe.start_all()
-    producer = TimerProducer(pipe, seed=23)
-    collector = Collector(pipe, [dest])
-    load = SteadyLoad(producer, dest, rate=60, min_delay_ms=500, max_delay_ms=25_000).start()
-    ledger = Ledger(pipe, producer)
-    try:
+    with pipe.running(), LoadRun(pipe, dest, seed=23, rate=60, min_delay_ms=500, max_delay_ms=25_000) as run:
+        ledger = Ledger(pipe, run.producer)
         time.sleep(6)
         ledger.disrupt("redis flushall", True, True)  # the shard owners lose their leases
         pipe.redis.flushall()
@@ -197,14 +177,8 @@ def test_redis_flushall_a_redis_restart_and_a_broker_restart_mid_run_lose_nothin
         assert not pipe.dead(), pipe.tails(pipe.dead())
         for name in STAGES:
             pipe.wait_ready(name, 60)
-        finish(pipe, producer, collector, load, "chaos-redis-kafka", ledger, 0, 25_000)
-        codes = pipe.stop_all()
-        assert all(code == 0 for code in codes.values()), f"exit codes on SIGTERM {codes}\n{pipe.tails()}"
-    finally:
-        load.stop()
-        collector.close()
-        producer.close()
-        pipe.stop_all()
+        finish(pipe, run, "chaos-redis-kafka", ledger, 0, 25_000)
+        pipe.stop_cleanly()
 
 
 def test_a_torn_timerlog_tail_is_read_again_from_kafka(tmp_path: Path, kafka_bootstrap: str, redis_url: str) -> None:
@@ -213,10 +187,7 @@ def test_a_torn_timerlog_tail_is_read_again_from_kafka(tmp_path: Path, kafka_boo
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS)
     dest = pipe.dest("torn")
     pipe.create_topic(dest, 2)
-    pipe.start_all()
-    producer = TimerProducer(pipe, seed=29)
-    collector = Collector(pipe, [dest])
-    try:
+    with pipe.running(), TimerProducer(pipe, seed=29) as producer, Collector(pipe, [dest]) as collector:
         due = now_ms() + 12_000
         for i in range(200):
             producer.schedule(dest, due + i * 10)
@@ -235,7 +206,3 @@ def test_a_torn_timerlog_tail_is_read_again_from_kafka(tmp_path: Path, kafka_boo
         assert rep.duplicated == 0, rep.line()
         assert len([e for e in pipe.log_lines("enqueue-put") if e.get("event") == "recovered"
                     and e["truncated_bytes"] == 32]) == SHARDS
-    finally:
-        collector.close()
-        producer.close()
-        pipe.stop_all()

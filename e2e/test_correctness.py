@@ -50,12 +50,12 @@ def test_random_delays_cancels_rolls_and_bad_input_over_kafka_and_redis(
     pipe.create_topic(dest_a, 2)
     pipe.create_topic(dest_b, 3)
     pipe.create_topic(dest_one, 1)
-    producer = collector = dlq = None
-    try:
-        pipe.start_all()
-        producer = TimerProducer(pipe, seed=3)
-        collector = Collector(pipe, [dest_a, dest_b, dest_one])
-        dlq = Collector(pipe, [pipe.dlq_topic])
+    with (
+        pipe.running(),
+        TimerProducer(pipe, seed=3) as producer,
+        Collector(pipe, [dest_a, dest_b, dest_one]) as collector,
+        Collector(pipe, [pipe.dlq_topic]) as dlq,
+    ):
         rng = random.Random(3)
         start = now_ms()
         plain: list[Scheduled] = []
@@ -136,11 +136,4 @@ def test_random_delays_cancels_rolls_and_bad_input_over_kafka_and_redis(
         assert b"exceeds max_record_bytes 4096" in dead[b"oversized"].headers["tw-error"]
         assert b"tw-partition 5 out of range" in dead[out_of_range.message_id.encode()].headers["tw-error"]
         assert len(dlq.records) == wanted_dead, [d.key for d in dlq.records]
-    finally:
-        for c in (collector, dlq):
-            if c is not None:
-                c.close()
-        if producer is not None:
-            producer.close()
-        codes = pipe.stop_all()
-    assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{pipe.tails()}"
+        pipe.stop_cleanly()

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Collector, Pipeline, SteadyLoad, TimerProducer, make_report
+from harness import LoadRun, Pipeline
 
 pytestmark = pytest.mark.e2e
 
@@ -25,11 +25,7 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, lease_ttl_ms=LEASE_TTL_MS)
     dest = pipe.dest("load")
     pipe.create_topic(dest, 2)
-    pipe.start_all()
-    producer = TimerProducer(pipe, seed=5)
-    collector = Collector(pipe, [dest])
-    load = SteadyLoad(producer, dest, rate=50, min_delay_ms=500, max_delay_ms=15_000).start()
-    try:
+    with pipe.running(), LoadRun(pipe, dest, seed=5, rate=50, min_delay_ms=500, max_delay_ms=15_000) as run:
         time.sleep(4)
         first_epochs = {int(str(e["shard"])): int(str(e["epoch"])) for e in events(pipe, "enqueue-put", "recovered")}
         pipe.kill("enqueue-put", signal.SIGSTOP)  # paused mid-work, holding its leases and writer locks
@@ -61,12 +57,7 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
                 assert pipe.checkpoint(shard)["epoch"] == second_epochs[shard], pipe.tails(["enqueue-put"])
             time.sleep(0.25)
         time.sleep(3)
-        load.stop()
-        producer.flush()
-        expected = producer.expected()
-        missing = collector.wait_for(expected, 60, pipe)
-        time.sleep(2)
-        rep = make_report("fencing", producer, collector)
+        missing, rep = run.drain("fencing", timeout_s=60)
         assert not missing and not rep.lost, f"lost {len(rep.lost)}: {rep.lost[:20]}\n{pipe.tails()}"
         assert rep.duplicated == 0, rep.line()  # only the enqueue side was disturbed
         assert not rep.early
@@ -75,10 +66,4 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
         assert not [line for line in pipe.log_lines("dequeue-get") if "corrupt" in str(line.get("event"))]
         assert all(pipe.checkpoint(s)["epoch"] == second_epochs[s] for s in range(SHARDS))
         assert pipe.procs["enqueue-put"].alive(), "the fenced owner should wait as a standby, not die"
-        codes = pipe.stop_all()
-        assert all(code == 0 for code in codes.values()), f"exit codes on SIGTERM {codes}\n{pipe.tails()}"
-    finally:
-        load.stop()
-        collector.close()
-        producer.close()
-        pipe.stop_all()
+        pipe.stop_cleanly()

@@ -52,7 +52,6 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url)
     dest = pipe.dest("a")
     pipe.create_topic(dest, 1)
-    producer = collector = None
     try:
         # Live at once, ready only once its work started: dequeue-get waits for the shards that
         # enqueue-put creates.
@@ -69,12 +68,11 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
         pipe.start_all_missing()
         assert pipe.http("dequeue-get", "/readyz") == (200, "ready\n")
 
-        producer = TimerProducer(pipe)
-        collector = Collector(pipe, [dest])
-        sent = [producer.schedule(dest, now_ms() + 500) for _ in range(20)]
-        producer.flush()
-        assert not collector.wait_for([m.message_id for m in sent], 30, pipe), pipe.tails()
-        make_report("probes", producer, collector)
+        with TimerProducer(pipe) as producer, Collector(pipe, [dest]) as collector:
+            sent = [producer.schedule(dest, now_ms() + 500) for _ in range(20)]
+            producer.flush()
+            assert not collector.wait_for([m.message_id for m in sent], 30, pipe), pipe.tails()
+            make_report("probes", producer, collector)
         for name in STAGES:
             code, body = pipe.http(name, "/healthz")
             assert (code, body) == (200, "ok\n"), name
@@ -98,10 +96,6 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
             ckpt = pipe.checkpoint(shard)
             assert ckpt["flushed_pos"] >= 0 and ckpt["epoch"] >= 1
     finally:
-        if collector is not None:
-            collector.close()
-        if producer is not None:
-            producer.close()
         pipe.stop_all()
 
 
@@ -137,28 +131,22 @@ def test_run_with_kafka_and_redis_runs_all_five_stages_in_one_process(
         proc = subprocess.Popen([sys.executable, "-m", "timerwheel.cli", "run", "--kafka", kafka_bootstrap,
                                  "--redis", pipe.redis_url, "--data-dir", str(tmp_path / "one")],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
-    producer = collector = None
     try:
         deadline = time.monotonic() + 60
         while not is_ready(port):
             assert proc.poll() is None and time.monotonic() < deadline, tail(log_path)
             time.sleep(0.2)
-        producer = TimerProducer(pipe)
-        collector = Collector(pipe, [dest])
-        sent = [producer.schedule(dest, now_ms() + i * 50) for i in range(100)]
-        cancelled = sent[50]
-        producer.cancel(cancelled)
-        producer.flush()
-        missing = collector.wait_for(producer.expected(), 30)
-        time.sleep(1)
-        rep = make_report("run-all-in-one", producer, collector)
-        assert not missing and not rep.lost and not rep.duplicated, (rep.line(), tail(log_path))
-        assert (tmp_path / "one" / "shard-0000" / "enqueue.ckpt").exists()
+        with TimerProducer(pipe) as producer, Collector(pipe, [dest]) as collector:
+            sent = [producer.schedule(dest, now_ms() + i * 50) for i in range(100)]
+            cancelled = sent[50]
+            producer.cancel(cancelled)
+            producer.flush()
+            missing = collector.wait_for(producer.expected(), 30)
+            time.sleep(1)
+            rep = make_report("run-all-in-one", producer, collector)
+            assert not missing and not rep.lost and not rep.duplicated, (rep.line(), tail(log_path))
+            assert (tmp_path / "one" / "shard-0000" / "enqueue.ckpt").exists()
     finally:
-        if collector is not None:
-            collector.close()
-        if producer is not None:
-            producer.close()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
         pipe.stop_all()

@@ -20,20 +20,13 @@
 # PYTHON (used for the health check; default .venv/bin/python, else python3).
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NAME=kafka
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
 POM="$ROOT/scripts/kafka/pom.xml"
-RUN="$ROOT/.run"
-STATE="$RUN/kafka"
-ENV_FILE="$RUN/kafka.env"
-PID_FILE="$STATE/kafka.pid"
 HEAP="${TW_KAFKA_HEAP:--Xmx512m -Xms512m}"
 START_TIMEOUT="${TW_KAFKA_START_TIMEOUT:-120}"
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
-
-log() { echo "kafka.sh: $*" >&2; }
-die() { log "$*"; exit 1; }
 
 need_tools() {
     local missing=()
@@ -41,11 +34,7 @@ need_tools() {
     command -v mvn >/dev/null || missing+=(maven)
     ((${#missing[@]} == 0)) && return 0
     [[ $(id -u) == 0 ]] || die "missing ${missing[*]}: install them (apt-get install ${missing[*]})"
-    log "installing ${missing[*]} with apt-get"
-    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; then
-        apt-get update -q >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
-    fi
+    apt_install "${missing[@]}"
 }
 
 libs_dir() {
@@ -77,42 +66,10 @@ fetch() {
     mv "$tmp" "$libs"
 }
 
-free_port() {
-    "$PYTHON" - <<'EOF'
-import socket
-s = socket.socket()
-s.bind(("127.0.0.1", 0))
-print(s.getsockname()[1])
-s.close()
-EOF
-}
+# Only our broker: the pid must still be a kafka.Kafka JVM reading our config.
+running_pid() { pid_matching "kafka.Kafka $STATE/server.properties"; }
 
-port_free() {
-    "$PYTHON" - "$1" <<'EOF'
-import socket, sys
-s = socket.socket()
-# As the server will: a port left in TIME_WAIT by our own last run is free to reuse.
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-try:
-    s.bind(("127.0.0.1", int(sys.argv[1])))
-except OSError:
-    sys.exit(1)
-finally:
-    s.close()
-EOF
-}
-
-running_pid() {
-    local pid
-    [[ -f "$PID_FILE" ]] || return 1
-    pid="$(cat "$PID_FILE")"
-    [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
-    # Only our broker: the pid must still be a kafka.Kafka JVM reading our config.
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "kafka.Kafka $STATE/server.properties" || return 1
-    echo "$pid"
-}
-
-bootstrap() { echo "127.0.0.1:$(cat "$STATE/port")"; }
+bootstrap() { echo "127.0.0.1:$(port)"; }
 
 # The broker answers metadata requests and lists itself: it is registered and unfenced.
 healthy() {
@@ -206,7 +163,7 @@ format_storage() {
 launch() {
     local libs pid deadline
     libs="$(libs_dir)"
-    port_free "$(cat "$STATE/port")" || die "port $(cat "$STATE/port") is taken by another process; run 'scripts/kafka.sh down' and 'up' to pick new ports"
+    port_free "$(port)" || die "port $(port) is taken by another process; run 'scripts/kafka.sh down' and 'up' to pick new ports"
     port_free "$(cat "$STATE/controller-port")" || die "controller port $(cat "$STATE/controller-port") is taken; run 'scripts/kafka.sh down' and 'up'"
     format_storage "$libs"
     # shellcheck disable=SC2086  # HEAP holds several JVM flags
@@ -267,7 +224,7 @@ cmd_up() {
     need_tools
     fetch
     stop_broker # a hung or half-started broker of ours
-    if [[ -f "$STATE/port" ]] && ! { port_free "$(cat "$STATE/port")" && port_free "$(cat "$STATE/controller-port")"; }; then
+    if [[ -f "$STATE/port" ]] && ! { port_free "$(port)" && port_free "$(cat "$STATE/controller-port")"; }; then
         log "the ports of the stopped broker are taken by another process: starting a new broker"
         rm -rf "$STATE"
     fi

@@ -15,18 +15,11 @@
 # free at the first start. `up` on a running, healthy server does nothing.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-RUN="$ROOT/.run"
-STATE="$RUN/redis"
-ENV_FILE="$RUN/redis.env"
-PID_FILE="$STATE/redis.pid"
-START_TIMEOUT="${TW_REDIS_START_TIMEOUT:-30}"
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
+NAME=redis
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-log() { echo "redis.sh: $*" >&2; }
-die() { log "$*"; exit 1; }
+START_TIMEOUT="${TW_REDIS_START_TIMEOUT:-30}"
 
 server_bin() {
     command -v redis-server 2>/dev/null || { [[ -x /usr/bin/redis-server ]] && echo /usr/bin/redis-server; }
@@ -35,51 +28,12 @@ server_bin() {
 need_server() {
     [[ -n "$(server_bin)" ]] && return 0
     [[ $(id -u) == 0 ]] || die "redis-server is missing: install it (apt-get install redis-server)"
-    log "installing redis-server with apt-get"
-    # Try the package lists we have; refresh them only when the install needs it.
-    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1; then
-        apt-get update -q >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null
-    fi
+    apt_install redis-server
     [[ -n "$(server_bin)" ]] || die "apt-get installed redis-server but no redis-server binary was found"
 }
 
-free_port() {
-    "$PYTHON" - <<'EOF'
-import socket
-s = socket.socket()
-s.bind(("127.0.0.1", 0))
-print(s.getsockname()[1])
-s.close()
-EOF
-}
-
-port_free() {
-    "$PYTHON" - "$1" <<'EOF'
-import socket, sys
-s = socket.socket()
-# As the server will: a port left in TIME_WAIT by our own last run is free to reuse.
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-try:
-    s.bind(("127.0.0.1", int(sys.argv[1])))
-except OSError:
-    sys.exit(1)
-finally:
-    s.close()
-EOF
-}
-
-port() { cat "$STATE/port"; }
-
-running_pid() {
-    local pid
-    [[ -f "$PID_FILE" ]] || return 1
-    pid="$(cat "$PID_FILE")"
-    [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
-    # Only our server: a redis-server on our port (redis rewrites its argv to "host:port").
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "redis-server.*127.0.0.1:$(port)" || return 1
-    echo "$pid"
-}
+# Only our server: a redis-server on our port (redis rewrites its argv to "host:port").
+running_pid() { pid_matching "redis-server.*127.0.0.1:$(port)"; }
 
 # PING over a raw socket: needs neither redis-cli nor redis-py.
 healthy() {

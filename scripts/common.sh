@@ -1,0 +1,71 @@
+# shellcheck shell=bash
+# What scripts/kafka.sh and scripts/redis.sh share: sourced by both after they set NAME (kafka,
+# redis), which names the state and prefixes the messages.
+#
+# Defines ROOT (the checkout), RUN (.run/), STATE (.run/NAME/), ENV_FILE (.run/NAME.env),
+# PID_FILE (.run/NAME/NAME.pid) and PYTHON (the caller's, else .venv/bin/python, else python3),
+# and the helpers below. Each server's own steps (install, launch, health check, stop) stay in
+# its script.
+
+: "${NAME:?set NAME before sourcing common.sh}"
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RUN="$ROOT/.run"
+STATE="$RUN/$NAME"
+# shellcheck disable=SC2034  # read by the sourcing script
+ENV_FILE="$RUN/$NAME.env"
+PID_FILE="$STATE/$NAME.pid"
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
+log() { echo "$NAME.sh: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+# Try the package lists we have; refresh them only when the install needs it.
+apt_install() {
+    log "installing $* with apt-get"
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null 2>&1; then
+        apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null
+    fi
+}
+
+free_port() {
+    "$PYTHON" - <<'EOF'
+import socket
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])
+s.close()
+EOF
+}
+
+port_free() {
+    "$PYTHON" - "$1" <<'EOF'
+import socket, sys
+s = socket.socket()
+# As the server will: a port left in TIME_WAIT by our own last run is free to reuse.
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+finally:
+    s.close()
+EOF
+}
+
+# The client port, chosen at the first start and kept in STATE across stops and restarts.
+port() { cat "$STATE/port"; }
+
+# The pid in PID_FILE while that process runs and its command line matches the grep pattern $1:
+# a pid the kernel has given to some other process since is not ours.
+pid_matching() {
+    local pid
+    [[ -f "$PID_FILE" ]] || return 1
+    pid="$(cat "$PID_FILE")"
+    [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "$1" || return 1
+    echo "$pid"
+}
