@@ -138,19 +138,28 @@ class QueueStage:
             self._claimed = time.monotonic()
         work = 0
         consumer = self.ctx.consumer
+        batches: dict[int, list[tuple[str, bytes]]] = {}
         for p in self.partitions:
             entries = self.source.get(p, consumer, self.max_entries, 0)
             if claim:
                 entries += self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, self.max_entries, DEAD_IDLE_MS)
             if entries:
-                self.handle(p, entries)
+                batches[p] = entries
                 work += len(entries)
-        if not work:
+        if batches:
+            self.handle_batches(batches)
+        else:
             self.ctx.idle_wait(self.stage, timeout_s)
         return work
 
+    def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
+        """The entries taken from each partition in one step. One call for all of them, so that
+        a stage can serve them with one round trip (one Kafka read, one produce-and-wait)."""
+        for partition, entries in batches.items():
+            self.handle(partition, entries)
+
     def handle(self, partition: int, entries: list[tuple[str, bytes]]) -> None:
-        raise NotImplementedError
+        self.handle_batches({partition: entries})
 
     def close(self) -> None:
         pass

@@ -44,18 +44,27 @@ class DequeueGetMsg(QueueStage):
         self.deliver_q = deliver_queue
         self.logger = stage_logger(STAGE)
 
-    def handle(self, partition: int, entries: list[tuple[str, bytes]]) -> None:
+    def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
+        """Every partition's fetch entries served by one read of the commit log."""
         t0 = telemetry.batch_start()
-        fetches = [FetchEntry.decode(payload) for _eid, payload in entries]
+        fetches = {p: [FetchEntry.decode(payload) for _eid, payload in entries] for p, entries in batches.items()}
         wanted: dict[tuple[int, int], Record | None] = {}
-        for f in fetches:
-            for item in f.items:
-                wanted[(item.src_partition, item.src_offset)] = None
-                if item.cancel_partition >= 0:
-                    wanted[(item.cancel_partition, item.cancel_offset)] = None
+        for part in fetches.values():
+            for f in part:
+                for item in f.items:
+                    wanted[(item.src_partition, item.src_offset)] = None
+                    if item.cancel_partition >= 0:
+                        wanted[(item.cancel_partition, item.cancel_offset)] = None
         keys = sorted(wanted)
         for key, rec in zip(keys, self.log.read(self.ctx.config.timer_topic, keys), strict=True):
             wanted[key] = rec
+        for partition, part in fetches.items():
+            self._pass_on(partition, part, wanted)
+            self.fetch_q.ack(partition, [eid for eid, _ in batches[partition]])
+        if t0 is not None:
+            telemetry.dequeue_getmsg_batch(t0, self.ctx.config, [f for part in fetches.values() for f in part], wanted)
+
+    def _pass_on(self, partition: int, fetches: list[FetchEntry], wanted: dict[tuple[int, int], Record | None]) -> None:
         out: list[bytes] = []
         missing = 0
         for f in fetches:
@@ -80,9 +89,6 @@ class DequeueGetMsg(QueueStage):
         if missing:
             self.logger.warning("source records gone from the log", records=missing, partition=partition)
         put_blocking(self.ctx, self.deliver_q, partition, out, self.logger.bind(shard=partition))
-        self.fetch_q.ack(partition, [eid for eid, _ in entries])
-        if t0 is not None:
-            telemetry.dequeue_getmsg_batch(t0, self.ctx.config, fetches, wanted)
 
     @staticmethod
     def _confirmed(message: Record, marker: Record | None) -> bool:

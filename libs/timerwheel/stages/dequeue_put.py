@@ -55,7 +55,9 @@ class DequeuePut(QueueStage):
             n = self._partition_counts[topic] = self.log.partitions(topic)
         return n
 
-    def handle(self, partition: int, entries: list[tuple[str, bytes]]) -> None:
+    def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
+        """Every partition's entries in one produce-and-wait."""
+        entries = [e for part in batches.values() for e in part]
         ctx = self.ctx
         cfg = ctx.config
         now = ctx.clock.now_ms()
@@ -119,7 +121,8 @@ class DequeuePut(QueueStage):
         for (shard, generation), counts in done.items():
             put_blocking(ctx, self.done_q, shard, [wire(self.done_q, DoneEntry(shard, generation, counts))],
                          self.logger.bind(shard=shard))
-        self.deliver_q.ack(partition, [eid for eid, _ in entries])
+        for partition, part in batches.items():
+            self.deliver_q.ack(partition, [eid for eid, _ in part])
         m = ctx.metrics
         if delivered:
             m.inc_many("delivered", "topic", delivered)
