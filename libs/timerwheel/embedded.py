@@ -32,7 +32,7 @@ from timerwheel.errors import TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
 from timerwheel.records import Headers, Record
-from timerwheel.runtime import Heartbeat, StageRunner, sample_gauges
+from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
@@ -114,6 +114,7 @@ class EmbeddedTimerwheel:
         self.config = base.replace(**settings) if settings else base
         self.clock = clock or SystemClock()
         self.metrics = Metrics()
+        self._pending_every = Every(PENDING_EVERY_S)
         self.log = stage_logger("embedded")
         self.runners: list[StageRunner] = []
         self._started = False
@@ -166,7 +167,8 @@ class EmbeddedTimerwheel:
         self.runners = [
             StageRunner("enqueue-get", self.enqueue_get, ctx),
             StageRunner("enqueue-put", self.enqueue_put, ctx),
-            StageRunner("dequeue-get", self.dequeue_get, ctx, sample=self.sample_gauges),
+            StageRunner("dequeue-get", self.dequeue_get, ctx,
+                        sample=lambda: self.sample_gauges(self._pending_every.due())),
             StageRunner("dequeue-getmsg", self.dequeue_getmsg, ctx),
             StageRunner("dequeue-put", self.dequeue_put, ctx),
         ]
@@ -261,9 +263,10 @@ class EmbeddedTimerwheel:
             time.sleep(0.0005)
         raise TimeoutError(f"timerwheel did not become idle within {timeout_s} s: {self.inspect()}")
 
-    def sample_gauges(self) -> None:
-        """Set the queue-depth and pending-messages gauges (the dequeue-get thread does, every second)."""
-        sample_gauges(self.metrics, self.config, self.queues, self.readers)
+    def sample_gauges(self, pending: bool = True) -> None:
+        """Set the queue-depth gauges and (with ``pending``) the pending messages. dequeue-get's
+        gauge thread calls this every second, with ``pending`` every PENDING_EVERY_S."""
+        sample_gauges(self.metrics, self.config, self.queues, self.readers, pending)
 
     def inspect(self) -> dict[str, Any]:
         return inspect_shards(self.config, self.readers, self.clock.now_ms(),

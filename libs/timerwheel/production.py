@@ -27,7 +27,7 @@ from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.health import HealthServer
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
-from timerwheel.runtime import Heartbeat, StageRunner, sample_gauges
+from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.base import Stopped
 from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
@@ -146,9 +146,12 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
         transports, stage = built
         sources = {q: transports.queues[q] for q, consumer in CONSUMER_OF.items() if consumer == name}
 
+        pending_every = Every(PENDING_EVERY_S)
+
         def sample() -> None:
             owned = getattr(stage, "owned", {}) if name == "dequeue-get" else {}
-            sample_gauges(metrics, cfg, sources, {sid: st.shard for sid, st in list(owned.items())})
+            shards = {sid: st.shard for sid, st in list(owned.items())}
+            sample_gauges(metrics, cfg, sources, shards, bool(shards) and pending_every.due())
 
         Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)

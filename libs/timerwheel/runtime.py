@@ -21,8 +21,10 @@ if TYPE_CHECKING:
     from timerwheel.store import Shard
     from timerwheel.transports.base import WorkQueue
 
-#: How often a runner samples its gauges (queue depths, pending messages).
+#: How often a runner samples its gauges (queue depths) ...
 SAMPLE_EVERY_S = 1.0
+#: ... and the pending messages, which scans the wheel (110 MB for a 2-day window at 100 ms).
+PENDING_EVERY_S = 15.0
 
 
 class Stage(Protocol):
@@ -34,9 +36,9 @@ class Stage(Protocol):
 class StageRunner:
     def __init__(self, name: str, stage: Stage, ctx: StageContext, idle_s: float = 0.005,
                  sample: Callable[[], None] | None = None) -> None:
-        """``sample`` sets gauges; called between steps at most every SAMPLE_EVERY_S."""
+        """``sample`` sets gauges; called every SAMPLE_EVERY_S from a thread of its own, so that
+        a slow sample (a wheel scan) never holds up the stage."""
         self.sample = sample
-        self._sampled = 0.0
         self.name = name
         self.stage = stage
         self.ctx = ctx
@@ -48,6 +50,8 @@ class StageRunner:
         self.log = stage_logger(name)
 
     def run(self) -> None:
+        if self.sample is not None:
+            threading.Thread(target=self._sample, name=f"tw-{self.name}-gauges", daemon=True).start()
         backoff = 0.01
         while not self.ctx.stop.is_set():
             try:
@@ -63,12 +67,14 @@ class StageRunner:
                     break
                 backoff = min(backoff * 2, 2.0)
             self.steps += 1
-            if self.sample is not None and time.monotonic() - self._sampled >= SAMPLE_EVERY_S:
-                self._sampled = time.monotonic()
-                try:
-                    self.sample()
-                except Exception as exc:  # noqa: BLE001 - a gauge is never worth a stage
-                    self.log.warning("sampling gauges failed", error=repr(exc)[:200])
+
+    def _sample(self) -> None:
+        assert self.sample is not None
+        while not self.ctx.stop.wait(SAMPLE_EVERY_S):
+            try:
+                self.sample()
+            except Exception as exc:  # noqa: BLE001 - a gauge is never worth a stage
+                self.log.warning("sampling gauges failed", error=repr(exc)[:200])
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name=f"tw-{self.name}", daemon=True)
@@ -132,13 +138,30 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
+class Every:
+    """``due()`` is True at most once per ``seconds`` (and the first time)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._last = -float("inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.seconds:
+            return False
+        self._last = now
+        return True
+
+
 def sample_gauges(metrics: Metrics, config: TimerConfig, queues: Mapping[str, WorkQueue],
-                  shards: Mapping[int, Shard]) -> None:
-    """``queue_depth`` per queue and partition; ``pending`` per shard: the wheel's messages
-    in the slots from R to R + the wheel's span."""
+                  shards: Mapping[int, Shard], pending: bool = True) -> None:
+    """``queue_depth`` per queue and partition; with ``pending``, ``pending`` per shard: the
+    wheel's messages in the slots from R to R + the wheel's span."""
     for name, q in queues.items():
         for p in range(q.partitions):
             metrics.set("queue_depth", q.depth(p), queue=name, partition=p)
+    if not pending:
+        return
     span = config.wheel_slots * config.tick_ms
     for shard_id, shard in shards.items():
         deq = shard.load_dequeue_checkpoint()
