@@ -448,12 +448,19 @@ class KafkaCommitLog:
     def _read_locked(self, topic: str, wanted: dict[int, dict[int, list[int]]], out: list[Record | None]) -> None:
         reader = self._get_reader()
         tps = {p: TopicPartition(topic, p) for p in wanted}
-        stale = [tp for p, tp in tps.items() if tp not in self._bounds or max(wanted[p]) >= self._bounds[tp][1]]
-        if stale:
-            starts = self._list_offsets(stale, beginning=True)
-            ends = self._list_offsets(stale, beginning=False)
-            for tp in stale:
+        unknown = [tp for tp in tps.values() if tp not in self._bounds]
+        if unknown:
+            starts = self._list_offsets(unknown, beginning=True)
+            ends = self._list_offsets(unknown, beginning=False)
+            for tp in unknown:
                 self._bounds[tp] = (starts[tp], ends[tp])
+        # A wanted offset at or past the cached end: only the end is asked again (one round trip
+        # per read in a steady flow; a start that moved meanwhile is caught by the fetch itself).
+        behind = [tp for p, tp in tps.items() if max(wanted[p]) >= self._bounds[tp][1]]
+        if behind:
+            ends = self._list_offsets(behind, beginning=False)
+            for tp in behind:
+                self._bounds[tp] = (self._bounds[tp][0], ends[tp])
 
         # Offsets outside [start, end) are gone (or not written yet): they stay None.
         pending: dict[TopicPartition, list[int]] = {}
