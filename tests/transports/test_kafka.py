@@ -182,6 +182,60 @@ def test_records_walked_past_are_kept_and_served_without_a_fetch(kafka_bootstrap
         cached.close()
 
 
+def test_follow_reads_a_topic_ahead_into_the_cache(kafka_bootstrap: str) -> None:
+    ahead = KafkaCommitLog(kafka_bootstrap, read_cache_records=1_000)
+    try:
+        topic = new_topic(ahead, partitions=2)
+        fill(ahead, topic, 0, 10)  # before following: not read ahead
+        ahead.follow(topic)
+        follower = ahead._follower
+        assert follower is not None
+        deadline = time.monotonic() + 20
+        while follower.kept < 1 and time.monotonic() < deadline:  # wait until it is at the end
+            fill(ahead, topic, 1, 1)
+            time.sleep(0.2)
+        written = fill(ahead, topic, 0, 50) + fill(ahead, topic, 1, 50)
+        while len(ahead._passed) < follower.kept or follower.kept < 100:
+            assert time.monotonic() < deadline, f"follower kept {follower.kept}"
+            time.sleep(0.05)
+        fetches = 0
+        real = ahead._read_locked
+
+        def counting(*args: Any) -> None:
+            nonlocal fetches
+            fetches += 1
+            real(*args)
+
+        ahead._read_locked = counting  # type: ignore[method-assign]
+        got = ahead.read(topic, written)
+        assert fetches == 0 and [(r.partition, r.offset) for r in got if r] == written
+        assert follower.hits >= 100
+        # Records written before following started are fetched as usual.
+        assert [r.offset for r in ahead.read(topic, [(0, 3)]) if r] == [3] and fetches == 1
+    finally:
+        ahead.close()
+    assert ahead._follower is None
+
+
+def test_a_follower_whose_records_are_not_asked_for_pauses(kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from timerwheel.transports import kafka as kafka_module
+
+    monkeypatch.setattr(kafka_module._Follower, "JUDGE_EVERY", 50)
+    ahead = KafkaCommitLog(kafka_bootstrap, read_cache_records=1_000)
+    try:
+        topic = new_topic(ahead, partitions=1)
+        ahead.follow(topic)
+        follower = ahead._follower
+        assert follower is not None
+        deadline = time.monotonic() + 20
+        while follower.paused == 0:  # nobody reads: after 50 records kept it judges itself useless
+            assert time.monotonic() < deadline, f"kept {follower.kept}, paused {follower.paused}"
+            fill(ahead, topic, 0, 10)
+            time.sleep(0.1)
+    finally:
+        ahead.close()
+
+
 def test_a_consumer_reads_assigned_partitions_from_the_callers_offsets_and_seeks(log: KafkaCommitLog) -> None:
     topic = new_topic(log, partitions=3)
     for p in range(3):

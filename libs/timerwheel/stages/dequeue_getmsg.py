@@ -43,6 +43,10 @@ class DequeueGetMsg(QueueStage):
         self.fetch_q = fetch_queue
         self.deliver_q = deliver_queue
         self.logger = stage_logger(STAGE)
+        # Kafka: read the timer topic ahead, so that short delays find their records in memory.
+        follow = getattr(commit_log, "follow", None)
+        if follow is not None:
+            follow(ctx.config.timer_topic)
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """Every partition's fetch entries served by one read of the commit log."""

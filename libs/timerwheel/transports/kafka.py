@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -45,6 +45,7 @@ from kafka.admin import ConfigResource, ConfigResourceType
 
 from timerwheel.clock import Clock
 from timerwheel.errors import TimerwheelError
+from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 
 __all__ = ["KafkaCommitLog", "KafkaConsumerAdapter", "KafkaLogError"]
@@ -187,6 +188,8 @@ class KafkaCommitLog:
         self._read_cache_records = read_cache_records
         #: (topic, partition, offset) -> a record ``read`` walked past: see the module docstring.
         self._passed: OrderedDict[tuple[str, int, int], Record] = OrderedDict()
+        self._passed_lock = threading.Lock()  # short holds: the follower inserts while a read fetches
+        self._follower: _Follower | None = None
         self._max_request_size = max_request_size
         self._producer: Any = None
         self._reader: Any = None
@@ -432,18 +435,45 @@ class KafkaCommitLog:
         for i, (partition, offset) in enumerate(positions):
             if offset >= 0:
                 wanted[partition][offset].append(i)
-        with self._reader_lock:
+        hits = 0
+        with self._passed_lock:
             passed = self._passed
             if passed:
                 for partition, by_offset in wanted.items():
                     for offset in [o for o in by_offset if (topic, partition, o) in passed]:
                         kept = passed.pop((topic, partition, offset))
+                        hits += 1
                         for i in by_offset.pop(offset):
                             out[i] = kept
                 wanted = {p: by for p, by in wanted.items() if by}
-            if wanted:
+        if hits and self._follower is not None:
+            self._follower.hits += hits
+        if wanted:
+            with self._reader_lock:
                 self._read_locked(topic, wanted, out)
         return out
+
+    def _keep(self, records: Iterable[Record]) -> int:
+        """Put records into the cache of records read in passing; the oldest go past the bound."""
+        n = 0
+        with self._passed_lock:
+            passed = self._passed
+            for rec in records:
+                passed[(rec.topic, rec.partition, rec.offset)] = rec
+                n += 1
+            while len(passed) > self._read_cache_records:
+                passed.popitem(last=False)
+        return n
+
+    def follow(self, topic: str) -> None:
+        """Read ``topic`` ahead from its end, in a thread of its own, into the cache that ``read``
+        serves from (see the module docstring). Off again by itself while few of the records
+        it keeps are asked for (long delays: they leave the cache before they are due)."""
+        if self._read_cache_records <= 0 or self._follower is not None:
+            return
+        self._check_open()
+        self._follower = _Follower(self, topic)
+        self._follower.start()
 
     def _read_locked(self, topic: str, wanted: dict[int, dict[int, list[int]]], out: list[Record | None]) -> None:
         reader = self._get_reader()
@@ -498,17 +528,16 @@ class KafkaCommitLog:
                     index = wanted[tp.partition]
                     recs = batches.get(tp)
                     if recs:
-                        keep = self._read_cache_records > 0
+                        passing: list[Record] = []
                         for rec in recs:
                             if rec.offset in index:
                                 record = _to_record(rec)
                                 for i in index[rec.offset]:
                                     out[i] = record
-                            elif keep:
-                                self._passed[(topic, rec.partition, rec.offset)] = _to_record(rec)
-                        if keep:
-                            while len(self._passed) > self._read_cache_records:
-                                self._passed.popitem(last=False)
+                            elif self._read_cache_records > 0:
+                                passing.append(_to_record(rec))
+                        if passing:
+                            self._keep(passing)
                         after = recs[-1].offset + 1
                     else:
                         # No records, yet the position may have moved past control batches.
@@ -548,6 +577,9 @@ class KafkaCommitLog:
 
     def close(self) -> None:
         self._closed = True
+        if self._follower is not None:
+            self._follower.stop()
+            self._follower = None
         with self._producer_lock:
             if self._producer is not None:
                 _close_producer(self._producer, 5)
@@ -560,3 +592,75 @@ class KafkaCommitLog:
             if self._admin is not None:
                 self._admin.close()
                 self._admin = None
+
+
+class _Follower:
+    """``KafkaCommitLog.follow``: a consumer of every partition of a topic from its end whose
+    records go into the log's read cache.
+
+    Judged every ``JUDGE_EVERY`` records kept: if ``read`` served fewer than ``MIN_HIT_RATIO``
+    as many records from the cache meanwhile, following costs a decode per record for nothing
+    (the delays are longer than the cache holds): it pauses for ``PAUSE_S`` and then starts
+    again from the end."""
+
+    JUDGE_EVERY = 20_000
+    MIN_HIT_RATIO = 0.25
+    PAUSE_S = 120.0
+    RETRY_S = 2.0
+
+    def __init__(self, log: KafkaCommitLog, topic: str) -> None:
+        self.log = log
+        self.topic = topic
+        self.hits = 0  # added to by read()
+        self.kept = 0
+        self.paused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tw-follow-{topic}", daemon=True)
+        self._failing = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            consumer = None
+            try:
+                consumer = self.log._new_consumer(f"follow-{self.topic}", fetch_min_bytes=64 * 1024,
+                                                  fetch_max_wait_ms=20)
+                tps = [TopicPartition(self.topic, p["partition_index"])
+                       for p in (self.log._describe(self.topic) or {}).get("partitions", [])]
+                if not tps:
+                    self._stop.wait(self.RETRY_S)
+                    continue
+                consumer.assign(tps)
+                consumer.seek_to_end(*tps)
+                self._follow(consumer)
+                self._failing = False
+            except Exception as exc:  # noqa: BLE001 - a read-ahead is never worth a stage
+                if not self._failing:
+                    stage_logger("kafka").warning("read-ahead failed, retrying", topic=self.topic,
+                                                  error=str(exc)[:200])
+                self._failing = True
+                self._stop.wait(self.RETRY_S)
+            finally:
+                if consumer is not None:
+                    with suppress(Exception):
+                        consumer.close(autocommit=False)
+
+    def _follow(self, consumer: Any) -> None:
+        """Until stopped, or until judged useless (then pause and return, to start from the end)."""
+        self.hits = self.kept = 0
+        while not self._stop.is_set():
+            batches = consumer.poll(timeout_ms=200, max_records=2_000)
+            for recs in batches.values():
+                self.kept += self.log._keep(_to_record(r) for r in recs)
+            if self.kept >= self.JUDGE_EVERY:
+                if self.hits < self.MIN_HIT_RATIO * self.kept:
+                    self.paused += 1
+                    self._stop.wait(self.PAUSE_S)
+                    return
+                self.hits = self.kept = 0
