@@ -20,6 +20,12 @@ What it guarantees:
   slot decoded those seconds again (~50 records walked per record wanted, more than a core).
   A record served from here is dropped from it (a message is delivered once); offsets never
   change in Kafka, so a kept record is never stale.
+- ``follow(topic)`` (dequeue-getmsg calls it for the timer topic) fills the same cache ahead of
+  time from a thread of its own that consumes the topic from its end: a message due a few
+  seconds after it was produced is then in memory when its slot fires, and the slot's read
+  makes no round trip to the broker. The follower judges itself every 20,000 records it keeps
+  and pauses for two minutes when the reads took fewer than a quarter of them (delays longer
+  than the cache holds), so long delays do not pay a second decode per record for nothing.
 - Consumers from ``consumer`` read assigned partitions from offsets the caller owns (its
   checkpoints); nothing is committed to a group unless ``monitor_group`` asks for it, and then
   only so that standard lag tools can see progress.
