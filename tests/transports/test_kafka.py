@@ -298,6 +298,27 @@ def test_a_failed_append_says_which_records_were_written(log: KafkaCommitLog) ->
     with pytest.raises(KafkaLogError, match="1 of 3 records failed") as failure:
         log.append([OutRecord(topic, None, b"a"), OutRecord(topic, None, too_big), OutRecord(topic, None, b"c")])
     assert failure.value.written == [(0, 0), None, (0, 1)]
+    assert list(failure.value.refused) == [1] and "MessageSizeTooLarge" in failure.value.refused[1]
+
+
+def test_append_until_written_dead_letters_a_refused_record_and_duplicates_nothing(log: KafkaCommitLog) -> None:
+    from timerwheel import TimerConfig
+    from timerwheel.log import stage_logger
+    from timerwheel.metrics import Metrics
+    from timerwheel.stages.base import StageContext, append_until_written
+
+    topic, dlq = new_topic(log, partitions=1), new_topic(log, partitions=1)
+    ctx = StageContext(TimerConfig(dlq_topic=dlq), SimulatedClock(), Metrics(), consumer="t")
+    too_big = OutRecord(topic, b"k", b"x" * (2 * 1024 * 1024), (("tw-id", b"m-1"), ("user", b"u")))
+    append_until_written(ctx, log, [OutRecord(topic, None, b"a"), too_big, OutRecord(topic, None, b"c")],
+                         stage_logger("test"))
+    # Each good record once (a whole-batch retry would have written "a" and "c" twice).
+    assert [r.value for r in log.read(topic, [(0, 0), (0, 1), (0, 2)]) if r] == [b"a", b"c"]
+    [dead] = log.read(dlq, [(0, 0)])
+    assert dead is not None and dead.key == b"k" and dead.value == b""
+    assert dict(dead.headers)["tw-id"] == b"m-1" and "user" not in dict(dead.headers)
+    assert b"refused the record: MessageSizeTooLargeError" in dict(dead.headers)["tw-error"]
+    assert ctx.metrics.counter("refused_records") == 1
 
 
 def test_the_log_keeps_working_across_a_broker_restart(

@@ -21,7 +21,7 @@ from timerwheel.metrics import Metrics
 from timerwheel.records import OutRecord
 from timerwheel.stages.codec import CONSUMER_OF
 from timerwheel.transports.base import CommitLog, WorkQueue
-from timerwheel.wire import TimerRules
+from timerwheel.wire import H_ERROR, H_ID, H_SOURCE, TimerRules
 
 
 class Stopped(Exception):
@@ -87,22 +87,53 @@ def put_blocking(ctx: StageContext, queue: WorkQueue, partition: int, entries: S
 
 def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequence[OutRecord],
                          log: StageLogger) -> list[tuple[int, int]]:
+    """Append ``records``, retrying until every one is written; returns their positions.
+
+    A failure that says which records did land (``exc.written``, aligned with the attempt) is
+    retried for the others only: retrying a whole batch would duplicate what landed. A record
+    the log refuses for good (``exc.refused``: too large, an invalid topic) is replaced by a
+    dead letter naming the reason, so that it cannot stall its stage."""
     if not records:
         return []
+    todo = list(records)
+    result: list[tuple[int, int] | None] = [None] * len(todo)
+    left = list(range(len(todo)))
     backoff = 0.05
     attempts = 0
     while True:
         try:
-            written = commit_log.append(records)
+            written = commit_log.append([todo[i] for i in left])
+            for i, pos in zip(left, written, strict=True):
+                result[i] = pos
             ctx.wake("enqueue-get")
-            return written
+            return [pos for pos in result if pos is not None]
         except Exception as exc:  # noqa: BLE001 - any transport failure is retried, never dropped
+            landed = getattr(exc, "written", None) or []
+            if len(landed) == len(left):
+                for i, pos in zip(left, landed, strict=True):
+                    result[i] = pos
+            for k, reason in (getattr(exc, "refused", None) or {}).items():
+                i = left[k]
+                todo[i] = refused_record(todo[i], reason, ctx.config.dlq_topic)
+                ctx.metrics.inc("refused_records")
+                log.error("record refused by the log, dead-lettered", topic=records[i].topic, reason=reason)
+            left = [i for i in left if result[i] is None]
             attempts += 1
             ctx.metrics.inc("append_retries")
-            log.warning("append failed, retrying", records=len(records), attempt=attempts, error=repr(exc)[:200])
+            log.warning("append failed, retrying", records=len(left), attempt=attempts, error=repr(exc)[:200])
             if ctx.stop.wait(backoff):
                 raise Stopped() from exc
             backoff = min(backoff * 2, 2.0)
+
+
+def refused_record(record: OutRecord, reason: str, dlq_topic: str) -> OutRecord:
+    """The dead letter for a record the log refuses: its key, its message id and where it was
+    going, the reason — not its value (often the very reason)."""
+    keep = (H_ID, H_SOURCE, H_ERROR) if record.topic == dlq_topic else (H_ID, H_SOURCE)
+    headers = [(k, v[:1000]) for k, v in record.headers if k in keep]  # a refused dead letter keeps its reason
+    headers.append((H_ERROR, f"{record.topic!r} refused the record: {reason}".encode()))  # the last one wins
+    key = record.key if record.key is not None and len(record.key) <= 1024 else None
+    return OutRecord(dlq_topic, key, b"", tuple(headers))
 
 
 #: Entries pending this long are claimed by another consumer, even from a live one (stuck).

@@ -67,6 +67,18 @@ _TOPIC_EXISTS = 36
 # crc32c (a dependency) makes the batch CRC check native; without it the pure-Python CRC took half
 # of every read: 8 random positions over 4 x 1k offsets 240 ms -> 62 ms a call, 500 of them
 # 580 ms -> 125 ms, and the five-process pipeline could not keep up with 60 msg/s without it.
+#: Errors that refuse one record for good: retrying it cannot succeed. (``ValueError`` and
+#: ``TypeError`` are kafka-python's for a record it cannot encode.)
+_REFUSED = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.InvalidRecordError,
+    kafka_errors.UnsupportedForMessageFormatError,
+    ValueError,
+    TypeError,
+)
+
 _READ_FETCH_BYTES = 64 * 1024
 _READ_POLL_RECORDS = 200
 
@@ -78,9 +90,13 @@ class KafkaLogError(TimerwheelError):
     ``None`` for each that did not.
     """
 
-    def __init__(self, message: str, written: list[tuple[int, int] | None] | None = None) -> None:
+    def __init__(self, message: str, written: list[tuple[int, int] | None] | None = None,
+                 refused: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.written = written or []
+        #: index -> why Kafka refuses that record for good (too large, invalid topic): retrying
+        #: it cannot help; the caller dead-letters it instead.
+        self.refused = refused or {}
 
 
 def _to_record(rec: Any) -> Record:
@@ -376,6 +392,7 @@ class KafkaCommitLog:
         written: list[tuple[int, int] | None] = [None] * len(records)
         errors: list[str] = []
         unreachable: set[str] = set()  # topics whose metadata timed out: do not wait again per record
+        refused: dict[int, str] = {}
         for r in records:
             ts = r.timestamp_ms
             if ts is None and self._clock is not None:
@@ -397,6 +414,10 @@ class KafkaCommitLog:
                         timestamp_ms=ts,
                     )
                 )
+            except _REFUSED as exc:
+                futures.append(None)
+                errors.append(f"{r.topic}: {exc}")
+                refused[len(futures) - 1] = f"{type(exc).__name__}: {exc}"[:300]
             except kafka_errors.KafkaError as exc:
                 futures.append(None)
                 errors.append(f"{r.topic}: {exc}")
@@ -415,6 +436,8 @@ class KafkaCommitLog:
                 md = fut.get(timeout=max(0.1, deadline - time.monotonic()))
             except kafka_errors.KafkaError as exc:
                 errors.append(f"{records[i].topic}: {exc}")
+                if isinstance(exc, _REFUSED):
+                    refused[i] = f"{type(exc).__name__}: {exc}"[:300]
                 continue
             written[i] = (md.partition, md.offset)
         if errors:
@@ -424,7 +447,8 @@ class KafkaCommitLog:
             # the old one still held is failed here and retried by the caller.
             self._drop_producer(producer)
             failed = sum(1 for w in written if w is None)
-            raise KafkaLogError(f"append: {failed} of {len(records)} records failed, first: {errors[0]}", written)
+            raise KafkaLogError(f"append: {failed} of {len(records)} records failed, first: {errors[0]}", written,
+                                refused)
         return [w for w in written if w is not None]
 
     def _drop_producer(self, producer: Any) -> None:
