@@ -206,3 +206,4 @@ def test_a_torn_timerlog_tail_is_read_again_from_kafka(tmp_path: Path, kafka_boo
         assert rep.duplicated == 0, rep.line()
         assert len([e for e in pipe.log_lines("enqueue-put") if e.get("event") == "recovered"
                     and e["truncated_bytes"] == 32]) == SHARDS
+        pipe.stop_cleanly()  # the restarted owner stops on SIGTERM like the others
