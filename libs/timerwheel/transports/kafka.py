@@ -195,6 +195,7 @@ class KafkaCommitLog:
         read_gap: int = 50,
         read_cache_records: int = 50_000,
         max_request_size: int = 1024 * 1024,
+        stall_timeout_s: float = 8.0,
     ) -> None:
         if not bootstrap:
             raise ValueError("KafkaCommitLog: bootstrap must name at least one broker, got ''")
@@ -206,6 +207,8 @@ class KafkaCommitLog:
         #: Kafka requires delivery.timeout.ms >= linger.ms + request.timeout.ms.
         self._delivery_timeout_ms = self._request_timeout_ms + 5000
         self._read_timeout_s = read_timeout_s
+        #: ``append`` gives up on acknowledgements after this long and replaces the producer.
+        self._stall_timeout_s = min(stall_timeout_s, self._delivery_timeout_ms / 1000 + 5)
         self._read_gap = read_gap
         self._read_cache_records = read_cache_records
         #: (topic, partition, offset) -> a record ``read`` walked past: see the module docstring.
@@ -423,14 +426,20 @@ class KafkaCommitLog:
                 errors.append(f"{r.topic}: {exc}")
                 if isinstance(exc, kafka_errors.KafkaTimeoutError):
                     unreachable.add(r.topic)
-        # Wait past the producer's delivery timeout: by then every future has its final answer.
-        # A record reported failed was not acknowledged; it may still have been written (a lost
-        # ack), so retrying it may duplicate it, never lose it.
-        deadline = time.monotonic() + self._delivery_timeout_ms / 1000 + 5
+        # Wait at most ``stall_timeout_s`` for the acknowledgements. After a broker restart
+        # kafka-python's producer was seen holding records until its delivery timeout (35 s),
+        # while a new producer gets them through in seconds: records not acknowledged by then
+        # are failed here (the producer is replaced below) and the caller retries them. A record
+        # reported failed was not acknowledged; it may still have been written (a lost ack), so
+        # retrying it may duplicate it, never lose it.
+        deadline = time.monotonic() + self._stall_timeout_s
         with suppress(kafka_errors.KafkaError):  # the futures below say which records failed
-            producer.flush(timeout=self._delivery_timeout_ms / 1000 + 5)
+            producer.flush(timeout=self._stall_timeout_s)
         for i, fut in enumerate(futures):
             if fut is None:
+                continue
+            if not fut.is_done and time.monotonic() >= deadline:
+                errors.append(f"{records[i].topic}: not acknowledged within {self._stall_timeout_s:g}s")
                 continue
             try:
                 md = fut.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -441,10 +450,10 @@ class KafkaCommitLog:
                 continue
             written[i] = (md.partition, md.offset)
         if errors:
-            # After records expired (a broker restart outlasting the delivery timeout), kafka-python's
-            # idempotent producer can stay wedged: seen in e2e, every later record of the partition
-            # sat in its accumulator for good. A new producer (new producer id) starts clean; what
-            # the old one still held is failed here and retried by the caller.
+            # After records expired or stalled (a broker restart), kafka-python's idempotent producer
+            # can stay wedged: seen in e2e, every later record of the partition sat in its
+            # accumulator for good. A new producer (new producer id) starts clean; what the old
+            # one still held is failed here and retried by the caller.
             self._drop_producer(producer)
             failed = sum(1 for w in written if w is None)
             raise KafkaLogError(f"append: {failed} of {len(records)} records failed, first: {errors[0]}", written,
