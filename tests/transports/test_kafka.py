@@ -43,6 +43,19 @@ def fill(log: KafkaCommitLog, topic: str, partition: int, n: int, size: int = 10
     )
 
 
+def count_fetches(log: KafkaCommitLog) -> list[int]:
+    """From now on ``[n]``: how many reads of ``log`` went to the broker (not served from its cache)."""
+    fetches = [0]
+    real = log._read_locked
+
+    def counting(*args: Any) -> None:
+        fetches[0] += 1
+        real(*args)
+
+    log._read_locked = counting  # type: ignore[method-assign]
+    return fetches
+
+
 def test_append_then_read_round_trips_key_value_and_headers(log: KafkaCommitLog) -> None:
     topic = new_topic(log)
     records = [
@@ -156,27 +169,19 @@ def test_records_walked_past_are_kept_and_served_without_a_fetch(kafka_bootstrap
         # Wanted offsets 10 apart: the read walks through the records between them, in order.
         first = cached.read(topic, [(0, o) for o in range(0, 100, 10)])
         assert [r.offset for r in first if r] == list(range(0, 100, 10))
-        fetches = 0
-        real = cached._read_locked
-
-        def counting(*args: Any) -> None:
-            nonlocal fetches
-            fetches += 1
-            real(*args)
-
-        cached._read_locked = counting  # type: ignore[method-assign]
+        fetches = count_fetches(cached)
         # The newest 40 walked past are kept (81..89 among them); a position asked twice gets
         # the record twice.
         again = cached.read(topic, [(0, 85), (0, 81), (0, 85)])
-        assert fetches == 0
+        assert fetches[0] == 0
         assert [(r.offset, r.value[:6]) for r in again if r and r.value] == [
             (85, b"000085"), (81, b"000081"), (85, b"000085")]
         # A record served from the cache leaves it; the next read of it fetches again.
         assert [r.offset for r in cached.read(topic, [(0, 85)]) if r] == [85]
-        assert fetches == 1
+        assert fetches[0] == 1
         # Offset 1 was walked past first, so it was dropped when the cache was full.
         assert [r.offset for r in cached.read(topic, [(0, 1)]) if r] == [1]
-        assert fetches == 2
+        assert fetches[0] == 2
         assert 0 < len(cached._passed) <= 40
     finally:
         cached.close()
@@ -198,20 +203,12 @@ def test_follow_reads_a_topic_ahead_into_the_cache(kafka_bootstrap: str) -> None
         while len(ahead._passed) < follower.kept or follower.kept < 100:
             assert time.monotonic() < deadline, f"follower kept {follower.kept}"
             time.sleep(0.05)
-        fetches = 0
-        real = ahead._read_locked
-
-        def counting(*args: Any) -> None:
-            nonlocal fetches
-            fetches += 1
-            real(*args)
-
-        ahead._read_locked = counting  # type: ignore[method-assign]
+        fetches = count_fetches(ahead)
         got = ahead.read(topic, written)
-        assert fetches == 0 and [(r.partition, r.offset) for r in got if r] == written
+        assert fetches[0] == 0 and [(r.partition, r.offset) for r in got if r] == written
         assert follower.hits >= 100
         # Records written before following started are fetched as usual.
-        assert [r.offset for r in ahead.read(topic, [(0, 3)]) if r] == [3] and fetches == 1
+        assert [r.offset for r in ahead.read(topic, [(0, 3)]) if r] == [3] and fetches[0] == 1
     finally:
         ahead.close()
     assert ahead._follower is None
