@@ -155,7 +155,7 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
 
         Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)
-        runner = StageRunner(name, tracked, ctx, idle_s=0.01, sample=sample)
+        runner = StageRunner(name, tracked, ctx, idle_s=0.005, sample=sample)
         running.update(runner=runner, stage=stage, tracked=tracked)
         log.info("started", pid=os.getpid(), http_port=cfg.http_port, shards=cfg.shards)
         try:
