@@ -221,12 +221,13 @@ class TimerRules:
         raw_id = hdr.get(H_ID)
         if raw_id is not None and (not raw_id or len(raw_id) > MAX_ID_BYTES):
             raise InvalidTimerMessage(f"{H_ID} must be 1..{MAX_ID_BYTES} bytes")
-        message_id = raw_id.decode("utf-8", "replace") if raw_id else f"{record.partition}-{record.offset}"
+        message_id = raw_id.decode("utf-8", "replace") if raw_id else default_id(record.partition, record.offset)
         return TimerRequest(deliver, False, message_id, topic, roll, enqueued, record.partition, record.offset, size)
 
 
-def message_id_of(record: Record) -> str:
-    raw = record.header(H_ID)
+def message_id_of(record: Record, headers: dict[str, bytes] | None = None) -> str:
+    """``tw-id``, else the default id; ``headers`` may pass ``dict(record.headers)`` already built."""
+    raw = headers.get(H_ID) if headers is not None else record.header(H_ID)
     return raw.decode("utf-8", "replace") if raw else default_id(record.partition, record.offset)
 
 

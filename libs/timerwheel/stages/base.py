@@ -151,7 +151,7 @@ class QueueStage:
 
     ``step`` takes up to ``max_entries`` entries per partition, and every CLAIM_EVERY_S also the
     entries a dead consumer left pending (after DEAD_IDLE_MS once its heartbeat lapsed, after
-    CLAIM_IDLE_MS in any case); subclasses ``handle`` a partition's entries and ack them.
+    CLAIM_IDLE_MS in any case); subclasses ``handle_batches`` them and ack them.
     """
 
     stage = ""
@@ -186,11 +186,7 @@ class QueueStage:
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """The entries taken from each partition in one step. One call for all of them, so that
         a stage can serve them with one round trip (one Kafka read, one produce-and-wait)."""
-        for partition, entries in batches.items():
-            self.handle(partition, entries)
-
-    def handle(self, partition: int, entries: list[tuple[str, bytes]]) -> None:
-        self.handle_batches({partition: entries})
+        raise NotImplementedError
 
     def close(self) -> None:
         pass

@@ -22,13 +22,11 @@ from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEn
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
     H_ERROR,
-    H_ID,
     H_PARTITION,
     H_ROLL,
     H_SOURCE,
     H_TOPIC,
     dead_letter_headers,
-    default_id,
     delivered_headers,
     message_id_of,
     rolled_headers,
@@ -92,8 +90,8 @@ class DequeuePut(QueueStage):
                 if item.kind == CANCELLED:
                     cancelled[topic] = cancelled.get(topic, 0) + 1
                 elif item.kind == ROLL:
-                    deliver_ms = ctx.rules.delivery_time(rec, now, check_max=False)
-                    headers = rolled_headers(rec, message_id_of(rec), deliver_ms, roll, item.enqueued_ms)
+                    deliver_ms = ctx.rules.delivery_time(rec, now, check_max=False, headers=hdr)
+                    headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, roll, item.enqueued_ms)
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
@@ -107,9 +105,7 @@ class DequeuePut(QueueStage):
                         out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
                         dead[topic] = dead.get(topic, 0) + 1
                         continue
-                    raw_id = hdr.get(H_ID)
-                    message_id = raw_id.decode("utf-8", "replace") if raw_id else default_id(rec.partition, rec.offset)
-                    headers = delivered_headers(rec, message_id, roll, item.enqueued_ms, now, now_text)
+                    headers = delivered_headers(rec, message_id_of(rec, hdr), roll, item.enqueued_ms, now, now_text)
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(topic, rec.key, rec.value, headers, partition=dest_partition))

@@ -79,6 +79,10 @@ _REFUSED = (
     TypeError,
 )
 
+#: Consumers that follow a topic fetch in batches: a fetch answered per record arriving costs
+#: the broker more CPU than anything else at a steady rate; 20 ms is well inside a tick.
+_BATCHED_FETCH = {"fetch_min_bytes": 64 * 1024, "fetch_max_wait_ms": 20}
+
 _READ_FETCH_BYTES = 64 * 1024
 _READ_POLL_RECORDS = 200
 
@@ -109,6 +113,11 @@ def _to_record(rec: Any) -> Record:
         value=rec.value,
         headers=tuple((k, bytes(v) if v is not None else b"") for k, v in rec.headers or ()),
     )
+
+
+def _refusal(exc: BaseException) -> str:
+    """Why Kafka refused a record, for its dead letter."""
+    return f"{type(exc).__name__}: {exc}"[:300]
 
 
 def _close_producer(producer: Any, timeout_s: float) -> None:
@@ -420,7 +429,7 @@ class KafkaCommitLog:
             except _REFUSED as exc:
                 futures.append(None)
                 errors.append(f"{r.topic}: {exc}")
-                refused[len(futures) - 1] = f"{type(exc).__name__}: {exc}"[:300]
+                refused[len(futures) - 1] = _refusal(exc)
             except kafka_errors.KafkaError as exc:
                 futures.append(None)
                 errors.append(f"{r.topic}: {exc}")
@@ -446,7 +455,7 @@ class KafkaCommitLog:
             except kafka_errors.KafkaError as exc:
                 errors.append(f"{records[i].topic}: {exc}")
                 if isinstance(exc, _REFUSED):
-                    refused[i] = f"{type(exc).__name__}: {exc}"[:300]
+                    refused[i] = _refusal(exc)
                 continue
             written[i] = (md.partition, md.offset)
         if errors:
@@ -607,10 +616,7 @@ class KafkaCommitLog:
             raw = self._new_consumer(
                 f"consumer-{topic}",
                 group_id=monitor_group,
-                # Fetch in batches: a fetch answered per record arriving costs the broker more
-                # CPU than anything else at a steady rate; 20 ms is well inside a tick.
-                fetch_min_bytes=64 * 1024,
-                fetch_max_wait_ms=20,
+                **_BATCHED_FETCH,
             )
             return KafkaConsumerAdapter(raw, topic, offsets, monitor_group)
 
@@ -668,13 +674,8 @@ class _Follower:
         while not self._stop.is_set():
             consumer = None
             try:
-                consumer = self.log._new_consumer(f"follow-{self.topic}", fetch_min_bytes=64 * 1024,
-                                                  fetch_max_wait_ms=20)
-                tps = [TopicPartition(self.topic, p["partition_index"])
-                       for p in (self.log._describe(self.topic) or {}).get("partitions", [])]
-                if not tps:
-                    self._stop.wait(self.RETRY_S)
-                    continue
+                consumer = self.log._new_consumer(f"follow-{self.topic}", **_BATCHED_FETCH)
+                tps = self.log._topic_partitions(self.topic)
                 consumer.assign(tps)
                 consumer.seek_to_end(*tps)
                 self._follow(consumer)
