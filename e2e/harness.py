@@ -1,18 +1,18 @@
 """End-to-end harness: the five stages as separate processes on real Kafka and Redis.
 
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=2)   # TW_* settings as keywords
-    pipe.create_topic(pipe.dest("a"), 2)
-    with pipe.running(), TimerProducer(pipe) as producer, Collector(pipe, [pipe.dest("a")]) as collector:
+    dest = pipe.new_dest("a", 2)                                         # named for this test, created
+    with pipe.running(), TimerProducer(pipe) as producer, Collector(pipe, [dest]) as collector:
         # five `timerwheel stage NAME` processes, ready on /readyz; the producer writes with plain
         # kafka-python and the wire-contract headers. All stopped or closed when the block ends.
-        m = producer.schedule(pipe.dest("a"), now_ms() + 5_000); producer.cancel(m)
+        m = producer.schedule(dest, now_ms() + 5_000); producer.cancel(m)
         pipe.kill("dequeue-put"); pipe.start("dequeue-put")      # SIGKILL, then a new process
         collector.wait_for(producer.expected(), timeout_s=60, pipe=pipe)
         rep = make_report("name", producer, collector)  # prints scheduled, delivered, lost, duplicated, late
         pipe.stop_cleanly()              # SIGTERM each, wait; asserts that every one exited 0
 
     # Or under a steady load: LoadRun starts run.producer, run.collector and run.load (SteadyLoad).
-    with pipe.running(), LoadRun(pipe, pipe.dest("a"), seed=1, rate=60, min_delay_ms=500,
+    with pipe.running(), LoadRun(pipe, dest, seed=1, rate=60, min_delay_ms=500,
                                  max_delay_ms=20_000) as run:
         ...
         missing, rep = run.drain("name", timeout_s=60)  # stop the load, wait for the rest, report
@@ -174,6 +174,12 @@ class Pipeline:
     def dest(self, name: str) -> str:
         """A destination topic name of this test (matches the allow-list)."""
         return f"e2e-dest-{self.uid}-{name}"
+
+    def new_dest(self, name: str, partitions: int) -> str:
+        """``dest(name)``, created with ``partitions`` partitions."""
+        topic = self.dest(name)
+        self.create_topic(topic, partitions)
+        return topic
 
     @property
     def admin(self) -> KafkaAdminClient:

@@ -126,8 +126,7 @@ def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
     TimerLog gets its last record torn in half before enqueue-put restarts."""
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, max_in_flight=MAX_IN_FLIGHT,
                     batch_size=BATCH_SIZE, roll_window_ms=ROLL_WINDOW_MS)
-    dest = pipe.dest("load")
-    pipe.create_topic(dest, 2)
+    dest = pipe.new_dest("load", 2)
     rng = random.Random(17)
     damaged = 0
     with pipe.running(), LoadRun(pipe, dest, seed=17, rate=60, min_delay_ms=500, max_delay_ms=25_000) as run:
@@ -160,8 +159,7 @@ def test_redis_flushall_a_redis_restart_and_a_broker_restart_mid_run_lose_nothin
     A Kafka broker restart is waited out."""
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, max_in_flight=MAX_IN_FLIGHT,
                     batch_size=BATCH_SIZE, roll_window_ms=ROLL_WINDOW_MS)
-    dest = pipe.dest("load")
-    pipe.create_topic(dest, 2)
+    dest = pipe.new_dest("load", 2)
     with pipe.running(), LoadRun(pipe, dest, seed=23, rate=60, min_delay_ms=500, max_delay_ms=25_000) as run:
         ledger = Ledger(pipe, run.producer)
         time.sleep(6)
@@ -185,8 +183,7 @@ def test_a_torn_timerlog_tail_is_read_again_from_kafka(tmp_path: Path, kafka_boo
     """The last record of each shard's TimerLog, checkpointed as durable, torn in half while
     enqueue-put is down: the restarted owner cuts it off and reads its source again from Kafka."""
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS)
-    dest = pipe.dest("torn")
-    pipe.create_topic(dest, 2)
+    dest = pipe.new_dest("torn", 2)
     with pipe.running(), TimerProducer(pipe, seed=29) as producer, Collector(pipe, [dest]) as collector:
         due = now_ms() + 12_000
         for i in range(200):

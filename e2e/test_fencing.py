@@ -23,8 +23,7 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
     tmp_path: Path, kafka_bootstrap: str, redis_url: str
 ) -> None:
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, lease_ttl_ms=LEASE_TTL_MS)
-    dest = pipe.dest("load")
-    pipe.create_topic(dest, 2)
+    dest = pipe.new_dest("load", 2)
     with pipe.running(), LoadRun(pipe, dest, seed=5, rate=50, min_delay_ms=500, max_delay_ms=15_000) as run:
         time.sleep(4)
         first_epochs = {int(str(e["shard"])): int(str(e["epoch"])) for e in events(pipe, "enqueue-put", "recovered")}

@@ -50,8 +50,7 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
     tmp_path: Path, kafka_bootstrap: str, redis_url: str
 ) -> None:
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url)
-    dest = pipe.dest("a")
-    pipe.create_topic(dest, 1)
+    dest = pipe.new_dest("a", 1)
     try:
         # Live at once, ready only once its work started: dequeue-get waits for the shards that
         # enqueue-put creates.
@@ -122,8 +121,7 @@ def test_run_with_kafka_and_redis_runs_all_five_stages_in_one_process(
     tmp_path: Path, kafka_bootstrap: str, redis_url: str
 ) -> None:
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url)
-    dest = pipe.dest("a")
-    pipe.create_topic(dest, 2)
+    dest = pipe.new_dest("a", 2)
     port = free_port()
     env = dict(pipe.env, TW_HTTP_PORT=str(port))
     log_path = tmp_path / "logs" / "run.log"

@@ -162,8 +162,7 @@ def test_each_message_is_one_trace_across_the_five_stage_processes(
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_COMPRESSION"):
         pipe.env.pop(name, None)
     pipe.env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"})
-    dest = pipe.dest("traced")
-    pipe.create_topic(dest, 2)
+    dest = pipe.new_dest("traced", 2)
     log = collector = None
     telemetry.use(app)
     try:
