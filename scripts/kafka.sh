@@ -153,7 +153,15 @@ EOF
 format_storage() {
     local libs="$1" cluster_id
     [[ -f "$STATE/data/meta.properties" ]] && return 0
-    cluster_id="$("$PYTHON" -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')"
+    # As Kafka's own Uuid.randomUuid: never an id that starts with "-", which the format tool's
+    # argument parser takes for an option (1 id in 64; it failed a fresh CI run once).
+    cluster_id="$("$PYTHON" -c '
+import base64, uuid
+cid = "-"
+while cid.startswith("-"):
+    cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+print(cid)')"
+    [[ -n "$cluster_id" ]] || die "could not make a cluster id with $PYTHON"
     java -Xmx256m -cp "$libs/*" -Dlog4j2.configurationFile="$STATE/log4j2.properties" \
         -Dkafka.logs.dir="$STATE/logs" kafka.tools.StorageTool format \
         --cluster-id "$cluster_id" --config "$STATE/server.properties" >"$STATE/logs/format.log" 2>&1 \
