@@ -510,3 +510,50 @@ def test_delete_before_removes_whole_segments_and_reads_of_them_return_none(tmp_
     assert [p.name for p in _segment_files(tmp_path, "t", 0, "log")] == [f"{24:020d}.log"]
     log.close()
     reader.close()
+
+
+# -- the read cache of followed topics --------------------------------------------------------
+
+
+def test_read_serves_a_followed_topics_records_from_what_its_consumers_read(tmp_path: Path) -> None:
+    log = LocalCommitLog(tmp_path, default_partitions=2, fsync=False, read_cache_records=1_000)
+    consumer = log.consumer("t", {0: 0, 1: 0})  # made before follow: it keeps all the same
+    log.follow("t")
+    positions = log.append([OutRecord("t", None, f"v{i}".encode(), partition=i % 2) for i in range(10)])
+    log.append([OutRecord("other", None, b"x")])
+    polled = consumer.poll(100, 0.5)
+    assert len(polled) == 10
+    by_pos = {(r.partition, r.offset): r for r in polled}
+    got = log.read("t", [positions[3], positions[3], positions[8]])
+    assert got[0] is by_pos[positions[3]] and got[1] is got[0]  # from memory, the very objects
+    assert got[2] is by_pos[positions[8]]
+    again = log.read("t", [positions[3]])[0]  # served once: now read from the file, equal
+    assert again is not None and again is not got[0] and again == got[0]
+    assert log._cache["t"].records.keys() == {p for p in positions if p not in (positions[3], positions[8])}
+    assert "other" not in log._cache  # only followed topics are kept
+    log.close()
+
+
+@pytest.mark.parametrize("bound", ["records", "bytes"])
+def test_the_read_cache_keeps_the_newest_records_within_its_bounds(tmp_path: Path, bound: str) -> None:
+    limits = {"read_cache_records": 5} if bound == "records" else {"read_cache_bytes": 5 * 160}
+    log = LocalCommitLog(tmp_path, fsync=False, **limits)  # type: ignore[arg-type]
+    log.follow("t")
+    log.append([OutRecord("t", None, b"x" * 120) for _ in range(20)])
+    consumer = log.consumer("t", {0: 0})
+    while consumer.poll(3, 0):
+        pass
+    cache = log._cache["t"]
+    kept = sorted(o for _p, o in cache.records)
+    assert kept == list(range(20 - len(kept), 20)) and 3 <= len(kept) <= 5
+    assert cache.bytes == sum(size for _r, size in cache.records.values()) <= 5 * 160
+    assert all(r is not None for r in log.read("t", [(0, o) for o in range(20)]))  # the rest from the file
+    assert not cache.records and cache.bytes == 0
+    log.close()
+
+
+def test_no_read_cache_when_it_is_sized_zero(tmp_path: Path) -> None:
+    log = LocalCommitLog(tmp_path, fsync=False, read_cache_records=0)
+    log.follow("t")
+    assert log._cache == {}
+    log.close()

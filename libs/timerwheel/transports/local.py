@@ -56,6 +56,7 @@ import threading
 import time
 import weakref
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -199,6 +200,36 @@ def _encode_bodies(records: Sequence[OutRecord], now_ms: int) -> list[tuple[int,
     return out
 
 
+_new_record = tuple.__new__  # Record(...) goes through a Python-level __new__: twice the cost
+
+
+def _decode_run(blob: bytes, ends: list[int], topic: str, partition: int, offset: int) -> list[Record]:
+    """The consecutive frames ending at ``ends`` in ``blob`` (the first at 0), offsets from
+    ``offset`` on: ``_decode`` inlined, the embedded pipeline's hottest loop."""
+    unpack_prefix, prefix, crc32, unpackb = _PREFIX.unpack_from, _PREFIX.size, zlib.crc32, msgpack.unpackb
+    view = memoryview(blob)
+    out = []
+    pos = 0
+    for end in ends:
+        if end - pos > prefix:
+            crc, stored = unpack_prefix(blob, pos)
+            body = view[pos + prefix : end]
+            if stored == offset and crc32(body) == crc:
+                try:
+                    ts, key, value, headers = unpackb(body, use_list=False)
+                except (ValueError, TypeError, msgpack.UnpackException):
+                    pass
+                else:
+                    out.append(_new_record(Record, (topic, partition, offset, ts, key, value, headers)))
+                    pos = end
+                    offset += 1
+                    continue
+        out.append(_decode(blob, pos, end, topic, partition, offset))  # raises, naming what is wrong
+        pos = end
+        offset += 1
+    return out
+
+
 def _decode(blob: bytes, pos: int, end: int, topic: str, partition: int, offset: int) -> Record:
     """The frame at ``blob[pos:end]``, checked against its CRC and the offset the index gave."""
     if end - pos <= _PREFIX.size:
@@ -335,17 +366,17 @@ class _Partition:
             seg = self._segment(self._bases[-1])
             return self._bases[-1] + (seg.entries() if seg else 0)
 
-    def read_from(self, offset: int, max_records: int) -> tuple[list[Record], int]:
+    def read_from(self, offset: int, max_records: int) -> tuple[list[Record], int, int]:
         """Records from ``offset`` on (at least one if any, at most ``max_records`` and about
-        ``_MAX_FETCH_BYTES``) and the offset to go on from. An offset below the start moves to
-        the start, as a Kafka consumer with ``auto.offset.reset=earliest`` does."""
+        ``_MAX_FETCH_BYTES``), the offset to go on from and the bytes read. An offset below the
+        start moves to the start, as a Kafka consumer with ``auto.offset.reset=earliest`` does."""
         with self._view_lock:
             found = self._locate(offset)
             if found is None and self._bases and offset < self._bases[0]:
                 offset = self._bases[0]
                 found = self._locate(offset)
         if found is None:
-            return [], offset
+            return [], offset, 0
         seg, count = found
         rel = offset - seg.base
         n = min(max_records, count - rel)
@@ -361,13 +392,8 @@ class _Partition:
             take += 1
         stop = ends[take - 1] & _POS_MASK
         blob = _pread_exact(seg.log_fd, stop - start, start)
-        records = []
-        pos = 0
-        for i in range(take):
-            end = (ends[i] & _POS_MASK) - start
-            records.append(_decode(blob, pos, end, self.topic, self.number, offset + i))
-            pos = end
-        return records, offset + take
+        return _decode_run(blob, [(e & _POS_MASK) - start for e in ends[:take]], self.topic, self.number,
+                           offset), offset + take, stop - start
 
     def read_offsets(self, offsets: Sequence[int]) -> dict[int, Record]:
         """Records at the sorted, distinct ``offsets`` that are held."""
@@ -574,6 +600,8 @@ class LocalCommitLog:
         fsync: bool = True,
         clock: Clock | None = None,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        read_cache_records: int = 100_000,
+        read_cache_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         if default_partitions < 1:
             raise ValueError(f"LocalCommitLog: default_partitions must be >= 1, got {default_partitions}")
@@ -590,6 +618,10 @@ class LocalCommitLog:
         self._partitions: dict[tuple[str, int], _Partition] = {}
         self._round_robin: dict[str, Iterator[int]] = {}
         self._closed = False
+        #: followed topic -> records its consumers in this process read, for ``read`` (see ``follow``).
+        self._cache: dict[str, _ReadCache] = {}
+        self._read_cache_records = read_cache_records
+        self._read_cache_bytes = read_cache_bytes
 
     # -- topics -------------------------------------------------------------------------
 
@@ -701,14 +733,26 @@ class LocalCommitLog:
 
     # -- reading ------------------------------------------------------------------------
 
+    def follow(self, topic: str) -> None:
+        """Keep what this process's consumers of ``topic`` read (the last ``read_cache_records``,
+        at most ``read_cache_bytes``), so that ``read`` serves those records from memory: in
+        embedded mode dequeue-getmsg finds a short delay's record where enqueue-get left it,
+        instead of reading and decoding it a second time. A record leaves the cache when served."""
+        if self._read_cache_records > 0 and topic not in self._cache:
+            self._cache[topic] = _ReadCache(self._read_cache_records, self._read_cache_bytes)
+
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
         count = self.partitions(topic)
+        cache = self._cache.get(topic)
+        hits = cache.take(positions) if cache is not None else {}
         wanted: dict[int, set[int]] = {}
         for p, o in positions:
-            if 0 <= p < count and o >= 0:
+            if 0 <= p < count and o >= 0 and (p, o) not in hits:
                 wanted.setdefault(p, set()).add(o)
-        found = {p: self._partition(topic, p).read_offsets(sorted(offs)) for p, offs in wanted.items()}
-        return [found[p].get(o) if p in found else None for p, o in positions]
+        for p, offs in wanted.items():
+            for o, rec in self._partition(topic, p).read_offsets(sorted(offs)).items():
+                hits[(p, o)] = rec
+        return [hits.get(pos) for pos in positions]
 
     def consumer(self, topic: str, offsets: Mapping[int, int]) -> LocalConsumer:
         return LocalConsumer(self, topic, offsets)
@@ -728,6 +772,39 @@ class LocalCommitLog:
                 part.close()
 
 
+class _ReadCache:
+    """Records by (partition, offset), oldest evicted first past either bound; thread-safe
+    (a consumer thread keeps, a reader thread takes)."""
+
+    def __init__(self, max_records: int, max_bytes: int) -> None:
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self.records: OrderedDict[tuple[int, int], tuple[Record, int]] = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def keep(self, records: list[Record], frame_bytes: int) -> None:
+        size = frame_bytes // len(records) + 1
+        with self.lock:
+            kept = self.records
+            for r in records:
+                kept[(r.partition, r.offset)] = (r, size)
+            self.bytes += size * len(records)
+            while len(kept) > self.max_records or self.bytes > self.max_bytes:
+                self.bytes -= kept.popitem(last=False)[1][1]
+
+    def take(self, positions: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Record]:
+        out = {}
+        with self.lock:
+            pop = self.records.pop
+            for pos in positions:
+                hit = pop(pos, None)
+                if hit is not None:
+                    out[pos] = hit[0]
+                    self.bytes -= hit[1]
+        return out
+
+
 class LocalConsumer:
     """Consumer of some partitions of one LocalCommitLog topic; one thread at a time."""
 
@@ -737,6 +814,7 @@ class LocalConsumer:
                 raise ValueError(f"consumer of {topic!r}: offset for partition {p} must be >= 0, got {o}")
         self.topic = topic
         self._parts = {p: log._partition(topic, p) for p in offsets}
+        self._caches = log._cache  # a followed topic's reads are kept for ``read``
         self._positions = dict(offsets)
         self._order = sorted(offsets)
         self._turn = 0
@@ -757,15 +835,18 @@ class LocalConsumer:
 
     def _fetch(self, max_records: int) -> list[Record]:
         out: list[Record] = []
+        cache = self._caches.get(self.topic)
         n = len(self._order)
         for k in range(n):  # start one partition further each poll, so none starves
             p = self._order[(self._turn + k) % n]
             while len(out) < max_records:
-                records, self._positions[p] = self._parts[p].read_from(
+                records, self._positions[p], frame_bytes = self._parts[p].read_from(
                     self._positions[p], max_records - len(out)
                 )
                 if not records:
                     break
+                if cache is not None:
+                    cache.keep(records, frame_bytes)
                 out += records
         self._turn = (self._turn + 1) % n
         return out
