@@ -116,3 +116,31 @@ def test_rolled_headers_make_the_time_absolute_and_count_the_roll() -> None:
 def test_id_hash_is_stable_64_bit() -> None:
     assert id_hash("abc") == id_hash("abc") != id_hash("abd")
     assert 0 <= id_hash("abc") < 2**64
+
+
+def test_the_short_path_of_parse_agrees_with_the_full_checks() -> None:
+    rules = TimerRules(TimerConfig(max_delay_ms=10 * 86_400_000, max_record_bytes=2048))
+    rules.parse(rec(("tw-topic", "orders"), ("tw-deliver-at", str(NOW))), NOW)  # the destination is known now
+    at = ("tw-deliver-at", str(NOW + 5_000))
+    cases = [
+        rec(("tw-topic", "orders"), at),
+        rec(("tw-topic", "orders"), at, ("tw-id", "order-17"), ("user", "u")),
+        rec(("tw-topic", "orders"), at, ("tw-topic", "orders")),  # repeated: the last one wins
+        rec(("tw-topic", "orders"), at, ("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")),
+        rec(("tw-topic", "orders"), ("tw-deliver-at", str(NOW + 10 * 86_400_000))),  # exactly the max delay
+        rec(("tw-topic", "orders"), at, value=b"x" * (2048 - 1 - 14 - 26)),  # exactly max_record_bytes
+    ]
+    for r in cases:
+        assert rules.parse(r, NOW) == rules._parse(r, NOW, dict(r.headers)), r.headers
+    refused = [
+        (rec(("tw-topic", "orders"), ("tw-deliver-at", str(NOW + 10 * 86_400_000 + 1))), "exceeds max_delay_ms"),
+        (rec(("tw-topic", "orders"), at, value=b"x" * 2048), "exceeds max_record_bytes"),
+        (rec(("tw-topic", "orders"), at, ("tw-id", "")), "tw-id must be"),
+        (rec(("tw-topic", "orders"), at, ("tw-id", "i" * 1025)), "tw-id must be"),
+        (rec(("tw-topic", "orders"), ("tw-deliver-at", "9" * 16)), "out of range"),
+        (rec(("tw-topic", "orders"), at, ("tw-delay-ms", "5")), "more than one delivery time"),
+        (rec(("tw-topic", "__internal"), at), "not allowed"),
+    ]
+    for r, reason in refused:
+        with pytest.raises(InvalidTimerMessage, match=reason):
+            rules.parse(r, NOW)

@@ -123,6 +123,9 @@ class TimerRules:
         self._verdicts: dict[str, str] = {}
         #: raw tw-topic header -> the allowed destination it names (decoded once).
         self._topics: dict[bytes, str] = {}
+        self.known_topics: dict[bytes, str] = self._topics  # read-only outside this class
+        self._max_bytes = config.max_record_bytes
+        self._max_delay = config.max_delay_ms
 
     def destination_error(self, topic: str) -> str:
         """Why ``topic`` cannot be a destination, or "" if it can."""
@@ -178,20 +181,38 @@ class TimerRules:
             )
         return deliver
 
-    def parse(self, record: Record, now_ms: int) -> TimerRequest:
+    def parse(self, record: Record, now_ms: int, headers: dict[str, bytes] | None = None) -> TimerRequest:
         """Validate a timer-topic record; raise InvalidTimerMessage(reason) if it cannot be scheduled.
 
-        One pass over the headers builds a dict (the last of repeated headers wins, as
-        ``Record.header``) and adds up the record's size; everything else reads the dict.
-        """
-        headers = record.headers
+        ``headers`` may pass ``dict(record.headers)`` already built (the last of repeated headers
+        wins, as ``Record.header``); everything reads that dict. The common record (an absolute
+        ``tw-deliver-at``, a destination already allowed once, none of the other control
+        headers) passes the same checks on a short path; any other goes through them all."""
+        hdr = dict(record.headers) if headers is None else headers
+        at = hdr.get(H_DELIVER_AT)
+        topic = self._topics.get(hdr.get(H_TOPIC))  # type: ignore[arg-type]  # None finds nothing
+        if topic is not None and at is not None and at.isdigit() and _FULL_PARSE.isdisjoint(hdr):
+            deliver = int(at)
+            key, value = record.key, record.value
+            size = (len(key) if key else 0) + (len(value) if value else 0)
+            for k, v in record.headers:
+                size += len(k) + len(v)
+            raw_id = hdr.get(H_ID)
+            if (size <= self._max_bytes and deliver <= MAX_EPOCH_MS and deliver - now_ms <= self._max_delay
+                    and (raw_id is None or 0 < len(raw_id) <= MAX_ID_BYTES)):
+                message_id = f"{record.partition}-{record.offset}" if raw_id is None else raw_id.decode("utf-8", "replace")
+                return TimerRequest(deliver, False, message_id, topic, 0, record.timestamp_ms, record.partition,
+                                    record.offset, size)
+        return self._parse(record, now_ms, hdr)
+
+    def _parse(self, record: Record, now_ms: int, hdr: dict[str, bytes]) -> TimerRequest:
+        """``parse`` with every check in turn, each with its reason."""
         key, value = record.key, record.value
         size = (len(key) if key else 0) + (len(value) if value else 0)
-        for k, v in headers:
+        for k, v in record.headers:
             size += len(k) + len(v)
         if size > self.config.max_record_bytes:
             raise InvalidTimerMessage(f"record of {size} bytes exceeds max_record_bytes {self.config.max_record_bytes}")
-        hdr = dict(headers)
         deliver = self.delivery_time(record, now_ms, headers=hdr)
         raw_roll = hdr.get(H_ROLL)
         roll = _decimal(H_ROLL, raw_roll) if raw_roll is not None else 0
@@ -232,20 +253,23 @@ def message_id_of(record: Record, headers: dict[str, bytes] | None = None) -> st
 
 
 _NOT_DELIVERED = CONTROL_HEADERS | SERVICE_HEADERS
+#: Control headers that take ``TimerRules.parse`` off its short path.
+_FULL_PARSE = frozenset({H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT})
 
 
 def user_headers(headers: Headers) -> list[tuple[str, bytes]]:
     return [(k, v) for k, v in headers if k not in _NOT_DELIVERED]
 
 
-def delivered_headers(record: Record, message_id: str, roll: int, enqueued_ms: int, now_ms: int,
+def delivered_headers(record: Record, message_id: str | bytes, roll: int, enqueued_ms: int, now_ms: int,
                       now_text: bytes | None = None) -> Headers:
     """Headers of the record delivered to its destination: user headers kept, control ones removed.
 
-    ``now_text`` may pass ``str(now_ms).encode()`` made once per batch."""
+    ``message_id`` may be given encoded; ``now_text`` may pass ``str(now_ms).encode()`` made
+    once per batch."""
     return (
-        *[(k, v) for k, v in record.headers if k not in _NOT_DELIVERED],
-        (H_ID, message_id.encode()),
+        *[h for h in record.headers if h[0] not in _NOT_DELIVERED],
+        (H_ID, message_id if isinstance(message_id, bytes) else message_id.encode()),
         (H_ROLL, b"0" if roll == 0 else str(roll).encode()),
         (H_ENQUEUED_AT, str(enqueued_ms).encode()),
         (H_DELIVERED_AT, now_text if now_text is not None else str(now_ms).encode()),

@@ -21,12 +21,15 @@ from timerwheel.stages.base import QueueStage, StageContext, append_until_writte
 from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry, wire
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
+    H_DELIVER_AT,
     H_ERROR,
+    H_ID,
     H_PARTITION,
     H_ROLL,
     H_SOURCE,
     H_TOPIC,
     dead_letter_headers,
+    default_id,
     delivered_headers,
     message_id_of,
     rolled_headers,
@@ -69,6 +72,8 @@ class DequeuePut(QueueStage):
         lateness: list[int] = []
         now_text = str(now).encode()
         done: dict[tuple[int, int], dict[int, int]] = {}
+        topics = ctx.rules.known_topics
+        new_tuple = tuple.__new__
         for _eid, payload in entries:
             entry = DeliverEntry.decode(payload)
             counts = done.setdefault((entry.shard, entry.generation), {})
@@ -84,7 +89,7 @@ class DequeuePut(QueueStage):
                     continue
                 hdr = dict(rec.headers)  # one pass; the last of repeated headers wins, as Record.header
                 raw_topic = hdr.get(H_TOPIC)
-                topic = raw_topic.decode("utf-8", "replace") if raw_topic else "-"
+                topic = (topics.get(raw_topic) or raw_topic.decode("utf-8", "replace")) if raw_topic else "-"
                 raw_roll = hdr.get(H_ROLL)
                 roll = int(raw_roll) if raw_roll else 0
                 if item.kind == CANCELLED:
@@ -105,12 +110,16 @@ class DequeuePut(QueueStage):
                         out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
                         dead[topic] = dead.get(topic, 0) + 1
                         continue
-                    headers = delivered_headers(rec, message_id_of(rec, hdr), roll, item.enqueued_ms, now, now_text)
+                    raw_id = hdr.get(H_ID) or default_id(rec.partition, rec.offset).encode()
+                    headers = delivered_headers(rec, raw_id, roll, item.enqueued_ms, now, now_text)
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
-                    out.append(OutRecord(topic, rec.key, rec.value, headers, partition=dest_partition))
+                    # OutRecord(...) goes through a Python-level __new__: twice the cost
+                    out.append(new_tuple(OutRecord, (topic, rec.key, rec.value, headers, dest_partition, None)))
                     delivered[topic] = delivered.get(topic, 0) + 1
-                    lateness.append(now - ctx.rules.delivery_time(rec, now, check_max=False, headers=hdr))
+                    at = hdr.get(H_DELIVER_AT)  # absolute, and then the only time header (enqueue-get checked)
+                    lateness.append(now - (int(at) if at is not None else
+                                           ctx.rules.delivery_time(rec, now, check_max=False, headers=hdr)))
         append_until_written(ctx, self.log, out, self.logger)
         # Report before ack: a crash in between redelivers the entries (a bounded duplicate)
         # instead of stalling the slot until dequeue-get re-sends it.

@@ -96,16 +96,17 @@ class EnqueueGet:
                 requests[r.partition] = []
             else:
                 span[1] = r.offset + 1
+            hdr = dict(r.headers)
             try:
-                req = rules.parse(r, now)
+                req = rules.parse(r, now, hdr)
             except InvalidTimerMessage as exc:
                 dead.append(OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)))
-                raw = r.header(H_TOPIC)
+                raw = hdr.get(H_TOPIC)
                 label = raw.decode("utf-8", "replace") if raw else "-"
                 reasons[label] = reasons.get(label, 0) + 1
                 continue
-            tp = r.header("traceparent")
-            ts = r.header("tracestate") if tp else None
+            tp = hdr.get("traceparent")
+            ts = hdr.get("tracestate") if tp else None
             th = topic_hashes.get(req.topic)
             if th is None:
                 if len(topic_hashes) > 10_000:
