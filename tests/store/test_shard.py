@@ -191,3 +191,37 @@ def test_a_dense_slot_read_by_a_scan_gives_what_its_links_give(open_shard: OpenS
     assert results[1, None] == by_links
     assert results[1, positions[450]] == results[10**9, positions[450]] == [
         (p, r) for p, r in by_links if p < positions[450]]
+
+
+def test_a_dense_slot_read_column_wise_gives_what_read_slot_gives(open_shard: OpenShard) -> None:
+    shard = open_shard(segment_bytes=64 * 128)  # the slot's stretch crosses segments
+    fire = [1000 if i % 3 else 1000 + (i % 7) * TICK for i in range(600)]
+    flags = [Flag.DELETE if i % 50 == 0 else Flag.ROLL if i % 40 == 0 else Flag.NORMAL for i in range(600)]
+    positions = shard.append([rec(t, flags=f) for t, f in zip(fire, flags, strict=True)])
+    shard.flush()
+    for limit in (None, positions[450]):
+        dense = shard.read_dense_slot(1000, limit)
+        assert dense is not None
+        got_pos, got = dense
+        expected = list(shard.read_slot(1000, limit))
+        assert got_pos.tolist() == [p for p, _ in expected]
+        assert (got["magic"] & 0xFF).tolist() == [r.flags for _, r in expected]
+        assert got["src_offset"].tolist() == [r.src_offset for _, r in expected]
+        assert got["id_hash"].tolist() == [r.id_hash for _, r in expected]
+        assert got["deliver_ms"].tolist() == [r.deliver_ms for _, r in expected]
+    shard.dense_columns_min = 10**9
+    assert shard.read_dense_slot(1000) is None  # the caller's fallback is read_slot, by links
+    sparse = open_shard("sparse")
+    sparse.append([rec(1000 + (i % 20) * TICK) for i in range(400)])  # 1 in 20: not dense
+    sparse.flush()
+    assert sparse.read_dense_slot(1000) is None
+
+
+def test_a_dense_slot_with_a_corrupt_record_is_left_to_read_slot(open_shard: OpenShard) -> None:
+    shard = open_shard(segment_bytes=64 * 128)
+    positions = shard.append([rec(1000 if i % 2 else 1100) for i in range(100)])
+    shard.flush()
+    assert shard.read_dense_slot(1000) is not None
+    flip_bit(shard, positions[50])  # a record of another slot, inside this one's stretch
+    assert shard.read_dense_slot(1000) is None
+    assert len(list(shard.read_slot(1000))) == 50  # by its links, which do not pass the bad record

@@ -31,6 +31,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
 from timerwheel.log import StageLogger, stage_logger
@@ -38,6 +41,7 @@ from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
+from timerwheel.store.format import RecordArray
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "dequeue-get"
@@ -194,6 +198,11 @@ class DequeueGet:
         """Collect the slot's cancel markers, then stream its other records as fetch items."""
         shard = st.shard
         small = shard.wheel.get(slot).num <= SMALL_SLOT
+        dense = shard.read_dense_slot(slot, flushed_pos) if small else None
+        if dense is not None:
+            reader = SlotReader(slot, {}, iter(()))
+            reader.items = iter(self._items_of(*dense, reader))
+            return reader
         kept: list[tuple[int, TimerRecord]] = []
         markers: dict[int, tuple[int, int]] = {}
         for pos, rec in shard.read_slot(slot, flushed_pos):
@@ -209,17 +218,47 @@ class DequeueGet:
     @staticmethod
     def _items(records: Iterator[tuple[int, TimerRecord]], reader: SlotReader) -> Iterator[FetchItem]:
         markers = reader.markers
+        new_tuple = tuple.__new__  # FetchItem(...) goes through a Python-level __new__: twice the cost
         for pos, rec in records:
             flags = rec.flags
             if flags & (_DELETE | _ROLL) == _DELETE:
                 continue  # a cancel marker
             ref = markers.get(rec.id_hash) if markers and not flags & _ROLL else None
             if ref is None:
-                yield FetchItem(pos, flags, rec.src_partition, rec.src_offset, rec.deliver_ms, rec.enqueue_ms)
+                yield new_tuple(FetchItem, (pos, flags, rec.src_partition, rec.src_offset, rec.deliver_ms,
+                                            rec.enqueue_ms, -1, -1))
             else:
                 reader.matched.add(rec.id_hash)
                 yield FetchItem(pos, flags, rec.src_partition, rec.src_offset, rec.deliver_ms, rec.enqueue_ms,
                                 ref[0], ref[1])
+
+    @staticmethod
+    def _items_of(positions: npt.NDArray[np.int64], records: RecordArray, reader: SlotReader) -> list[FetchItem]:
+        """``_items`` of a slot read column-wise (``Shard.read_dense_slot``): its markers collected
+        into the reader, fetch items built without a TimerRecord each."""
+        flags = records["magic"] & 0xFF
+        kind = flags & (_DELETE | _ROLL)
+        is_marker = kind == _DELETE
+        id_hashes = records["id_hash"]
+        markers = reader.markers
+        for i in np.flatnonzero(is_marker).tolist():  # newest first: the newest marker of an id wins
+            markers.setdefault(int(id_hashes[i]), (int(records["src_partition"][i]), int(records["src_offset"][i])))
+        msgs = records[~is_marker]
+        n = len(msgs)
+        cancel_partition, cancel_offset = [-1] * n, [-1] * n
+        if markers:
+            kept = id_hashes[~is_marker]
+            may_match = np.isin(kept, np.array(list(markers), dtype=np.uint64)) & (kind[~is_marker] & _ROLL == 0)
+            for k in np.flatnonzero(may_match).tolist():
+                h = int(kept[k])
+                cancel_partition[k], cancel_offset[k] = markers[h]
+                reader.matched.add(h)
+        # FetchItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop
+        return list(map(tuple.__new__, itertools.repeat(FetchItem), zip(
+            positions[~is_marker].tolist(), flags[~is_marker].tolist(), msgs["src_partition"].tolist(),
+            msgs["src_offset"].tolist(), msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(),
+            cancel_partition, cancel_offset, strict=True,
+        )))
 
     def _flush_outbox(self, st: GetShard) -> bool:
         """Put what is waiting; False while the fetch queue is full."""

@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import (
@@ -51,10 +52,18 @@ from timerwheel.errors import (
 from timerwheel.files import atomic_write
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
-from timerwheel.store.format import FORMAT_VERSION, RecordArray, TimerRecord, pack_records, seal, valid_mask
+from timerwheel.store.format import (
+    FORMAT_VERSION,
+    RECORD_DTYPE,
+    RecordArray,
+    TimerRecord,
+    pack_records,
+    seal,
+    valid_mask,
+)
 from timerwheel.store.recovery import RecoveryReport, recover
 from timerwheel.store.timerlog import SEGMENT_SUFFIX, TimerLog
-from timerwheel.store.wheel import TimerWheel
+from timerwheel.store.wheel import Slot, TimerWheel
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +76,8 @@ LOCK_FILE = "writer.lock"
 #: read_slot scans instead of following links when a slot of at least DENSE_SLOT_MIN records
 #: holds at least 1/DENSE_SLOT_SHARE of the positions between its first and last record.
 DENSE_SLOT_MIN = 256
+#: ... and read_dense_slot from this many on: column-wise, a scan pays for itself sooner.
+DENSE_COLUMNS_MIN = 16
 DENSE_SLOT_SHARE = 10
 #: Records between two wheel msyncs: bounds the re-linking recovery does after a crash (~1 s).
 DEFAULT_WHEEL_SYNC_RECORDS = 1_000_000
@@ -142,6 +153,7 @@ class Shard:
         self.corrupt_seen = 0
         #: Slots with at least this many records may be read by a scan (see read_slot).
         self.dense_slot_min = DENSE_SLOT_MIN
+        self.dense_columns_min = DENSE_COLUMNS_MIN
         self._lock_fd = lock_fd
         self._unsynced_records = 0
         self._segment_max: dict[int, int] = {}
@@ -297,19 +309,12 @@ class Shard:
         order, without a pread per record; corrupt records met in its stretch are reported too.
         """
         slot_time = self.slot_time(slot_time)
-        if limit_pos is None:
-            if self.writer:
-                limit_pos = self.log.end_pos
-            else:
-                published = self.load_enqueue_checkpoint()
-                limit_pos = published.flushed_pos if published else 0
+        limit_pos = self._limit(limit_pos)
         slot = self.wheel.get(slot_time)
         pos = slot.last_pos
-        span = (min(pos, limit_pos - RECORD_SIZE) - slot.first_pos) // RECORD_SIZE + 1
-        if slot.num >= self.dense_slot_min and slot.num * DENSE_SLOT_SHARE >= span > 0:
-            # A slot run is exactly the valid records of its time from first_pos on, so when they
-            # are a good share of that stretch one vectorised scan beats a pread per link.
-            yield from self._scan(slot_time, slot.first_pos, min(pos + RECORD_SIZE, limit_pos))
+        stretch = self._dense_stretch(slot, limit_pos, self.dense_slot_min)
+        if stretch is not None:
+            yield from self._scan(slot_time, *stretch)
             return
         while 0 <= slot.first_pos <= pos:
             if pos >= limit_pos:
@@ -328,6 +333,44 @@ class Shard:
                 return
             yield pos, record
             pos = record.prev_pos
+
+    def read_dense_slot(self, slot_time: int, limit_pos: int | None = None) -> tuple[npt.NDArray[np.int64], RecordArray] | None:
+        """``read_slot`` column-wise, for a slot ``read_slot`` reads by one scan (see there):
+        its records' positions and the records, newest first — or None if the slot is not
+        dense, or a record in its stretch fails its checks (``read_slot`` then reports it)."""
+        slot_time = self.slot_time(slot_time)
+        stretch = self._dense_stretch(self.wheel.get(slot_time), self._limit(limit_pos), self.dense_columns_min)
+        if stretch is None:
+            return None
+        positions, records = [], []
+        for first, arr in self.log.iter_chunks(max(stretch[0], self.log.start_pos), stretch[1], reverse=True):
+            if not valid_mask(arr).all():
+                return None
+            deliver = arr["deliver_ms"]
+            hits = np.flatnonzero(deliver - deliver % self.tick_ms == slot_time)[::-1]
+            positions.append(first + RECORD_SIZE * hits)
+            records.append(arr[hits])  # a copy: ``arr`` is a reused buffer
+        if not positions:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=RECORD_DTYPE)
+        return np.concatenate(positions).astype(np.int64), np.concatenate(records)
+
+    def _limit(self, limit_pos: int | None) -> int:
+        """``limit_pos`` of read_slot: by default the log's end for the writer, else what enqueue.ckpt says is flushed."""
+        if limit_pos is not None:
+            return limit_pos
+        if self.writer:
+            return self.log.end_pos
+        published = self.load_enqueue_checkpoint()
+        return published.flushed_pos if published else 0
+
+    def _dense_stretch(self, slot: Slot, limit_pos: int, min_records: int) -> tuple[int, int] | None:
+        """[lo, hi) to scan for a dense slot, or None to follow its chain. A slot run is exactly
+        the valid records of its time from first_pos on, so when they are a good share of that
+        stretch one vectorised scan beats a pread per link."""
+        span = (min(slot.last_pos, limit_pos - RECORD_SIZE) - slot.first_pos) // RECORD_SIZE + 1
+        if slot.num >= min_records and slot.num * DENSE_SLOT_SHARE >= span > 0:
+            return slot.first_pos, min(slot.last_pos + RECORD_SIZE, limit_pos)
+        return None
 
     def _scan(self, slot_time: int, lo: int, hi: int) -> Iterator[tuple[int, TimerRecord]]:
         for pos, record, why in self.log.scan_back(lo, hi, slot_time, self.tick_ms):
