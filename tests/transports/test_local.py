@@ -536,7 +536,7 @@ def test_read_serves_a_followed_topics_records_from_what_its_consumers_read(tmp_
 
 @pytest.mark.parametrize("bound", ["records", "bytes"])
 def test_the_read_cache_keeps_the_newest_records_within_its_bounds(tmp_path: Path, bound: str) -> None:
-    limits = {"read_cache_records": 5} if bound == "records" else {"read_cache_bytes": 5 * 160}
+    limits = {"read_cache_records": 5} if bound == "records" else {"read_cache_bytes": 5 * 960}
     log = LocalCommitLog(tmp_path, fsync=False, **limits)  # type: ignore[arg-type]
     log.follow("t")
     log.append([OutRecord("t", None, b"x" * 120) for _ in range(20)])
@@ -546,7 +546,7 @@ def test_the_read_cache_keeps_the_newest_records_within_its_bounds(tmp_path: Pat
     cache = log._cache["t"]
     kept = sorted(o for _p, o in cache.records)
     assert kept == list(range(20 - len(kept), 20)) and 3 <= len(kept) <= 5
-    assert cache.bytes == sum(size for _r, size in cache.records.values()) <= 5 * 160
+    assert cache.bytes == sum(size for _r, size in cache.records.values()) <= 5 * 960
     assert all(r is not None for r in log.read("t", [(0, o) for o in range(20)]))  # the rest from the file
     assert not cache.records and cache.bytes == 0
     log.close()
