@@ -100,7 +100,7 @@ def test_ticket_round_trips_through_str() -> None:
 
 def test_delivered_headers_drop_control_headers_and_stamp_times() -> None:
     r = rec(("tw-topic", "t"), ("tw-delay-ms", "5"), ("user", "u1"), ("tw-partition", "0"))
-    headers = dict(delivered_headers(r, "3-7", 2, NOW - 10, NOW))
+    headers = dict(delivered_headers(r, b"3-7", 2, NOW - 10, NOW))
     assert headers == {"user": b"u1", "tw-id": b"3-7", "tw-roll": b"2", "tw-enqueued-at": str(NOW - 10).encode(),
                        "tw-delivered-at": str(NOW).encode()}
 
@@ -131,7 +131,8 @@ def test_the_short_path_of_parse_agrees_with_the_full_checks() -> None:
         rec(("tw-topic", "orders"), at, value=b"x" * (2048 - 1 - 14 - 26)),  # exactly max_record_bytes
     ]
     for r in cases:
-        assert rules.parse(r, NOW) == rules._parse(r, NOW, dict(r.headers)), r.headers
+        size = len(r.key or b"") + len(r.value or b"") + sum(len(k) + len(v) for k, v in r.headers)
+        assert rules.parse(r, NOW) == rules._parse(r, NOW, dict(r.headers), size), r.headers
     refused = [
         (rec(("tw-topic", "orders"), ("tw-deliver-at", str(NOW + 10 * 86_400_000 + 1))), "exceeds max_delay_ms"),
         (rec(("tw-topic", "orders"), at, value=b"x" * 2048), "exceeds max_record_bytes"),

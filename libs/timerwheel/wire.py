@@ -121,11 +121,9 @@ class TimerRules:
         self._allow = [re.compile(p) for p in config.allow_topics]
         #: destination -> why it is refused ("" if allowed); destinations are few, checks are regexes.
         self._verdicts: dict[str, str] = {}
-        #: raw tw-topic header -> the allowed destination it names (decoded once).
-        self._topics: dict[bytes, str] = {}
-        self.known_topics: dict[bytes, str] = self._topics  # read-only outside this class
-        self._max_bytes = config.max_record_bytes
-        self._max_delay = config.max_delay_ms
+        #: raw tw-topic header -> the allowed destination it names (decoded once); read-only
+        #: outside this class.
+        self.known_topics: dict[bytes, str] = {}
 
     def destination_error(self, topic: str) -> str:
         """Why ``topic`` cannot be a destination, or "" if it can."""
@@ -189,28 +187,26 @@ class TimerRules:
         ``tw-deliver-at``, a destination already allowed once, none of the other control
         headers) passes the same checks on a short path; any other goes through them all."""
         hdr = dict(record.headers) if headers is None else headers
-        at = hdr.get(H_DELIVER_AT)
-        topic = self._topics.get(hdr.get(H_TOPIC))  # type: ignore[arg-type]  # None finds nothing
-        if topic is not None and at is not None and at.isdigit() and _FULL_PARSE.isdisjoint(hdr):
-            deliver = int(at)
-            key, value = record.key, record.value
-            size = (len(key) if key else 0) + (len(value) if value else 0)
-            for k, v in record.headers:
-                size += len(k) + len(v)
-            raw_id = hdr.get(H_ID)
-            if (size <= self._max_bytes and deliver <= MAX_EPOCH_MS and deliver - now_ms <= self._max_delay
-                    and (raw_id is None or 0 < len(raw_id) <= MAX_ID_BYTES)):
-                message_id = f"{record.partition}-{record.offset}" if raw_id is None else raw_id.decode("utf-8", "replace")
-                return TimerRequest(deliver, False, message_id, topic, 0, record.timestamp_ms, record.partition,
-                                    record.offset, size)
-        return self._parse(record, now_ms, hdr)
-
-    def _parse(self, record: Record, now_ms: int, hdr: dict[str, bytes]) -> TimerRequest:
-        """``parse`` with every check in turn, each with its reason."""
         key, value = record.key, record.value
         size = (len(key) if key else 0) + (len(value) if value else 0)
         for k, v in record.headers:
             size += len(k) + len(v)
+        at = hdr.get(H_DELIVER_AT)
+        topic = self.known_topics.get(hdr.get(H_TOPIC))  # type: ignore[arg-type]  # None finds nothing
+        if topic is not None and at is not None and at.isdigit() and _FULL_PARSE.isdisjoint(hdr):
+            cfg = self.config
+            deliver = int(at)
+            raw_id = hdr.get(H_ID)
+            if (size <= cfg.max_record_bytes and deliver <= MAX_EPOCH_MS and deliver - now_ms <= cfg.max_delay_ms
+                    and (raw_id is None or 0 < len(raw_id) <= MAX_ID_BYTES)):
+                message_id = default_id(record.partition, record.offset) if raw_id is None else \
+                    raw_id.decode("utf-8", "replace")
+                return TimerRequest(deliver, False, message_id, topic, 0, record.timestamp_ms, record.partition,
+                                    record.offset, size)
+        return self._parse(record, now_ms, hdr, size)
+
+    def _parse(self, record: Record, now_ms: int, hdr: dict[str, bytes], size: int) -> TimerRequest:
+        """``parse`` with every check in turn, each with its reason."""
         if size > self.config.max_record_bytes:
             raise InvalidTimerMessage(f"record of {size} bytes exceeds max_record_bytes {self.config.max_record_bytes}")
         deliver = self.delivery_time(record, now_ms, headers=hdr)
@@ -230,15 +226,15 @@ class TimerRules:
         raw_topic = hdr.get(H_TOPIC)
         if not raw_topic:
             raise InvalidTimerMessage(f"missing {H_TOPIC}")
-        topic = self._topics.get(raw_topic)
+        topic = self.known_topics.get(raw_topic)
         if topic is None:
             topic = raw_topic.decode("utf-8", "replace")
             refused = self.destination_error(topic)
             if refused:
                 raise InvalidTimerMessage(refused)
-            if len(self._topics) > 10_000:
-                self._topics.clear()
-            self._topics[raw_topic] = topic  # only allowed destinations are remembered
+            if len(self.known_topics) > 10_000:
+                self.known_topics.clear()
+            self.known_topics[raw_topic] = topic  # only allowed destinations are remembered
         raw_id = hdr.get(H_ID)
         if raw_id is not None and (not raw_id or len(raw_id) > MAX_ID_BYTES):
             raise InvalidTimerMessage(f"{H_ID} must be 1..{MAX_ID_BYTES} bytes")
@@ -246,10 +242,15 @@ class TimerRules:
         return TimerRequest(deliver, False, message_id, topic, roll, enqueued, record.partition, record.offset, size)
 
 
-def message_id_of(record: Record, headers: dict[str, bytes] | None = None) -> str:
-    """``tw-id``, else the default id; ``headers`` may pass ``dict(record.headers)`` already built."""
+def raw_message_id(record: Record, headers: dict[str, bytes] | None = None) -> bytes:
+    """``tw-id``, else the default id, as bytes; ``headers`` may pass ``dict(record.headers)`` already built."""
     raw = headers.get(H_ID) if headers is not None else record.header(H_ID)
-    return raw.decode("utf-8", "replace") if raw else default_id(record.partition, record.offset)
+    return raw or default_id(record.partition, record.offset).encode()
+
+
+def message_id_of(record: Record, headers: dict[str, bytes] | None = None) -> str:
+    """``raw_message_id`` decoded."""
+    return raw_message_id(record, headers).decode("utf-8", "replace")
 
 
 _NOT_DELIVERED = CONTROL_HEADERS | SERVICE_HEADERS
@@ -261,15 +262,15 @@ def user_headers(headers: Headers) -> list[tuple[str, bytes]]:
     return [(k, v) for k, v in headers if k not in _NOT_DELIVERED]
 
 
-def delivered_headers(record: Record, message_id: str | bytes, roll: int, enqueued_ms: int, now_ms: int,
+def delivered_headers(record: Record, raw_id: bytes, roll: int, enqueued_ms: int, now_ms: int,
                       now_text: bytes | None = None) -> Headers:
     """Headers of the record delivered to its destination: user headers kept, control ones removed.
 
-    ``message_id`` may be given encoded; ``now_text`` may pass ``str(now_ms).encode()`` made
-    once per batch."""
+    ``raw_id`` is ``raw_message_id``; ``now_text`` may pass ``str(now_ms).encode()`` made once
+    per batch."""
     return (
         *[h for h in record.headers if h[0] not in _NOT_DELIVERED],
-        (H_ID, message_id if isinstance(message_id, bytes) else message_id.encode()),
+        (H_ID, raw_id),
         (H_ROLL, b"0" if roll == 0 else str(roll).encode()),
         (H_ENQUEUED_AT, str(enqueued_ms).encode()),
         (H_DELIVERED_AT, now_text if now_text is not None else str(now_ms).encode()),

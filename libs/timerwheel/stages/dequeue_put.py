@@ -21,17 +21,15 @@ from timerwheel.stages.base import QueueStage, StageContext, append_until_writte
 from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry, wire
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
-    H_DELIVER_AT,
     H_ERROR,
-    H_ID,
     H_PARTITION,
     H_ROLL,
     H_SOURCE,
     H_TOPIC,
     dead_letter_headers,
-    default_id,
     delivered_headers,
     message_id_of,
+    raw_message_id,
     rolled_headers,
 )
 
@@ -110,16 +108,13 @@ class DequeuePut(QueueStage):
                         out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
                         dead[topic] = dead.get(topic, 0) + 1
                         continue
-                    raw_id = hdr.get(H_ID) or default_id(rec.partition, rec.offset).encode()
-                    headers = delivered_headers(rec, raw_id, roll, item.enqueued_ms, now, now_text)
+                    headers = delivered_headers(rec, raw_message_id(rec, hdr), roll, item.enqueued_ms, now, now_text)
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     # OutRecord(...) goes through a Python-level __new__: twice the cost
                     out.append(new_tuple(OutRecord, (topic, rec.key, rec.value, headers, dest_partition, None)))
                     delivered[topic] = delivered.get(topic, 0) + 1
-                    at = hdr.get(H_DELIVER_AT)  # absolute, and then the only time header (enqueue-get checked)
-                    lateness.append(now - (int(at) if at is not None else
-                                           ctx.rules.delivery_time(rec, now, check_max=False, headers=hdr)))
+                    lateness.append(now - ctx.rules.delivery_time(rec, now, check_max=False, headers=hdr))
         append_until_written(ctx, self.log, out, self.logger)
         # Report before ack: a crash in between redelivers the entries (a bounded duplicate)
         # instead of stalling the slot until dequeue-get re-sends it.
