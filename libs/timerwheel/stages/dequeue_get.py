@@ -236,26 +236,24 @@ class DequeueGet:
     def _items_of(positions: npt.NDArray[np.int64], records: RecordArray, reader: SlotReader) -> list[FetchItem]:
         """``_items`` of a slot read column-wise (``Shard.read_dense_slot``): its markers collected
         into the reader, fetch items built without a TimerRecord each."""
-        flags = records["magic"] & 0xFF
-        kind = flags & (_DELETE | _ROLL)
-        is_marker = kind == _DELETE
-        id_hashes = records["id_hash"]
+        all_flags = records["magic"] & 0xFF
+        is_marker = all_flags & (_DELETE | _ROLL) == _DELETE
         markers = reader.markers
-        for i in np.flatnonzero(is_marker).tolist():  # newest first: the newest marker of an id wins
-            markers.setdefault(int(id_hashes[i]), (int(records["src_partition"][i]), int(records["src_offset"][i])))
-        msgs = records[~is_marker]
+        for rec in records[is_marker][["id_hash", "src_partition", "src_offset"]].tolist():
+            markers.setdefault(rec[0], (rec[1], rec[2]))  # newest first: the newest marker of an id wins
+        msgs, flags = records[~is_marker], all_flags[~is_marker]
         n = len(msgs)
         cancel_partition, cancel_offset = [-1] * n, [-1] * n
         if markers:
-            kept = id_hashes[~is_marker]
-            may_match = np.isin(kept, np.array(list(markers), dtype=np.uint64)) & (kind[~is_marker] & _ROLL == 0)
+            id_hashes = msgs["id_hash"]
+            may_match = np.isin(id_hashes, np.array(list(markers), dtype=np.uint64)) & (flags & _ROLL == 0)
             for k in np.flatnonzero(may_match).tolist():
-                h = int(kept[k])
+                h = int(id_hashes[k])
                 cancel_partition[k], cancel_offset[k] = markers[h]
                 reader.matched.add(h)
         # FetchItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop
         return list(map(tuple.__new__, itertools.repeat(FetchItem), zip(
-            positions[~is_marker].tolist(), flags[~is_marker].tolist(), msgs["src_partition"].tolist(),
+            positions[~is_marker].tolist(), flags.tolist(), msgs["src_partition"].tolist(),
             msgs["src_offset"].tolist(), msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(),
             cancel_partition, cancel_offset, strict=True,
         )))

@@ -52,15 +52,7 @@ from timerwheel.errors import (
 from timerwheel.files import atomic_write
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
-from timerwheel.store.format import (
-    FORMAT_VERSION,
-    RECORD_DTYPE,
-    RecordArray,
-    TimerRecord,
-    pack_records,
-    seal,
-    valid_mask,
-)
+from timerwheel.store.format import FORMAT_VERSION, RecordArray, TimerRecord, pack_records, seal, valid_mask
 from timerwheel.store.recovery import RecoveryReport, recover
 from timerwheel.store.timerlog import SEGMENT_SUFFIX, TimerLog
 from timerwheel.store.wheel import Slot, TimerWheel
@@ -342,17 +334,7 @@ class Shard:
         stretch = self._dense_stretch(self.wheel.get(slot_time), self._limit(limit_pos), self.dense_columns_min)
         if stretch is None:
             return None
-        positions, records = [], []
-        for first, arr in self.log.iter_chunks(max(stretch[0], self.log.start_pos), stretch[1], reverse=True):
-            if not valid_mask(arr).all():
-                return None
-            deliver = arr["deliver_ms"]
-            hits = np.flatnonzero(deliver - deliver % self.tick_ms == slot_time)[::-1]
-            positions.append(first + RECORD_SIZE * hits)
-            records.append(arr[hits])  # a copy: ``arr`` is a reused buffer
-        if not positions:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=RECORD_DTYPE)
-        return np.concatenate(positions).astype(np.int64), np.concatenate(records)
+        return self.log.scan_back_arrays(*stretch, slot_time, self.tick_ms)
 
     def _limit(self, limit_pos: int | None) -> int:
         """``limit_pos`` of read_slot: by default the log's end for the writer, else what enqueue.ckpt says is flushed."""

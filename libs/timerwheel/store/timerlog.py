@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import ConfigError, CorruptRecordError, FormatMismatchError, TimerwheelError
@@ -376,11 +377,7 @@ class TimerLog:
 
         The fallback when a slot's chain is broken: a linear scan, vectorised a chunk at a time.
         """
-        lo = max(lo, self.start_pos)
-        for first, arr in self.iter_chunks(lo, hi, reverse=True):
-            ok = valid_mask(arr)
-            deliver = arr["deliver_ms"]
-            hits = np.flatnonzero((ok & (deliver - deliver % tick_ms == slot_time)) | ~ok)[::-1]
+        for first, arr, ok, hits in self._slot_hits(lo, hi, slot_time, tick_ms):
             good = ok[hits]
             positions = (first + RECORD_SIZE * hits).tolist()
             records = records_from_array(arr[hits[good]])
@@ -394,6 +391,31 @@ class TimerLog:
                     yield pos, next(found), None
                 else:
                     yield pos, None, why_invalid(arr[k : k + 1].tobytes()) or "invalid record"
+
+    def scan_back_arrays(
+        self, lo: int, hi: int, slot_time: int, tick_ms: int
+    ) -> tuple[npt.NDArray[np.int64], RecordArray] | None:
+        """``scan_back`` column-wise: the positions and the records firing in ``slot_time``, newest
+        first; None if any record of [lo, hi) fails its checks (``scan_back`` reports those)."""
+        positions, records = [], []
+        for first, arr, ok, hits in self._slot_hits(lo, hi, slot_time, tick_ms):
+            if not ok.all():
+                return None
+            positions.append(first + RECORD_SIZE * hits)
+            records.append(arr[hits])  # a copy: ``arr`` is a reused buffer
+        if not positions:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=RECORD_DTYPE)
+        return np.concatenate(positions).astype(np.int64), np.concatenate(records)
+
+    def _slot_hits(
+        self, lo: int, hi: int, slot_time: int, tick_ms: int
+    ) -> Iterator[tuple[int, RecordArray, npt.NDArray[np.bool_], npt.NDArray[np.intp]]]:
+        """Newest chunk first over [lo, hi): (first position, chunk, valid mask, indices newest
+        first of its records that fire in ``slot_time`` or fail their checks)."""
+        for first, arr in self.iter_chunks(max(lo, self.start_pos), hi, reverse=True):
+            ok = valid_mask(arr)
+            deliver = arr["deliver_ms"]
+            yield first, arr, ok, np.flatnonzero((ok & (deliver - deliver % tick_ms == slot_time)) | ~ok)[::-1]
 
     def close(self) -> None:
         for fd in self._read_fds.values():
