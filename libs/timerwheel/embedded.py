@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from timerwheel.errors import TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
 from timerwheel.records import Headers, Record
-from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges
+from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges, tune_interpreter
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
@@ -134,7 +133,7 @@ class EmbeddedTimerwheel:
     def _start(self) -> None:
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
-        sys.setswitchinterval(0.001)  # five busy threads: hand the GIL over quickly
+        tune_interpreter()  # five busy threads: the switch interval and the GC thresholds
         self._lock = None if self._transports else DataDirLock(cfg.data_dir)
         transports = self._transports or local_transports(cfg, self.clock)
         self.commit_log, self.queues, leases = transports.commit_log, transports.queues, transports.leases

@@ -1,6 +1,6 @@
 """Counters, gauges and the lateness histogram that every stage updates.
 
-A plain, thread-safe registry with no dependency, so the pure core stays pure. Exporters
+A plain, thread-safe registry with no dependency but numpy, so the pure core stays pure. Exporters
 (Prometheus text on ``/metrics``, OTLP) read it; ``timerwheel inspect`` shows the same figures.
 Stages add per batch (``inc_many``), never allocate per message on the hot path.
 """
@@ -11,10 +11,14 @@ import bisect
 import threading
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+
 LabelKey = tuple[tuple[str, str], ...]
 
 #: Delivery lateness buckets in milliseconds.
 LATENESS_BUCKETS_MS = (5, 10, 25, 50, 100, 150, 200, 300, 500, 1000, 2500, 5000, 10000, 60000)
+#: Batches of at least this many values are bucketed with numpy.
+_NUMPY_FROM = 64
 
 
 def _key(labels: Mapping[str, object]) -> LabelKey:
@@ -32,12 +36,26 @@ class Histogram:
         self.maximum = 0.0
 
     def observe_many(self, values: Iterable[float]) -> None:
+        if isinstance(values, list) and len(values) >= _NUMPY_FROM:
+            self._observe_array(np.asarray(values, dtype=np.float64))
+            return
         for v in values:
             self.counts[bisect.bisect_left(self.bounds, v)] += 1
             self.total += v
             self.count += 1
             if v > self.maximum:
                 self.maximum = v
+
+
+    def _observe_array(self, values: np.ndarray) -> None:
+        """``observe_many`` of a large batch (a delivery batch's lateness) in a few numpy calls:
+        the same buckets as ``bisect_left``."""
+        buckets = np.bincount(np.searchsorted(self.bounds, values, side="left"), minlength=len(self.counts))
+        for i, n in enumerate(buckets.tolist()):
+            self.counts[i] += n
+        self.total += float(values.sum())
+        self.count += len(values)
+        self.maximum = max(self.maximum, float(values.max()))
 
 
 class Metrics:

@@ -27,7 +27,7 @@ from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.health import HealthServer
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
-from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges
+from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges, tune_interpreter
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.base import Stopped
 from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
@@ -155,6 +155,7 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
 
         Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)
+        tune_interpreter()
         runner = StageRunner(name, tracked, ctx, idle_s=0.005, sample=sample)
         running.update(runner=runner, stage=stage, tracked=tracked)
         log.info("started", pid=os.getpid(), http_port=cfg.http_port, shards=cfg.shards)

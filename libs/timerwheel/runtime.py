@@ -7,6 +7,8 @@ with the stage) and retried after a short backoff — nothing crashes a stage. T
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -21,10 +23,28 @@ if TYPE_CHECKING:
     from timerwheel.store import Shard
     from timerwheel.transports.base import WorkQueue
 
+#: Cyclic-GC thresholds while stages run; CPython's default is (700, 10, 10). Stages allocate
+#: tuples by the million (records, headers, rows) and keep many alive for a while (the read
+#: cache, queue entries): at 700 the collector ran about 3,000 times in a 100 k message run and
+#: took a fifth of the pipeline's CPU, re-walking the same live records. Records hold no
+#: cycles, so collecting less often costs no memory worth counting.
+GC_THRESHOLDS = (50_000, 20, 10)
+
 #: How often a runner samples its gauges (queue depths) ...
 SAMPLE_EVERY_S = 1.0
 #: ... and the pending messages, which scans the wheel (110 MB for a 2-day window at 100 ms).
 PENDING_EVERY_S = 15.0
+
+
+def tune_interpreter() -> None:
+    """Process-wide settings for a process whose threads run stages: hand the GIL over every
+    millisecond (several busy stage threads), and run the cyclic GC less often
+    (``GC_THRESHOLDS``). A threshold the host application set higher is kept, and a disabled
+    collector stays disabled."""
+    sys.setswitchinterval(0.001)
+    current = gc.get_threshold()
+    if current[0] > 0:
+        gc.set_threshold(*(max(mine, theirs) for mine, theirs in zip(GC_THRESHOLDS, current, strict=True)))
 
 
 class Stage(Protocol):

@@ -10,16 +10,29 @@ TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def test_a_put_entry_round_trips_with_its_trace_context() -> None:
-    entry = PutEntry(3, 10, 12, (PutRequest(10, 120, 1_000, 2_000, False, 7, 9, TP, "vendor=v1"),
-                                 PutRequest(11, 80, 1_001, 2_001, True, 0, 9)))
-    assert PutEntry.decode(entry.encode()) == entry
+    requests = (PutRequest(10, 120, 1_000, 2_000, False, 7, 9, TP, "vendor=v1"),
+                PutRequest(11, 80, 1_001, 2_001, True, 0, 9), PutRequest(12, 80, 1_001, 2_001, False, 0, 9, TP))
+    entry = PutEntry.of(3, 10, 13, requests)
+    assert entry.rows == [(10, 120, 1_000, 2_000, False, 7, 9), (11, 80, 1_001, 2_001, True, 0, 9),
+                          (12, 80, 1_001, 2_001, False, 0, 9)]
+    assert entry.traces == ((0, TP, "vendor=v1"), (2, TP, None))
+    decoded = PutEntry.decode(entry.encode())
+    assert decoded == entry
+    assert decoded.requests == requests
 
 
-def test_a_put_entry_written_without_tracestate_still_decodes() -> None:
+def test_put_entries_of_the_first_form_still_decode() -> None:
+    """Requests with their trace context inline, with (9 fields) or without (8) tracestate."""
     old = msgpack.packb([3, 10, 12, [[10, 120, 1_000, 2_000, False, 7, 9, TP], [11, 80, 1_001, 2_001, True, 0, 9, None]]])
     entry = PutEntry.decode(old)
     assert entry.requests == (PutRequest(10, 120, 1_000, 2_000, False, 7, 9, TP, None),
                               PutRequest(11, 80, 1_001, 2_001, True, 0, 9, None, None))
+    nine = msgpack.packb([3, 10, 12, [[10, 120, 1_000, 2_000, False, 7, 9, TP, "vendor=v1"],
+                                      [11, 80, 1_001, 2_001, True, 0, 9, None, None]]])
+    entry = PutEntry.decode(nine)
+    assert entry.rows == [(10, 120, 1_000, 2_000, False, 7, 9), (11, 80, 1_001, 2_001, True, 0, 9)]
+    assert entry.traces == ((0, TP, "vendor=v1"),)
+    assert entry.next_offset == 12
 
 
 def test_a_fetch_entry_carries_dequeue_gets_context_and_old_entries_decode() -> None:

@@ -77,11 +77,14 @@ def test_vectorised_batch_matches_fire_time(deliver: list[int], write_ms: int, w
 
     put = EnqueuePut.__new__(EnqueuePut)
     put.ctx = SimpleNamespace(config=TimerConfig(roll_window_ms=window))  # type: ignore[assignment]
-    rows = [(1, i, 10, 5, d, i % 2, 7, 2**63 + i) for i, d in enumerate(deliver)]
-    arr = put._records(rows, write_ms)
+    import numpy as np
+
+    rows = [(i, 10, 5, d, bool(i % 2), 7, 2**63 + i) for i, d in enumerate(deliver)]
+    arr = put._records(np.full(len(rows), 1, dtype=np.uint64), rows, write_ms)
     for i, d in enumerate(deliver):
         fire, rolled = fire_time(d, write_ms, window)
         assert int(arr["deliver_ms"][i]) == fire
         flags = int(arr["magic"][i]) & 0xFF
         assert bool(flags & Flag.ROLL) == rolled and bool(flags & Flag.DELETE) == bool(i % 2)
         assert int(arr["id_hash"][i]) == 2**63 + i and int(arr["src_offset"][i]) == i
+        assert int(arr["src_partition"][i]) == 1 and int(arr["enqueue_ms"][i]) == 5

@@ -75,6 +75,25 @@ def test_an_older_epoch_cannot_overwrite_a_newer_one(open_shard: OpenShard) -> N
     assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(7040, 1, {}, 5)
 
 
+def test_a_newer_epoch_another_process_saved_is_seen_after_our_own_save(open_shard: OpenShard) -> None:
+    """A save skips re-reading the file while it is still the one this process saved; a file
+    another process replaced since is read again, and its newer epoch fences us."""
+    import subprocess
+    import sys
+
+    shard = open_shard()
+    shard.save_enqueue_checkpoint(ENQ)  # epoch 4
+    shard.save_enqueue_checkpoint(EnqueueCheckpoint(7040, 1, {}, epoch=4))  # our own file: no read needed
+    path = os.path.join(shard.directory, "enqueue.ckpt")
+    newer = "EnqueueCheckpoint(flushed_pos=7040, write_ms=2, next_offsets={}, epoch=9)"
+    subprocess.run([sys.executable, "-c", "from timerwheel.store.checkpoint import EnqueueCheckpoint, save_enqueue;"
+                    f"save_enqueue({path!r}, {newer}, fsync=False)"], check=True)
+    with pytest.raises(FencedError, match="epoch 9"):
+        shard.save_enqueue_checkpoint(EnqueueCheckpoint(7040, 3, {}, epoch=4))
+    loaded = shard.load_enqueue_checkpoint()
+    assert loaded is not None and loaded.epoch == 9 and loaded.write_ms == 2
+
+
 def test_load_rereads_the_file_that_another_process_publishes(open_shard: OpenShard) -> None:
     writer = open_shard()
     reader = open_shard(writer=False)

@@ -6,7 +6,7 @@ NamedTuples (msgpack packs them as arrays, and they are cheap to build per messa
 =========  ====================  =========================================================
 queue      partition             entry
 =========  ====================  =========================================================
-put        shard                 PutEntry: one timer partition's offset range and its requests
+put        shard                 PutEntry: one timer partition's offset range and its request rows
 fetch      shard                 FetchEntry: TimerLog records of one slot to read and deliver, and
                                  dequeue-get's trace context
 deliver    shard                 DeliverEntry: the same, with the original records attached
@@ -16,6 +16,7 @@ done       shard                 DoneEntry: per slot, how many messages dequeue-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union, cast
 
@@ -53,6 +54,8 @@ def _unpack(data: bytes) -> Any:
 
 
 class PutRequest(NamedTuple):
+    """One request as a record (tests, tracing); the entry itself holds plain rows."""
+
     src_offset: int
     src_size: int
     enqueued_ms: int
@@ -61,32 +64,61 @@ class PutRequest(NamedTuple):
     topic_hash: int
     id_hash: int
     traceparent: str | None = None
-    #: Added after ``traceparent``: entries written without it (8 fields) still decode.
     tracestate: str | None = None
 
 
-_PUT_FIELDS = len(PutRequest._fields)
+#: A request as enqueue-put takes it: (src_offset, src_size, enqueued_ms, deliver_ms, cancel,
+#: topic_hash, id_hash), the PutRequest fields without the trace context. A plain tuple, so
+#: that enqueue-get builds one per message cheaply and enqueue-put makes a TimerLog batch of
+#: many rows in one numpy call.
+PutRow = tuple[int, int, int, int, bool, int, int]
+_ROW_FIELDS = 7
 
 
 @dataclass(frozen=True, slots=True)
 class PutEntry:
-    """Timer records ``[from_offset, next_offset)`` of one partition; invalid ones already dead-lettered."""
+    """Timer records ``[from_offset, next_offset)`` of one partition; invalid ones already dead-lettered.
+
+    ``rows`` are the valid records' requests in offset order; ``traces`` the trace context of
+    those that carry one: (row index, traceparent, tracestate). Encoded as
+    ``[partition, from, next, rows, traces]``; an entry of the first form
+    ``[partition, from, next, requests]`` (PutRequest arrays of 7 to 9 fields, written before
+    the rows; Redis may hold them across an upgrade) still decodes."""
 
     src_partition: int
     from_offset: int
     next_offset: int
-    requests: tuple[PutRequest, ...]
+    rows: list[PutRow]
+    traces: tuple[tuple[int, str, str | None], ...] = ()
+
+    @classmethod
+    def of(cls, src_partition: int, from_offset: int, next_offset: int, requests: Sequence[PutRequest]) -> PutEntry:
+        """The entry of these requests (tests and tools; enqueue-get builds rows directly)."""
+        traces = tuple((i, r.traceparent, r.tracestate) for i, r in enumerate(requests) if r.traceparent)
+        return cls(src_partition, from_offset, next_offset, [tuple(r[:_ROW_FIELDS]) for r in requests],  # type: ignore[misc]
+                   traces)
+
+    @property
+    def requests(self) -> tuple[PutRequest, ...]:
+        """The rows as PutRequests, with their trace context (tracing and tests only)."""
+        ctx = {i: (tp, ts) for i, tp, ts in self.traces}
+        return tuple(PutRequest(*row, *ctx.get(i, (None, None))) for i, row in enumerate(self.rows))
 
     def encode(self) -> bytes:
-        return _pack([self.src_partition, self.from_offset, self.next_offset, self.requests])
+        return _pack([self.src_partition, self.from_offset, self.next_offset, self.rows, self.traces])
 
     @classmethod
     def decode(cls, data: bytes) -> PutEntry:
         if isinstance(data, cls):
             return data  # an in-process queue passes the entry itself
-        p, lo, hi, reqs = _unpack(data)
-        make = PutRequest._make
-        return cls(p, lo, hi, tuple(make(r) if len(r) == _PUT_FIELDS else PutRequest(*r) for r in reqs))
+        fields = _unpack(data)
+        if len(fields) == 4:  # the first form: requests with their trace context inline
+            p, lo, hi, reqs = fields
+            traces = tuple((i, r[7], r[8] if len(r) > 8 else None) for i, r in enumerate(reqs)
+                           if len(r) > 7 and r[7])
+            return cls(p, lo, hi, [tuple(r[:_ROW_FIELDS]) for r in reqs], traces)
+        p, lo, hi, rows, traces = fields
+        return cls(p, lo, hi, [tuple(r) for r in rows], tuple(tuple(t) for t in traces))
 
 
 class FetchItem(NamedTuple):

@@ -9,6 +9,7 @@ gone from the log: reported and dead-lettered, never retried forever — PITFALL
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from timerwheel import telemetry
@@ -23,6 +24,7 @@ from timerwheel.stages.codec import (
     DeliverEntry,
     DeliverItem,
     FetchEntry,
+    FetchItem,
     wire,
 )
 from timerwheel.store import Flag
@@ -31,6 +33,8 @@ from timerwheel.wire import H_CANCEL, message_id_of
 
 STAGE = "dequeue-getmsg"
 _ROLL = int(Flag.ROLL)
+#: A fetch item's (src_partition, src_offset): a C-level getter.
+_POSITION = operator.itemgetter(FetchItem._fields.index("src_partition"), FetchItem._fields.index("src_offset"))
 
 
 class DequeueGetMsg(QueueStage):
@@ -52,48 +56,54 @@ class DequeueGetMsg(QueueStage):
         """Every partition's fetch entries served by one read of the commit log."""
         t0 = telemetry.batch_start()
         fetches = {p: [FetchEntry.decode(payload) for _eid, payload in entries] for p, entries in batches.items()}
-        wanted: dict[tuple[int, int], Record | None] = {}
-        for part in fetches.values():
-            for f in part:
-                for item in f.items:
-                    wanted[(item.src_partition, item.src_offset)] = None
-                    if item.cancel_partition >= 0:
-                        wanted[(item.cancel_partition, item.cancel_offset)] = None
-        keys = sorted(wanted)
-        for key, rec in zip(keys, self.log.read(self.ctx.config.timer_topic, keys), strict=True):
-            wanted[key] = rec
+        # The records in item order (a position may repeat: read returns it for each), and
+        # separately the few cancel markers whose id hash matched.
+        positions = [pos for part in fetches.values() for f in part for pos in map(_POSITION, f.items)]
+        markers = sorted({(i.cancel_partition, i.cancel_offset) for part in fetches.values() for f in part
+                          for i in f.items if i.cancel_partition >= 0})
+        found = self.log.read(self.ctx.config.timer_topic, positions + markers)
+        marker_records = dict(zip(markers, found[len(positions):], strict=True))
+        start = 0
         for partition, part in fetches.items():
-            self._pass_on(partition, part, wanted)
+            start = self._pass_on(partition, part, found, start, marker_records)
             self.fetch_q.ack(partition, [eid for eid, _ in batches[partition]])
         if t0 is not None:
+            wanted = dict(zip(positions, found, strict=False))
+            wanted.update(marker_records)
             telemetry.dequeue_getmsg_batch(t0, self.ctx.config, [f for part in fetches.values() for f in part], wanted)
 
-    def _pass_on(self, partition: int, fetches: list[FetchEntry], wanted: dict[tuple[int, int], Record | None]) -> None:
+    def _pass_on(self, partition: int, fetches: list[FetchEntry], found: list[Record | None], start: int,
+                 markers: dict[tuple[int, int], Record | None]) -> int:
+        """Deliver entries of ``fetches``, whose records are ``found[start:]`` in item order;
+        returns where the next partition's records start."""
         out: list[bytes] = []
         missing = 0
         new_tuple = tuple.__new__  # DeliverItem(...) goes through a Python-level __new__: twice the cost
         for f in fetches:
             items = []
-            for item in f.items:
-                rec = wanted[(item.src_partition, item.src_offset)]
+            end = start + len(f.items)
+            for item, rec in zip(f.items, found[start:end], strict=True):
                 if rec is None:
                     kind = MISSING
                     missing += 1
                 elif item.flags & _ROLL:
                     kind = ROLL
-                elif item.cancel_partition >= 0 and self._confirmed(rec, wanted[(item.cancel_partition, item.cancel_offset)]):
+                elif item.cancel_partition < 0:
+                    kind = DELIVER
+                elif self._confirmed(rec, markers[(item.cancel_partition, item.cancel_offset)]):
                     kind = CANCELLED
                 else:
-                    if item.cancel_partition >= 0:
-                        self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
+                    self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
                     kind = DELIVER
                 # The record carries its own trace headers: DeliverItem.traceparent stays unset.
                 items.append(new_tuple(DeliverItem, (kind, item.fire_ms, item.enqueued_ms, rec, item.src_partition,
                                                      item.src_offset, None)))
+            start = end
             out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, tuple(items))))
         if missing:
             self.logger.warning("source records gone from the log", records=missing, partition=partition)
         put_blocking(self.ctx, self.deliver_q, partition, out, self.logger.bind(shard=partition))
+        return start
 
     @staticmethod
     def _confirmed(message: Record, marker: Record | None) -> bool:

@@ -70,19 +70,20 @@ class DequeuePut(QueueStage):
         lateness: list[int] = []
         now_text = str(now).encode()
         done: dict[tuple[int, int], dict[int, int]] = {}
-        topics = ctx.rules.known_topics
+        rules = ctx.rules
+        topics = rules.known_topics
+        deliver_time = rules.valid_delivery_time
         new_tuple = tuple.__new__
         for _eid, payload in entries:
             entry = DeliverEntry.decode(payload)
             counts = done.setdefault((entry.shard, entry.generation), {})
             counts[entry.slot_time] = counts.get(entry.slot_time, 0) + len(entry.items)
-            for item in entry.items:
-                rec = item.record
-                if rec is None or item.kind == MISSING:
-                    reason = f"source record {cfg.timer_topic}/{item.src_partition}/{item.src_offset} is gone from the log"
+            for kind, _fire, enqueued, rec, src_partition, src_offset, _tp in entry.items:
+                if rec is None or kind == MISSING:
+                    reason = f"source record {cfg.timer_topic}/{src_partition}/{src_offset} is gone from the log"
                     out.append(OutRecord(cfg.dlq_topic, None, None, (
                         (H_ERROR, reason.encode()),
-                        (H_SOURCE, f"{cfg.timer_topic}/{item.src_partition}/{item.src_offset}".encode()))))
+                        (H_SOURCE, f"{cfg.timer_topic}/{src_partition}/{src_offset}".encode()))))
                     dead["-"] = dead.get("-", 0) + 1
                     continue
                 hdr = dict(rec.headers)  # one pass; the last of repeated headers wins, as Record.header
@@ -90,17 +91,7 @@ class DequeuePut(QueueStage):
                 topic = (topics.get(raw_topic) or raw_topic.decode("utf-8", "replace")) if raw_topic else "-"
                 raw_roll = hdr.get(H_ROLL)
                 roll = int(raw_roll) if raw_roll else 0
-                if item.kind == CANCELLED:
-                    cancelled[topic] = cancelled.get(topic, 0) + 1
-                elif item.kind == ROLL:
-                    deliver_ms = ctx.rules.delivery_time(rec, now, check_max=False, headers=hdr)
-                    headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, roll, item.enqueued_ms)
-                    if trace_headers:
-                        headers = telemetry.replace_trace_headers(headers, trace_headers)
-                    out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
-                    rolled[topic] = rolled.get(topic, 0) + 1
-                else:
-                    assert item.kind == DELIVER
+                if kind == DELIVER:
                     raw_part = hdr.get(H_PARTITION)
                     dest_partition = int(raw_part) if raw_part else None
                     if dest_partition is not None and dest_partition >= self._partitions_of(topic):
@@ -108,13 +99,23 @@ class DequeuePut(QueueStage):
                         out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
                         dead[topic] = dead.get(topic, 0) + 1
                         continue
-                    headers = delivered_headers(rec, raw_message_id(rec, hdr), roll, item.enqueued_ms, now, now_text)
+                    headers = delivered_headers(rec, raw_message_id(rec, hdr), roll, enqueued, now, now_text)
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     # OutRecord(...) goes through a Python-level __new__: twice the cost
                     out.append(new_tuple(OutRecord, (topic, rec.key, rec.value, headers, dest_partition, None)))
                     delivered[topic] = delivered.get(topic, 0) + 1
-                    lateness.append(now - ctx.rules.delivery_time(rec, now, check_max=False, headers=hdr))
+                    lateness.append(now - deliver_time(rec, hdr))
+                elif kind == CANCELLED:
+                    cancelled[topic] = cancelled.get(topic, 0) + 1
+                else:
+                    assert kind == ROLL
+                    deliver_ms = rules.delivery_time(rec, now, check_max=False, headers=hdr)
+                    headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, roll, enqueued)
+                    if trace_headers:
+                        headers = telemetry.replace_trace_headers(headers, trace_headers)
+                    out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
+                    rolled[topic] = rolled.get(topic, 0) + 1
         append_until_written(ctx, self.log, out, self.logger)
         # Report before ack: a crash in between redelivers the entries (a bounded duplicate)
         # instead of stalling the slot until dequeue-get re-sends it.

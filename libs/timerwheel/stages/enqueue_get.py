@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from timerwheel import telemetry
 from timerwheel.errors import InvalidTimerMessage
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import StageContext, append_until_written, put_blocking
-from timerwheel.stages.codec import PutEntry, PutRequest, wire
+from timerwheel.stages.codec import PutEntry, wire
 from timerwheel.transports.base import CommitLog, Consumer, WorkQueue
 from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
 
@@ -81,53 +82,53 @@ class EnqueueGet:
         ctx = self.ctx
         t0 = telemetry.batch_start()
         now = ctx.clock.now_ms()
-        rules = ctx.rules
+        parse = ctx.rules.parse
         dead: list[OutRecord] = []
         reasons: dict[str, int] = {}
         scheduled: dict[str, int] = {}
         cancels = 0
-        ranges: dict[int, list[int]] = {}
-        requests: dict[int, list[PutRequest]] = {}
+        #: partition -> [first offset, next offset, rows, traces]
+        batches: dict[int, list[Any]] = {}
         topic_hashes = self._topic_hashes
         for r in records:
-            span = ranges.get(r.partition)
-            if span is None:
-                ranges[r.partition] = [r.offset, r.offset + 1]
-                requests[r.partition] = []
+            batch = batches.get(r.partition)
+            if batch is None:
+                batch = batches[r.partition] = [r.offset, r.offset + 1, [], []]
             else:
-                span[1] = r.offset + 1
+                batch[1] = r.offset + 1
             hdr = dict(r.headers)
             try:
-                req = rules.parse(r, now, hdr)
+                req = parse(r, now, hdr)
             except InvalidTimerMessage as exc:
                 dead.append(OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)))
                 raw = hdr.get(H_TOPIC)
                 label = raw.decode("utf-8", "replace") if raw else "-"
                 reasons[label] = reasons.get(label, 0) + 1
                 continue
-            tp = hdr.get("traceparent")
-            ts = hdr.get("tracestate") if tp else None
-            th = topic_hashes.get(req.topic)
+            topic = req.topic
+            th = topic_hashes.get(topic)
             if th is None:
                 if len(topic_hashes) > 10_000:
                     topic_hashes.clear()
-                th = topic_hashes[req.topic] = topic_hash(req.topic) if req.topic else 0
-            requests[r.partition].append(PutRequest(
-                r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel, th, id_hash(req.message_id),
-                tp.decode("ascii", "replace") if tp else None,
-                ts.decode("ascii", "replace") if ts else None,
-            ))
+                th = topic_hashes[topic] = topic_hash(topic) if topic else 0
+            rows = batch[2]
+            tp = hdr.get("traceparent")
+            if tp:
+                ts = hdr.get("tracestate")
+                batch[3].append((len(rows), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
+            rows.append((r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel, th,
+                         id_hash(req.message_id)))
             if req.cancel:
                 cancels += 1
             elif req.roll == 0:
-                scheduled[req.topic] = scheduled.get(req.topic, 0) + 1
+                scheduled[topic] = scheduled.get(topic, 0) + 1
         if dead:
             append_until_written(ctx, self.log, dead, self.logger)
             ctx.metrics.inc_many("dead_lettered", "topic", reasons)
             self.logger.info("dead-lettered", records=len(dead))
         by_shard: dict[int, list[bytes]] = {}
-        for p, (lo, hi) in ranges.items():
-            entry = PutEntry(p, lo, hi, tuple(requests[p]))
+        for p, (lo, hi, rows, traces) in batches.items():
+            entry = PutEntry(p, lo, hi, rows, tuple(traces))
             by_shard.setdefault(self.shard_of(p), []).append(wire(self.queue, entry))
         for shard, entries in by_shard.items():
             put_blocking(ctx, self.queue, shard, entries, self.logger.bind(shard=shard))

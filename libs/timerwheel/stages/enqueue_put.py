@@ -33,7 +33,7 @@ from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext
-from timerwheel.stages.codec import PutEntry, PutRequest
+from timerwheel.stages.codec import PutEntry, PutRequest, PutRow
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
 from timerwheel.store.format import RecordArray, records_array, records_from_array, valid_mask
@@ -185,7 +185,9 @@ class EnqueuePut:
         t0 = telemetry.batch_start()
         gaps = 0
         offsets = dict(st.next_offsets)
-        rows: list[tuple[int, int, int, int, int, int, int, int]] = []
+        rows: list[PutRow] = []
+        partitions: list[int] = []
+        counts: list[int] = []
         for _eid, payload in entries:
             entry = PutEntry.decode(payload)
             p = entry.src_partition
@@ -194,14 +196,18 @@ class EnqueuePut:
                 # Entries before this one were lost in transit; enqueue-get rewinds to `have`.
                 gaps += 1
                 continue
-            rows.extend((p, r.src_offset, r.src_size, r.enqueued_ms, r.deliver_ms, r.cancel, r.topic_hash, r.id_hash)
-                        for r in entry.requests if r.src_offset >= have)
+            new = entry.rows if entry.from_offset == have else [r for r in entry.rows if r[0] >= have]
+            if new:
+                rows += new
+                partitions.append(p)
+                counts.append(len(new))
             offsets[p] = max(have, entry.next_offset)
         if gaps:
             self.ctx.metrics.inc("put_gaps", gaps, shard=st.shard_id)
             st.log.warning("entries after a gap skipped", entries=gaps)
         self.ownership.check(st.shard_id)
-        records = self._records(rows, st.write_ms) if rows else None
+        records = self._records(np.repeat(np.array(partitions, dtype=np.uint64), counts), rows, st.write_ms) \
+            if rows else None
         if records is not None:
             st.shard.append_array(records)
         st.next_offsets = offsets  # only once the records are in the TimerLog
@@ -213,10 +219,9 @@ class EnqueuePut:
             written = records_from_array(records) if records is not None else []
             telemetry.enqueue_put_batch(t0, st.shard_id, _requests(entries), written, st.shard.slot_time)
 
-    def _records(self, rows: list[tuple[int, int, int, int, int, int, int, int]], write_ms: int) -> RecordArray:
+    def _records(self, partition: np.ndarray, rows: list[PutRow], write_ms: int) -> RecordArray:
         """TimerLog records for a batch, built column-wise: ``fire_time`` vectorised."""
-        cols = np.array(rows, dtype=np.uint64).T
-        partition, offset, size, enqueued, deliver, cancel, thash, ihash = cols
+        offset, size, enqueued, deliver, cancel, thash, ihash = np.array(rows, dtype=np.uint64).T
         deliver = deliver.astype(np.int64)
         window = self.ctx.config.roll_window_ms
         rolled = deliver - write_ms >= window

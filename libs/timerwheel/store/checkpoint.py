@@ -94,7 +94,32 @@ def _int(path: str, body: dict[str, Any], name: str) -> int:
     return value
 
 
+#: path -> (identity of the file this process last saved there, the epoch it saved). While the
+#: file is still that one (no other owner replaced it), the epoch check needs no read.
+_saved: dict[str, tuple[tuple[int, int, int, int], int]] = {}
+
+
+def _identity(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _save(path: str, data: bytes, epoch: int, fsync: bool) -> None:
+    atomic_write(path, data, fsync)
+    identity = _identity(path)
+    if identity is not None:
+        _saved[path] = (identity, epoch)
+
+
 def _check_epoch(path: str, kind: str, epoch: int) -> None:
+    mine = _saved.get(path)
+    if mine is not None and mine[0] == _identity(path):
+        if mine[1] > epoch:
+            raise FencedError(f"{kind} checkpoint {path} holds epoch {mine[1]}, newer than this owner's epoch {epoch}")
+        return  # the file is still the one this process saved: no other owner wrote since
     try:
         body = _decode(path, kind)
     except TimerwheelError as exc:
@@ -115,7 +140,7 @@ def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True) -> None
         "next_offsets": {str(p): o for p, o in sorted(ckpt.next_offsets.items())},
         "epoch": ckpt.epoch,
     }
-    atomic_write(path, _encode("enqueue", body), fsync)
+    _save(path, _encode("enqueue", body), ckpt.epoch, fsync)
 
 
 def load_enqueue(path: str) -> EnqueueCheckpoint | None:
@@ -144,7 +169,7 @@ def load_enqueue(path: str) -> EnqueueCheckpoint | None:
 def save_dequeue(path: str, ckpt: DequeueCheckpoint, fsync: bool = True) -> None:
     _check_epoch(path, "dequeue", ckpt.epoch)
     body = {"version": ckpt.version, "read_ms": ckpt.read_ms, "epoch": ckpt.epoch}
-    atomic_write(path, _encode("dequeue", body), fsync)
+    _save(path, _encode("dequeue", body), ckpt.epoch, fsync)
 
 
 def load_dequeue(path: str) -> DequeueCheckpoint | None:
