@@ -99,10 +99,15 @@ def test_ticket_round_trips_through_str() -> None:
 
 
 def test_delivered_headers_drop_control_headers_and_stamp_times() -> None:
-    r = rec(("tw-topic", "t"), ("tw-delay-ms", "5"), ("user", "u1"), ("tw-partition", "0"))
-    headers = dict(delivered_headers(r, b"3-7", 2, NOW - 10, NOW))
-    assert headers == {"user": b"u1", "tw-id": b"3-7", "tw-roll": b"2", "tw-enqueued-at": str(NOW - 10).encode(),
-                       "tw-delivered-at": str(NOW).encode()}
+    r = rec(("tw-topic", "t"), ("tw-delay-ms", "5"), ("user", "u1"), ("tw-partition", "0"), ("tw-id", "3-7"),
+            ("tw-roll", "02"), ("user", "u2"))
+    stamped = delivered_headers(r, dict(r.headers), str(NOW - 10).encode(), str(NOW).encode())
+    assert stamped == (("user", b"u1"), ("user", b"u2"), ("tw-id", b"3-7"), ("tw-roll", b"2"),
+                       ("tw-enqueued-at", str(NOW - 10).encode()), ("tw-delivered-at", str(NOW).encode()))
+    only_control = rec(("tw-topic", "t"), ("tw-deliver-at", str(NOW)))  # no user header; the default id
+    assert delivered_headers(only_control, dict(only_control.headers), b"1", b"2") == (
+        ("tw-id", f"{only_control.partition}-{only_control.offset}".encode()), ("tw-roll", b"0"),
+        ("tw-enqueued-at", b"1"), ("tw-delivered-at", b"2"))
 
 
 def test_rolled_headers_make_the_time_absolute_and_count_the_roll() -> None:
@@ -142,6 +147,7 @@ def test_the_short_path_of_parse_agrees_with_the_full_checks() -> None:
     ]
     for r in cases:
         size = len(r.key or b"") + len(r.value or b"") + sum(len(k) + len(v) for k, v in r.headers)
+        assert rules.common(r, dict(r.headers), NOW) is not None, r.headers  # the short path is taken
         assert rules.parse(r, NOW) == rules._parse(r, NOW, dict(r.headers), size), r.headers
     refused = [
         (rec(("tw-topic", "orders"), ("tw-deliver-at", str(NOW + 10 * 86_400_000 + 1))), "exceeds max_delay_ms"),
@@ -153,5 +159,6 @@ def test_the_short_path_of_parse_agrees_with_the_full_checks() -> None:
         (rec(("tw-topic", "__internal"), at), "not allowed"),
     ]
     for r, reason in refused:
+        assert rules.common(r, dict(r.headers), NOW) is None, r.headers
         with pytest.raises(InvalidTimerMessage, match=reason):
             rules.parse(r, NOW)

@@ -198,30 +198,47 @@ class TimerRules:
         at = headers.get(H_DELIVER_AT)
         return int(at) if at is not None else self.delivery_time(record, 0, check_max=False, headers=headers)
 
-    def parse(self, record: Record, now_ms: int, headers: dict[str, bytes] | None = None) -> TimerRequest:
-        """Validate a timer-topic record; raise InvalidTimerMessage(reason) if it cannot be scheduled.
+    def common(self, record: Record, hdr: dict[str, bytes], now_ms: int) -> tuple[int, str, str, int] | None:
+        """The common record's ``(deliver_ms, destination, message id, size)``, or None for any
+        other record, valid or not (``parse`` then checks it in full and says why it is refused).
 
-        ``headers`` may pass ``dict(record.headers)`` already built (the last of repeated headers
-        wins, as ``Record.header``); everything reads that dict. The common record (an absolute
-        ``tw-deliver-at``, a destination already allowed once, none of the other control
-        headers) passes the same checks on a short path; any other goes through them all."""
-        hdr = dict(record.headers) if headers is None else headers
+        Common: an absolute ``tw-deliver-at``, a destination already allowed once, none of the
+        other control headers; it passes the same checks as in ``parse`` (size, max delay, the
+        year-9999 limit, ``tw-id`` length) in a few steps. ``hdr`` is ``dict(record.headers)``
+        (the last of repeated headers wins, as ``Record.header``). enqueue-get calls this first,
+        for every record: its hottest code."""
+        topic = self.known_topics.get(hdr.get(H_TOPIC))  # type: ignore[arg-type]  # None finds nothing
+        at = hdr.get(H_DELIVER_AT)
+        if topic is None or at is None or not at.isdigit() or not _FULL_PARSE.isdisjoint(hdr):
+            return None
         key, value = record.key, record.value
         size = (len(key) if key else 0) + (len(value) if value else 0)
         for k, v in record.headers:
             size += len(k) + len(v)
-        at = hdr.get(H_DELIVER_AT)
-        topic = self.known_topics.get(hdr.get(H_TOPIC))  # type: ignore[arg-type]  # None finds nothing
-        if topic is not None and at is not None and at.isdigit() and _FULL_PARSE.isdisjoint(hdr):
-            cfg = self.config
-            deliver = int(at)
-            raw_id = hdr.get(H_ID)
-            if (size <= cfg.max_record_bytes and deliver <= MAX_EPOCH_MS and deliver - now_ms <= cfg.max_delay_ms
-                    and (raw_id is None or 0 < len(raw_id) <= MAX_ID_BYTES)):
-                message_id = default_id(record.partition, record.offset) if raw_id is None else \
-                    raw_id.decode("utf-8", "replace")
-                return _new_tuple(TimerRequest, (deliver, False, message_id, topic, 0, record.timestamp_ms,
-                                                 record.partition, record.offset, size))
+        deliver = int(at)
+        raw_id = hdr.get(H_ID)
+        cfg = self.config
+        if (size > cfg.max_record_bytes or deliver > MAX_EPOCH_MS or deliver - now_ms > cfg.max_delay_ms
+                or (raw_id is not None and not 0 < len(raw_id) <= MAX_ID_BYTES)):
+            return None
+        message_id = default_id(record.partition, record.offset) if raw_id is None else raw_id.decode("utf-8", "replace")
+        return deliver, topic, message_id, size
+
+    def parse(self, record: Record, now_ms: int, headers: dict[str, bytes] | None = None) -> TimerRequest:
+        """Validate a timer-topic record; raise InvalidTimerMessage(reason) if it cannot be scheduled.
+
+        ``headers`` may pass ``dict(record.headers)`` already built; everything reads that dict.
+        The common record takes the short path (``common``); any other goes through every check."""
+        hdr = dict(record.headers) if headers is None else headers
+        found = self.common(record, hdr, now_ms)
+        if found is not None:
+            deliver, topic, message_id, size = found
+            return _new_tuple(TimerRequest, (deliver, False, message_id, topic, 0, record.timestamp_ms,
+                                             record.partition, record.offset, size))
+        key, value = record.key, record.value
+        size = (len(key) if key else 0) + (len(value) if value else 0)
+        for k, v in record.headers:
+            size += len(k) + len(v)
         return self._parse(record, now_ms, hdr, size)
 
     def _parse(self, record: Record, now_ms: int, hdr: dict[str, bytes], size: int) -> TimerRequest:
@@ -281,18 +298,23 @@ def user_headers(headers: Headers) -> list[tuple[str, bytes]]:
     return [(k, v) for k, v in headers if k not in _NOT_DELIVERED]
 
 
-def delivered_headers(record: Record, raw_id: bytes, roll: int, enqueued_ms: int, now_ms: int,
-                      now_text: bytes | None = None) -> Headers:
-    """Headers of the record delivered to its destination: user headers kept, control ones removed.
+_ROLL_ZERO = (H_ROLL, b"0")
 
-    ``raw_id`` is ``raw_message_id``; ``now_text`` may pass ``str(now_ms).encode()`` made once
-    per batch."""
+
+def delivered_headers(record: Record, headers: dict[str, bytes], enqueued_text: bytes, now_text: bytes) -> Headers:
+    """Headers of the record delivered to its destination: user headers kept, control ones
+    removed, ``tw-id``, ``tw-roll``, ``tw-enqueued-at`` and ``tw-delivered-at`` stamped.
+
+    ``headers`` is ``dict(record.headers)``; the times come as their decimal text (``str(ms).encode()``,
+    which dequeue-put makes once per batch for the delivery time)."""
+    user = () if _NOT_DELIVERED.issuperset(headers) else [h for h in record.headers if h[0] not in _NOT_DELIVERED]
+    raw_roll = headers.get(H_ROLL)
     return (
-        *[h for h in record.headers if h[0] not in _NOT_DELIVERED],
-        (H_ID, raw_id),
-        (H_ROLL, b"0" if roll == 0 else str(roll).encode()),
-        (H_ENQUEUED_AT, str(enqueued_ms).encode()),
-        (H_DELIVERED_AT, now_text if now_text is not None else str(now_ms).encode()),
+        *user,
+        (H_ID, raw_message_id(record, headers)),
+        _ROLL_ZERO if not raw_roll else (H_ROLL, str(int(raw_roll)).encode()),
+        (H_ENQUEUED_AT, enqueued_text),
+        (H_DELIVERED_AT, now_text),
     )
 
 

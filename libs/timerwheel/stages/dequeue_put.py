@@ -29,7 +29,6 @@ from timerwheel.wire import (
     dead_letter_headers,
     delivered_headers,
     message_id_of,
-    raw_message_id,
     rolled_headers,
 )
 
@@ -73,6 +72,7 @@ class DequeuePut(QueueStage):
         rules = ctx.rules
         topics = rules.known_topics
         deliver_time = rules.valid_delivery_time
+        texts: dict[int, bytes] = {}  # enqueue time -> its text: records produced together share it
         new_tuple = tuple.__new__
         for _eid, payload in entries:
             entry = DeliverEntry.decode(payload)
@@ -89,8 +89,6 @@ class DequeuePut(QueueStage):
                 hdr = dict(rec.headers)  # one pass; the last of repeated headers wins, as Record.header
                 raw_topic = hdr.get(H_TOPIC)
                 topic = (topics.get(raw_topic) or raw_topic.decode("utf-8", "replace")) if raw_topic else "-"
-                raw_roll = hdr.get(H_ROLL)
-                roll = int(raw_roll) if raw_roll else 0
                 if kind == DELIVER:
                     raw_part = hdr.get(H_PARTITION)
                     dest_partition = int(raw_part) if raw_part else None
@@ -99,7 +97,10 @@ class DequeuePut(QueueStage):
                         out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
                         dead[topic] = dead.get(topic, 0) + 1
                         continue
-                    headers = delivered_headers(rec, raw_message_id(rec, hdr), roll, enqueued, now, now_text)
+                    enqueued_text = texts.get(enqueued)
+                    if enqueued_text is None:
+                        enqueued_text = texts[enqueued] = str(enqueued).encode()
+                    headers = delivered_headers(rec, hdr, enqueued_text, now_text)
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     # OutRecord(...) goes through a Python-level __new__: twice the cost
@@ -111,7 +112,9 @@ class DequeuePut(QueueStage):
                 else:
                     assert kind == ROLL
                     deliver_ms = rules.delivery_time(rec, now, check_max=False, headers=hdr)
-                    headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, roll, enqueued)
+                    raw_roll = hdr.get(H_ROLL)
+                    headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, int(raw_roll) if raw_roll else 0,
+                                             enqueued)
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))

@@ -82,7 +82,7 @@ class EnqueueGet:
         ctx = self.ctx
         t0 = telemetry.batch_start()
         now = ctx.clock.now_ms()
-        parse = ctx.rules.parse
+        parse, common = ctx.rules.parse, ctx.rules.common
         dead: list[OutRecord] = []
         reasons: dict[str, int] = {}
         scheduled: dict[str, int] = {}
@@ -97,31 +97,32 @@ class EnqueueGet:
             else:
                 batch[1] = r.offset + 1
             hdr = dict(r.headers)
-            try:
-                req = parse(r, now, hdr)
-            except InvalidTimerMessage as exc:
-                dead.append(OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)))
-                raw = hdr.get(H_TOPIC)
-                label = raw.decode("utf-8", "replace") if raw else "-"
-                reasons[label] = reasons.get(label, 0) + 1
-                continue
-            topic = req.topic
-            th = topic_hashes.get(topic)
-            if th is None:
-                if len(topic_hashes) > 10_000:
-                    topic_hashes.clear()
-                th = topic_hashes[topic] = topic_hash(topic) if topic else 0
-            rows = batch[2]
+            found = common(r, hdr, now)
+            if found is not None:  # most records: no TimerRequest
+                deliver, topic, message_id, size = found
+                row = (r.offset, size, r.timestamp_ms, deliver, False, topic_hashes.get(topic) or self._topic_hash(topic),
+                       id_hash(message_id))
+                scheduled[topic] = scheduled.get(topic, 0) + 1
+            else:
+                try:
+                    req = parse(r, now, hdr)
+                except InvalidTimerMessage as exc:
+                    dead.append(OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)))
+                    raw = hdr.get(H_TOPIC)
+                    label = raw.decode("utf-8", "replace") if raw else "-"
+                    reasons[label] = reasons.get(label, 0) + 1
+                    continue
+                row = (r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel, self._topic_hash(req.topic),
+                       id_hash(req.message_id))
+                if req.cancel:
+                    cancels += 1
+                elif req.roll == 0:
+                    scheduled[req.topic] = scheduled.get(req.topic, 0) + 1
             tp = hdr.get("traceparent")
             if tp:
                 ts = hdr.get("tracestate")
-                batch[3].append((len(rows), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
-            rows.append((r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel, th,
-                         id_hash(req.message_id)))
-            if req.cancel:
-                cancels += 1
-            elif req.roll == 0:
-                scheduled[topic] = scheduled.get(topic, 0) + 1
+                batch[3].append((len(batch[2]), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
+            batch[2].append(row)
         if dead:
             append_until_written(ctx, self.log, dead, self.logger)
             ctx.metrics.inc_many("dead_lettered", "topic", reasons)
@@ -138,6 +139,15 @@ class EnqueueGet:
             ctx.metrics.inc("cancel_requests", cancels)
         if t0 is not None:
             telemetry.enqueue_get_batch(t0, ctx.config, records, dead)
+
+    def _topic_hash(self, topic: str) -> int:
+        """The destination's hash in the TimerLog (0 for a cancel), cached: destinations are few."""
+        th = self._topic_hashes.get(topic)
+        if th is None:
+            if len(self._topic_hashes) > 10_000:
+                self._topic_hashes.clear()
+            th = self._topic_hashes[topic] = topic_hash(topic) if topic else 0
+        return th
 
     def _maybe_rewind(self) -> None:
         """Seek back to the checkpoint of a partition whose entries were lost in transit."""

@@ -789,12 +789,14 @@ class _ReadCache:
         self.bytes = 0
         self.lock = threading.Lock()
 
-    def keep(self, records: list[Record], frame_bytes: int) -> None:
+    def keep(self, partition: int, first_offset: int, records: list[Record], frame_bytes: int) -> None:
+        """Keep ``records``: consecutive offsets of one partition from ``first_offset`` on."""
         size = frame_bytes // len(records) + _CACHED_RECORD_OVERHEAD
         with self.lock:
             kept = self.records
-            for r in records:
-                kept[(r.partition, r.offset)] = (r, size)
+            # keys and entries built by zip: a C loop over the batch, not a Python one per record
+            keys = zip(itertools.repeat(partition), range(first_offset, first_offset + len(records)), strict=False)
+            kept.update(zip(keys, zip(records, itertools.repeat(size), strict=False), strict=True))
             self.bytes += size * len(records)
             while len(kept) > self.max_records or self.bytes > self.max_bytes:
                 self.bytes -= kept.popitem(last=False)[1][1]
@@ -846,13 +848,12 @@ class LocalConsumer:
         for k in range(n):  # start one partition further each poll, so none starves
             p = self._order[(self._turn + k) % n]
             while len(out) < max_records:
-                records, self._positions[p], frame_bytes = self._parts[p].read_from(
-                    self._positions[p], max_records - len(out)
-                )
+                first = self._positions[p]
+                records, self._positions[p], frame_bytes = self._parts[p].read_from(first, max_records - len(out))
                 if not records:
                     break
                 if cache is not None:
-                    cache.keep(records, frame_bytes)
+                    cache.keep(p, records[0].offset, records, frame_bytes)
                 out += records
         self._turn = (self._turn + 1) % n
         return out

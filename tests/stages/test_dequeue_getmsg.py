@@ -1,0 +1,57 @@
+"""dequeue-getmsg builds a plain entry's deliver items column-wise: they must equal the items
+of the item-at-a-time path, and an entry with a roll hop, a missing record or a cancel takes
+that path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from timerwheel import SimulatedClock, TimerConfig
+from timerwheel.records import OutRecord
+from timerwheel.stages.base import StageContext
+from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DeliverItem, FetchEntry, FetchItem
+from timerwheel.stages.dequeue_getmsg import DequeueGetMsg
+from timerwheel.store import Flag
+from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.memory import MemoryWorkQueue
+
+START = 1_700_000_000_000
+NORMAL, ROLLED = int(Flag.NORMAL), int(Flag.ROLL)
+
+
+def test_plain_and_mixed_entries_give_the_same_deliver_items(tmp_path: Path) -> None:
+    config = TimerConfig(data_dir=str(tmp_path), shards=1, fsync=False)
+    log = LocalCommitLog(tmp_path / "log", fsync=False)
+    log.ensure_topic(config.timer_topic, 2)
+    for p in range(2):
+        log.append([OutRecord(config.timer_topic, f"k{i}".encode(), b"v", (("tw-id", f"{p}-{i}".encode()),),
+                              partition=p) for i in range(6)])
+    log.append([OutRecord(config.timer_topic, None, b"", (("tw-cancel", b"1-2"),), partition=1)])  # marker at 1/6
+    fetch_q, deliver_q = MemoryWorkQueue("fetch", 1, 64), MemoryWorkQueue("deliver", 1, 64)
+    getmsg = DequeueGetMsg(StageContext(config, SimulatedClock(START)), log, fetch_q, deliver_q, [0])
+
+    def item(p: int, o: int, flags: int = NORMAL, cancel: tuple[int, int] = (-1, -1)) -> FetchItem:
+        return FetchItem(64 * o, flags, p, o, START + o, START - o, *cancel)
+
+    plain = FetchEntry(0, 1, START, tuple(item(p, o) for p in range(2) for o in range(6)))
+    rolled = FetchEntry(0, 1, START + 100, (item(0, 1), item(1, 1, ROLLED)))
+    missing = FetchEntry(0, 1, START + 200, (item(0, 2), item(1, 99)))
+    cancelled = FetchEntry(0, 1, START + 300, (item(1, 2, cancel=(1, 6)), item(1, 3, cancel=(1, 6))))
+    fetch_q.put(0, [plain, rolled, missing, cancelled], 1.0)  # type: ignore[list-item]  # in-process entries
+    getmsg.step(0)
+    out = [DeliverEntry.decode(payload) for _eid, payload in deliver_q.get(0, "t", 10, 0)]
+    records = {(r.partition, r.offset): r for r in log.read(config.timer_topic, [(p, o) for p in range(2) for o in range(6)])
+               if r is not None}
+
+    def expect(kind: int, i: FetchItem) -> DeliverItem:
+        return DeliverItem(kind, i.fire_ms, i.enqueued_ms, records.get((i.src_partition, i.src_offset)),
+                           i.src_partition, i.src_offset, None)
+
+    assert [e.slot_time for e in out] == [START, START + 100, START + 200, START + 300]
+    assert list(out[0].items) == [expect(DELIVER, i) for i in plain.items]
+    assert all(type(i) is DeliverItem for i in out[0].items)
+    assert list(out[1].items) == [expect(DELIVER, rolled.items[0]), expect(ROLL, rolled.items[1])]
+    assert list(out[2].items) == [expect(DELIVER, missing.items[0]), expect(MISSING, missing.items[1])]
+    # the marker names 1-2: that one is cancelled; 1-3 only shares the (simulated) id hash
+    assert list(out[3].items) == [expect(CANCELLED, cancelled.items[0]), expect(DELIVER, cancelled.items[1])]
+    log.close()
