@@ -3,7 +3,8 @@
 * ``embedded.throughput``: N timer messages all due at once, simulated clock: messages/s from
   the engine's start to the last delivery, beside a plain LocalCommitLog read-then-write
   pass-through of the same records measured in the same run (the ratio is the figure), and
-  beside the earlier sessions' baseline (records with one small header) for comparison.
+  beside the earlier sessions' baseline (records with one small header) for comparison; the
+  median of three rounds.
 * ``embedded.burst``: 1,000,000 messages due in the same tick: drain time and peak RSS
   (bounded by the queue bounds, not by the burst).
 * ``embedded.lateness``: real clock, 1,000 messages/s for 60 s, tick 100 ms: lateness
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,31 +93,53 @@ def delivered_count(tw: EmbeddedTimerwheel, topic: str) -> int:
     return int(tw.metrics.counter("delivered", topic=topic))
 
 
-def throughput(n: int = 100_000) -> None:
+def pipeline_rate(config: TimerConfig, n: int) -> tuple[float, float]:
+    """The embedded pipeline delivering n messages all due at once: (messages/s, seconds)."""
+    clock = SimulatedClock(START)
+    # Fill the timer topic before the engine starts, so only the pipeline is timed.
+    log = LocalCommitLog(Path(config.data_dir) / "log", fsync=False, clock=clock)
+    fill_timer_topic(log, config, clock, n)
+    log.close()
+    clock.advance(1_000)
+    t0 = time.perf_counter()
+    tw = EmbeddedTimerwheel(config=config, clock=clock)
+    while delivered_count(tw, "dest") < n:
+        clock.advance(100)  # already due: each tick's slot fires as soon as it closes
+        time.sleep(0.01)
+    elapsed = time.perf_counter() - t0
+    tw.close()
+    return n / elapsed, elapsed
+
+
+def throughput(n: int = 100_000, rounds: int = 3) -> None:
+    """``rounds`` rounds of the pipeline and both pass-throughs, one after the other (this
+    machine's noise moves every figure by up to 30 % from one minute to the next, so each
+    ratio compares runs made seconds apart); the medians are the figures."""
     tmp = Path(tempfile.mkdtemp(prefix="tw-bench-"))
+    rates, bases, lights, ratios, ratios_light, seconds = [], [], [], [], [], []
     try:
-        clock = SimulatedClock(START)
-        config = TimerConfig(data_dir=str(tmp / "tw"), tick_ms=100, roll_window_ms=86_400_000, shards=2, fsync=False)
-        # Fill the timer topic before the engine starts, so only the pipeline is timed.
-        log = LocalCommitLog(tmp / "tw" / "log", fsync=False, clock=clock)
-        fill_timer_topic(log, config, clock, n)
-        log.close()
-        clock.advance(1_000)
-        t0 = time.perf_counter()
-        tw = EmbeddedTimerwheel(config=config, clock=clock)
-        while delivered_count(tw, "dest") < n:
-            clock.advance(100)  # already due: each tick's slot fires as soon as it closes
-            time.sleep(0.01)
-        elapsed = time.perf_counter() - t0
-        tw.close()
-        rate = n / elapsed
-        base = pass_through(tmp / "plain", config, n)
-        light = pass_through_one_header(tmp / "light", n)
-        say(f"embedded pipeline {rate:,.0f} msg/s; plain LocalCommitLog pass-through of the same records "
-            f"{base:,.0f} msg/s (of one-header records, the earlier baseline: {light:,.0f} msg/s)")
-        emit("embedded.throughput", rate, "messages/s", messages=n, passthrough_per_s=round(base),
-             ratio=round(rate / base, 3), passthrough_one_header_per_s=round(light),
-             ratio_one_header=round(rate / light, 3), seconds=round(elapsed, 2))
+        for k in range(rounds):
+            config = TimerConfig(data_dir=str(tmp / f"tw-{k}"), tick_ms=100, roll_window_ms=86_400_000, shards=2,
+                                 fsync=False)
+            rate, elapsed = pipeline_rate(config, n)
+            base = pass_through(tmp / f"plain-{k}", config, n)
+            light = pass_through_one_header(tmp / f"light-{k}", n)
+            say(f"round {k + 1}: embedded pipeline {rate:,.0f} msg/s; plain LocalCommitLog pass-through of the same "
+                f"records {base:,.0f} msg/s: ratio {rate / base:.3f} (of one-header records, the earlier "
+                f"baseline: {light:,.0f} msg/s)")
+            rates.append(rate)
+            bases.append(base)
+            lights.append(light)
+            ratios.append(rate / base)
+            ratios_light.append(rate / light)
+            seconds.append(elapsed)
+            for name in (f"tw-{k}", f"plain-{k}", f"light-{k}"):
+                shutil.rmtree(tmp / name, ignore_errors=True)
+        emit("embedded.throughput", statistics.median(rates), "messages/s", messages=n, rounds=rounds,
+             passthrough_per_s=round(statistics.median(bases)), ratio=round(statistics.median(ratios), 3),
+             ratio_min=round(min(ratios), 3), ratio_max=round(max(ratios), 3),
+             passthrough_one_header_per_s=round(statistics.median(lights)),
+             ratio_one_header=round(statistics.median(ratios_light), 3), seconds=round(statistics.median(seconds), 2))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -174,7 +198,7 @@ def lateness(rate: int = 1_000, seconds: int = 60) -> None:
 
 
 def main() -> None:
-    throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")))
+    throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")), int(os.environ.get("TW_BENCH_ROUNDS", "3")))
     n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
     say(f"burst of {n:,} messages due in one tick (child process, for its own peak RSS)")
     subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],

@@ -9,7 +9,16 @@ from pathlib import Path
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.records import OutRecord
 from timerwheel.stages.base import StageContext
-from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DeliverItem, FetchEntry, FetchItem
+from timerwheel.stages.codec import (
+    CANCELLED,
+    DELIVER,
+    MISSING,
+    ROLL,
+    DeliverEntry,
+    DeliverItem,
+    FetchEntry,
+    FetchItem,
+)
 from timerwheel.stages.dequeue_getmsg import DequeueGetMsg
 from timerwheel.store import Flag
 from timerwheel.transports.local import LocalCommitLog

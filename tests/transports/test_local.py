@@ -529,7 +529,7 @@ def test_read_serves_a_followed_topics_records_from_what_its_consumers_read(tmp_
     assert got[2] is by_pos[positions[8]]
     again = log.read("t", [positions[3]])[0]  # served once: now read from the file, equal
     assert again is not None and again is not got[0] and again == got[0]
-    assert log._cache["t"].records.keys() == {p for p in positions if p not in (positions[3], positions[8])}
+    assert set(log._cache["t"].positions()) == {p for p in positions if p not in (positions[3], positions[8])}
     assert "other" not in log._cache  # only followed topics are kept
     log.close()
 
@@ -544,11 +544,37 @@ def test_the_read_cache_keeps_the_newest_records_within_its_bounds(tmp_path: Pat
     while consumer.poll(3, 0):
         pass
     cache = log._cache["t"]
-    kept = sorted(o for _p, o in cache.records)
-    assert kept == list(range(20 - len(kept), 20)) and 3 <= len(kept) <= 5
-    assert cache.bytes == sum(size for _r, size in cache.records.values()) <= 5 * 960
+    kept = sorted(o for _p, o in cache.positions())
+    assert kept == list(range(20 - len(kept), 20)) and 3 <= len(kept) <= 5  # whole batches of 3 go
+    assert cache.records == len(kept) and 0 < cache.bytes <= 5 * 960
     assert all(r is not None for r in log.read("t", [(0, o) for o in range(20)]))  # the rest from the file
-    assert not cache.records and cache.bytes == 0
+    assert cache.positions() == [] and cache.records == 0 and cache.bytes == 0
+    log.close()
+
+
+def test_the_read_cache_finds_records_across_partitions_blocks_and_a_seek_back(tmp_path: Path) -> None:
+    log = LocalCommitLog(tmp_path, default_partitions=2, fsync=False, read_cache_records=1_000)
+    log.follow("t")
+    log.append([OutRecord("t", None, f"{i}".encode(), partition=i % 2) for i in range(40)])
+    consumer = log.consumer("t", {0: 0, 1: 0})
+    polled = []
+    while batch := consumer.poll(7, 0):  # blocks of up to 7 records, the partitions taking turns
+        polled += batch
+    consumer.seek(0, 5)
+    polled_again = consumer.poll(4, 0)  # offsets 5..8 of partition 0 again: a block overlapping older ones
+    assert [(r.partition, r.offset) for r in polled_again] == [(0, o) for o in range(5, 9)]
+    cache = log._cache["t"]
+    assert cache.records == 44
+    wanted = [(1, 19), (0, 6), (0, 0), (1, 3), (0, 6), (0, 19), (1, 0), (0, 42), (2, 0), (0, 20)]
+    got = log.read("t", wanted)
+    by_pos = {(r.partition, r.offset): r for r in polled}
+    assert got[0] is by_pos[(1, 19)] and got[2] is by_pos[(0, 0)] and got[5] is by_pos[(0, 19)]
+    assert got[1] is polled_again[1] and got[4] is got[1]  # the newer block's record, once for both asks
+    assert got[7] is None and got[8] is None and got[9] is None  # never written; no partition 2; past the end
+    assert got[3] is by_pos[(1, 3)] and got[6] is by_pos[(1, 0)]
+    assert cache.records == 44 - 6  # six distinct records served: they left
+    held = cache.positions()
+    assert held.count((0, 6)) == 1 and held.count((0, 5)) == 2  # the older block keeps its copy
     log.close()
 
 

@@ -49,6 +49,7 @@ import errno
 import fcntl
 import itertools
 import json
+import operator
 import os
 import re
 import struct
@@ -777,40 +778,95 @@ class LocalCommitLog:
 _CACHED_RECORD_OVERHEAD = 800
 
 
+class _Block:
+    """Records a consumer read in one go: consecutive offsets of one partition from ``first``.
+    A record served by ``take`` becomes None; ``live`` counts the others."""
+
+    __slots__ = ("partition", "first", "end", "records", "size", "live")
+
+    def __init__(self, partition: int, first: int, records: list[Record | None], size: int) -> None:
+        self.partition = partition
+        self.first = first
+        self.end = first + len(records)
+        self.records = records
+        self.size = size
+        self.live = len(records)
+
+
 class _ReadCache:
-    """Records by (partition, offset), oldest evicted first past either bound (``max_bytes``
-    counts each record's frame plus ``_CACHED_RECORD_OVERHEAD``: it bounds the memory);
-    thread-safe (a consumer thread keeps, a reader thread takes)."""
+    """Records by (partition, offset), kept a consumer's batch at a time (a block: no Python
+    step per record on the consumer's side), oldest blocks evicted first past either bound
+    (``max_bytes`` counts each record's frame plus ``_CACHED_RECORD_OVERHEAD``: it bounds the
+    memory); a record leaves when served. Thread-safe (a consumer thread keeps, a reader takes)."""
 
     def __init__(self, max_records: int, max_bytes: int) -> None:
         self.max_records = max_records
         self.max_bytes = max_bytes
-        self.records: OrderedDict[tuple[int, int], tuple[Record, int]] = OrderedDict()
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()  # by id(), oldest first
+        #: partition -> its blocks by first offset (a consumer reads forward; a seek back may
+        #: overlap an older block, whose records are then found only if the newer one misses)
+        self._by_partition: dict[int, list[_Block]] = {}
+        self.records = 0
         self.bytes = 0
         self.lock = threading.Lock()
 
     def keep(self, partition: int, first_offset: int, records: list[Record], frame_bytes: int) -> None:
         """Keep ``records``: consecutive offsets of one partition from ``first_offset`` on."""
-        size = frame_bytes // len(records) + _CACHED_RECORD_OVERHEAD
+        block = _Block(partition, first_offset, list(records), frame_bytes // len(records) + _CACHED_RECORD_OVERHEAD)
         with self.lock:
-            kept = self.records
-            # keys and entries built by zip: a C loop over the batch, not a Python one per record
-            keys = zip(itertools.repeat(partition), range(first_offset, first_offset + len(records)), strict=False)
-            kept.update(zip(keys, zip(records, itertools.repeat(size), strict=False), strict=True))
-            self.bytes += size * len(records)
-            while len(kept) > self.max_records or self.bytes > self.max_bytes:
-                self.bytes -= kept.popitem(last=False)[1][1]
+            self._blocks[id(block)] = block
+            blocks = self._by_partition.setdefault(partition, [])
+            if blocks and blocks[-1].first > first_offset:
+                bisect.insort(blocks, block, key=_FIRST)
+            else:
+                blocks.append(block)
+            self.records += block.live
+            self.bytes += block.live * block.size
+            while self.records > self.max_records or self.bytes > self.max_bytes:
+                self._drop(self._blocks.popitem(last=False)[1])
+
+    def _drop(self, block: _Block) -> None:
+        """Forget ``block`` (already out of ``_blocks``). Lock held."""
+        self.records -= block.live
+        self.bytes -= block.live * block.size
+        block.live = 0
+        self._by_partition[block.partition].remove(block)
 
     def take(self, positions: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Record]:
-        out = {}
+        out: dict[tuple[int, int], Record] = {}
         with self.lock:
-            pop = self.records.pop
+            block: _Block | None = None
             for pos in positions:
-                hit = pop(pos, None)
-                if hit is not None:
-                    out[pos] = hit[0]
-                    self.bytes -= hit[1]
+                p, o = pos
+                if block is None or block.partition != p or not block.first <= o < block.end:
+                    blocks = self._by_partition.get(p)
+                    if not blocks:
+                        continue
+                    i = bisect.bisect_right(blocks, o, key=_FIRST) - 1
+                    if i < 0 or o >= blocks[i].end:
+                        continue
+                    block = blocks[i]
+                rec = block.records[o - block.first]
+                if rec is not None:
+                    out[pos] = rec
+                    block.records[o - block.first] = None
+                    block.live -= 1
+                    self.records -= 1
+                    self.bytes -= block.size
+                    if not block.live:
+                        del self._blocks[id(block)]
+                        self._drop(block)
+                        block = None
         return out
+
+    def positions(self) -> list[tuple[int, int]]:
+        """What is held, oldest block first (tests and inspection)."""
+        with self.lock:
+            return [(b.partition, b.first + k) for b in self._blocks.values() for k, r in enumerate(b.records)
+                    if r is not None]
+
+
+_FIRST = operator.attrgetter("first")
 
 
 class LocalConsumer:
