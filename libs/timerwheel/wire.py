@@ -307,15 +307,16 @@ def delivered_headers(record: Record, headers: dict[str, bytes], enqueued_text: 
 
     ``headers`` is ``dict(record.headers)``; the times come as their decimal text (``str(ms).encode()``,
     which dequeue-put makes once per batch for the delivery time)."""
-    user = () if _NOT_DELIVERED.issuperset(headers) else [h for h in record.headers if h[0] not in _NOT_DELIVERED]
     raw_roll = headers.get(H_ROLL)
-    return (
-        *user,
+    stamped = (
         (H_ID, raw_message_id(record, headers)),
         _ROLL_ZERO if not raw_roll else (H_ROLL, str(int(raw_roll)).encode()),
         (H_ENQUEUED_AT, enqueued_text),
         (H_DELIVERED_AT, now_text),
     )
+    if _NOT_DELIVERED.issuperset(headers):  # no user header: the common record
+        return stamped
+    return (*[h for h in record.headers if h[0] not in _NOT_DELIVERED], *stamped)
 
 
 def rolled_headers(record: Record, message_id: str, deliver_ms: int, roll: int, enqueued_ms: int) -> Headers:

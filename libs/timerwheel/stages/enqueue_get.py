@@ -22,7 +22,7 @@ from timerwheel.errors import InvalidTimerMessage
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import StageContext, append_until_written, put_blocking
-from timerwheel.stages.codec import PutEntry, wire
+from timerwheel.stages.codec import PutEntry, PutRow, wire
 from timerwheel.transports.base import CommitLog, Consumer, WorkQueue
 from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
 
@@ -90,12 +90,15 @@ class EnqueueGet:
         #: partition -> [first offset, next offset, rows, traces]
         batches: dict[int, list[Any]] = {}
         topic_hashes = self._topic_hashes
+        batch: list[Any] = [0, 0, [], []]
+        rows: list[PutRow] = batch[2]
+        partition = -1
         for r in records:
-            batch = batches.get(r.partition)
-            if batch is None:
-                batch = batches[r.partition] = [r.offset, r.offset + 1, [], []]
-            else:
-                batch[1] = r.offset + 1
+            if r.partition != partition:  # a poll returns each partition's records together, in offset order
+                partition = r.partition
+                batch = batches.get(partition) or batches.setdefault(partition, [r.offset, r.offset, [], []])
+                rows = batch[2]
+            batch[1] = r.offset
             hdr = dict(r.headers)
             found = common(r, hdr, now)
             if found is not None:  # most records: no TimerRequest
@@ -121,15 +124,15 @@ class EnqueueGet:
             tp = hdr.get("traceparent")
             if tp:
                 ts = hdr.get("tracestate")
-                batch[3].append((len(batch[2]), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
-            batch[2].append(row)
+                batch[3].append((len(rows), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
+            rows.append(row)
         if dead:
             append_until_written(ctx, self.log, dead, self.logger)
             ctx.metrics.inc_many("dead_lettered", "topic", reasons)
             self.logger.info("dead-lettered", records=len(dead))
         by_shard: dict[int, list[bytes]] = {}
-        for p, (lo, hi, rows, traces) in batches.items():
-            entry = PutEntry(p, lo, hi, rows, tuple(traces))
+        for p, (lo, last, p_rows, traces) in batches.items():
+            entry = PutEntry(p, lo, last + 1, p_rows, tuple(traces))
             by_shard.setdefault(self.shard_of(p), []).append(wire(self.queue, entry))
         for shard, entries in by_shard.items():
             put_blocking(ctx, self.queue, shard, entries, self.logger.bind(shard=shard))
