@@ -133,6 +133,18 @@ def test_id_hash_is_the_stored_format() -> None:
     assert id_hash("abc") == 0x5995D533D814BBD8  # pinned: a change here orphans every stored hash
 
 
+def test_valid_delivery_times_of_a_batch_agree_with_delivery_time() -> None:
+    rules = TimerRules(TimerConfig())
+    absolute = [*(rec(("tw-topic", "t"), ("tw-deliver-at", str(NOW + i))) for i in range(5)),
+                rec(("tw-topic", "t"), ("tw-deliver-at", " 42"))]  # spaces: _decimal strips them too
+    mixed = [*absolute, rec(("tw-topic", "t"), ("tw-delay-ms", "250")), rec(("tw-topic", "t"), ("tw-delay-level", "3")),
+             rec(("tw-topic", "t"), ("tw-deliver-at", " 17 "))]
+    for batch in (absolute, mixed):
+        expected = [rules.delivery_time(r, NOW, check_max=False) for r in batch]
+        assert rules.valid_delivery_times(batch, [dict(r.headers) for r in batch]) == expected
+    assert rules.valid_delivery_times([], []) == []
+
+
 def test_the_short_path_of_parse_agrees_with_the_full_checks() -> None:
     rules = TimerRules(TimerConfig(max_delay_ms=10 * 86_400_000, max_record_bytes=2048))
     rules.parse(rec(("tw-topic", "orders"), ("tw-deliver-at", str(NOW))), NOW)  # the destination is known now

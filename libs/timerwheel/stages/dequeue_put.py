@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from timerwheel import telemetry
 from timerwheel.log import stage_logger
-from timerwheel.records import OutRecord
+from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import QueueStage, StageContext, append_until_written, put_blocking
 from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry, wire
 from timerwheel.transports.base import CommitLog, WorkQueue
@@ -66,12 +66,12 @@ class DequeuePut(QueueStage):
         rolled: dict[str, int] = {}
         cancelled: dict[str, int] = {}
         dead: dict[str, int] = {}
-        lateness: list[int] = []
+        sent_records: list[Record] = []  # for the lateness, computed per batch
+        sent_headers: list[dict[str, bytes]] = []
         now_text = str(now).encode()
         done: dict[tuple[int, int], dict[int, int]] = {}
         rules = ctx.rules
         topics = rules.known_topics
-        deliver_time = rules.valid_delivery_time
         texts: dict[int, bytes] = {}  # enqueue time -> its text: records produced together share it
         new_tuple = tuple.__new__
         for _eid, payload in entries:
@@ -106,7 +106,8 @@ class DequeuePut(QueueStage):
                     # OutRecord(...) goes through a Python-level __new__: twice the cost
                     out.append(new_tuple(OutRecord, (topic, rec.key, rec.value, headers, dest_partition, None)))
                     delivered[topic] = delivered.get(topic, 0) + 1
-                    lateness.append(now - deliver_time(rec, hdr))
+                    sent_records.append(rec)
+                    sent_headers.append(hdr)
                 elif kind == CANCELLED:
                     cancelled[topic] = cancelled.get(topic, 0) + 1
                 else:
@@ -130,7 +131,8 @@ class DequeuePut(QueueStage):
         m = ctx.metrics
         if delivered:
             m.inc_many("delivered", "topic", delivered)
-            m.observe_many("delivery_lateness_ms", lateness)
+            m.observe_many("delivery_lateness_ms",
+                           [now - t for t in rules.valid_delivery_times(sent_records, sent_headers)])
         if rolled:
             m.inc_many("rolled", "topic", rolled)
         if cancelled:

@@ -746,14 +746,15 @@ class LocalCommitLog:
         count = self.partitions(topic)
         cache = self._cache.get(topic)
         hits = cache.take(positions) if cache is not None else {}
-        wanted: dict[int, set[int]] = {}
-        for p, o in positions:
-            if 0 <= p < count and o >= 0 and (p, o) not in hits:
-                wanted.setdefault(p, set()).add(o)
-        for p, offs in wanted.items():
-            for o, rec in self._partition(topic, p).read_offsets(sorted(offs)).items():
-                hits[(p, o)] = rec
-        return [hits.get(pos) for pos in positions]
+        if len(hits) < len(positions):  # else every position was in memory (and none repeated)
+            wanted: dict[int, set[int]] = {}
+            for p, o in positions:
+                if 0 <= p < count and o >= 0 and (p, o) not in hits:
+                    wanted.setdefault(p, set()).add(o)
+            for p, offs in wanted.items():
+                for o, rec in self._partition(topic, p).read_offsets(sorted(offs)).items():
+                    hits[(p, o)] = rec
+        return list(map(hits.get, positions))
 
     def consumer(self, topic: str, offsets: Mapping[int, int]) -> LocalConsumer:
         return LocalConsumer(self, topic, offsets)
