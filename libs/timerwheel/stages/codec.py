@@ -72,7 +72,7 @@ class PutRequest(NamedTuple):
 #: that enqueue-get builds one per message cheaply and enqueue-put makes a TimerLog batch of
 #: many rows in one numpy call.
 PutRow = tuple[int, int, int, int, bool, int, int]
-_ROW_FIELDS = 7
+PUT_ROW_FIELDS = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ class PutEntry:
     def of(cls, src_partition: int, from_offset: int, next_offset: int, requests: Sequence[PutRequest]) -> PutEntry:
         """The entry of these requests (tests and tools; enqueue-get builds rows directly)."""
         traces = tuple((i, r.traceparent, r.tracestate) for i, r in enumerate(requests) if r.traceparent)
-        return cls(src_partition, from_offset, next_offset, [tuple(r[:_ROW_FIELDS]) for r in requests],  # type: ignore[misc]
+        return cls(src_partition, from_offset, next_offset, [tuple(r[:PUT_ROW_FIELDS]) for r in requests],  # type: ignore[misc]
                    traces)
 
     @property
@@ -116,7 +116,7 @@ class PutEntry:
             p, lo, hi, reqs = fields
             traces = tuple((i, r[7], r[8] if len(r) > 8 else None) for i, r in enumerate(reqs)
                            if len(r) > 7 and r[7])
-            return cls(p, lo, hi, [tuple(r[:_ROW_FIELDS]) for r in reqs], traces)
+            return cls(p, lo, hi, [tuple(r[:PUT_ROW_FIELDS]) for r in reqs], traces)
         p, lo, hi, rows, traces = fields
         return cls(p, lo, hi, [tuple(r) for r in rows], tuple(tuple(t) for t in traces))
 
