@@ -49,24 +49,30 @@ def fill_timer_topic(log: LocalCommitLog, config: TimerConfig, clock: SimulatedC
                               for j in range(i, min(n, i + 5_000))])
 
 
-def pass_through(directory: Path, config: TimerConfig, n: int) -> float:
-    """Read the same n timer records from the timer topic and write them unchanged to another
-    topic, in batches of ``batch_size``: what the pipeline's commit-log work would cost alone."""
-    clock = SimulatedClock(START)
-    log = LocalCommitLog(directory, fsync=False, clock=clock)
-    log.ensure_topic(config.timer_topic, config.timer_partitions)
-    fill_timer_topic(log, config, clock, n)
-    consumer = log.consumer(config.timer_topic, dict.fromkeys(range(config.timer_partitions), 0))
+def _move(log: LocalCommitLog, topic: str, partitions: int, n: int, batch: int) -> float:
+    """Read n records of ``topic`` and write them unchanged to another topic, in batches:
+    records/s. Closes ``log``."""
+    consumer = log.consumer(topic, dict.fromkeys(range(partitions), 0))
     t0 = time.perf_counter()
     moved = 0
     while moved < n:
-        records = consumer.poll(config.batch_size, 0.1)
+        records = consumer.poll(batch, 0.1)
         log.append([OutRecord("dst", r.key, r.value, r.headers) for r in records])
         moved += len(records)
     elapsed = time.perf_counter() - t0
     consumer.close()
     log.close()
     return n / elapsed
+
+
+def pass_through(directory: Path, config: TimerConfig, n: int) -> float:
+    """The same n timer records read from the timer topic and written unchanged to another
+    topic, in batches of ``batch_size``: what the pipeline's commit-log work would cost alone."""
+    clock = SimulatedClock(START)
+    log = LocalCommitLog(directory, fsync=False, clock=clock)
+    log.ensure_topic(config.timer_topic, config.timer_partitions)
+    fill_timer_topic(log, config, clock, n)
+    return _move(log, config.timer_topic, config.timer_partitions, n, config.batch_size)
 
 
 def pass_through_one_header(directory: Path, n: int) -> float:
@@ -76,17 +82,7 @@ def pass_through_one_header(directory: Path, n: int) -> float:
     log.ensure_topic("src", 1)
     for i in range(0, n, 5_000):
         log.append([OutRecord("src", str(j).encode(), b"x" * 100, (("h", b"v"),)) for j in range(i, min(n, i + 5_000))])
-    consumer = log.consumer("src", {0: 0})
-    t0 = time.perf_counter()
-    moved = 0
-    while moved < n:
-        records = consumer.poll(500, 0.1)
-        log.append([OutRecord("dst", r.key, r.value, r.headers) for r in records])
-        moved += len(records)
-    elapsed = time.perf_counter() - t0
-    consumer.close()
-    log.close()
-    return n / elapsed
+    return _move(log, "src", 1, n, 500)
 
 
 def delivered_count(tw: EmbeddedTimerwheel, topic: str) -> int:

@@ -8,17 +8,9 @@ from pathlib import Path
 
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.records import OutRecord
+from timerwheel.stages import codec
 from timerwheel.stages.base import StageContext
-from timerwheel.stages.codec import (
-    CANCELLED,
-    DELIVER,
-    MISSING,
-    ROLL,
-    DeliverEntry,
-    DeliverItem,
-    FetchEntry,
-    FetchItem,
-)
+from timerwheel.stages.codec import DeliverEntry, DeliverItem, FetchEntry, FetchItem
 from timerwheel.stages.dequeue_getmsg import DequeueGetMsg
 from timerwheel.store import Flag
 from timerwheel.transports.local import LocalCommitLog
@@ -57,10 +49,10 @@ def test_plain_and_mixed_entries_give_the_same_deliver_items(tmp_path: Path) -> 
                            i.src_partition, i.src_offset, None)
 
     assert [e.slot_time for e in out] == [START, START + 100, START + 200, START + 300]
-    assert list(out[0].items) == [expect(DELIVER, i) for i in plain.items]
+    assert list(out[0].items) == [expect(codec.DELIVER, i) for i in plain.items]
     assert all(type(i) is DeliverItem for i in out[0].items)
-    assert list(out[1].items) == [expect(DELIVER, rolled.items[0]), expect(ROLL, rolled.items[1])]
-    assert list(out[2].items) == [expect(DELIVER, missing.items[0]), expect(MISSING, missing.items[1])]
+    assert list(out[1].items) == [expect(codec.DELIVER, rolled.items[0]), expect(codec.ROLL, rolled.items[1])]
+    assert list(out[2].items) == [expect(codec.DELIVER, missing.items[0]), expect(codec.MISSING, missing.items[1])]
     # the marker names 1-2: that one is cancelled; 1-3 only shares the (simulated) id hash
-    assert list(out[3].items) == [expect(CANCELLED, cancelled.items[0]), expect(DELIVER, cancelled.items[1])]
+    assert list(out[3].items) == [expect(codec.CANCELLED, cancelled.items[0]), expect(codec.DELIVER, cancelled.items[1])]
     log.close()
