@@ -87,7 +87,7 @@ class EnqueueGet:
         reasons: dict[str, int] = {}
         scheduled: dict[str, int] = {}
         cancels = 0
-        #: partition -> [first offset, next offset, rows, traces]
+        #: partition -> [first offset, last offset, rows, traces]
         batches: dict[int, list[Any]] = {}
         topic_hashes = self._topic_hashes
         batch: list[Any] = [0, 0, [], []]
