@@ -94,9 +94,10 @@ def _int(path: str, body: dict[str, Any], name: str) -> int:
     return value
 
 
-#: path -> (identity of the file this process last saved there, the epoch it saved). While the
-#: file is still that one (no other owner replaced it), the epoch check needs no read.
-_saved: dict[str, tuple[tuple[int, int, int, int], int]] = {}
+#: What a writer remembers of its own saves: path -> (the identity of the file it last saved
+#: there, the epoch it saved). While the file is still that one (no other owner replaced it),
+#: the epoch check needs no read.
+SaveMemo = dict[str, tuple[tuple[int, int, int, int], int]]
 
 
 def _identity(path: str) -> tuple[int, int, int, int] | None:
@@ -107,19 +108,20 @@ def _identity(path: str) -> tuple[int, int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _save(path: str, data: bytes, epoch: int, fsync: bool) -> None:
+def _save(path: str, data: bytes, epoch: int, fsync: bool, memo: SaveMemo | None) -> None:
     atomic_write(path, data, fsync)
-    identity = _identity(path)
-    if identity is not None:
-        _saved[path] = (identity, epoch)
+    if memo is not None:
+        identity = _identity(path)
+        if identity is not None:
+            memo[path] = (identity, epoch)
 
 
-def _check_epoch(path: str, kind: str, epoch: int) -> None:
-    mine = _saved.get(path)
+def _check_epoch(path: str, kind: str, epoch: int, memo: SaveMemo | None) -> None:
+    mine = memo.get(path) if memo is not None else None
     if mine is not None and mine[0] == _identity(path):
         if mine[1] > epoch:
             raise FencedError(f"{kind} checkpoint {path} holds epoch {mine[1]}, newer than this owner's epoch {epoch}")
-        return  # the file is still the one this process saved: no other owner wrote since
+        return  # the file is still the one this writer saved: no other owner wrote since
     try:
         body = _decode(path, kind)
     except TimerwheelError as exc:
@@ -129,10 +131,11 @@ def _check_epoch(path: str, kind: str, epoch: int) -> None:
         raise FencedError(f"{kind} checkpoint {path} holds epoch {body['epoch']}, newer than this owner's epoch {epoch}")
 
 
-def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True) -> None:
+def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True, memo: SaveMemo | None = None) -> None:
+    """Save ``ckpt`` atomically; ``memo`` (one per writer) spares re-reading a file it saved itself."""
     if ckpt.flushed_pos < 0 or ckpt.flushed_pos % RECORD_SIZE:
         raise ValueError(f"enqueue checkpoint flushed_pos {ckpt.flushed_pos} is not a TimerLog position")
-    _check_epoch(path, "enqueue", ckpt.epoch)
+    _check_epoch(path, "enqueue", ckpt.epoch, memo)
     body = {
         "version": ckpt.version,
         "flushed_pos": ckpt.flushed_pos,
@@ -140,7 +143,7 @@ def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True) -> None
         "next_offsets": {str(p): o for p, o in sorted(ckpt.next_offsets.items())},
         "epoch": ckpt.epoch,
     }
-    _save(path, _encode("enqueue", body), ckpt.epoch, fsync)
+    _save(path, _encode("enqueue", body), ckpt.epoch, fsync, memo)
 
 
 def load_enqueue(path: str) -> EnqueueCheckpoint | None:
@@ -166,10 +169,10 @@ def load_enqueue(path: str) -> EnqueueCheckpoint | None:
     )
 
 
-def save_dequeue(path: str, ckpt: DequeueCheckpoint, fsync: bool = True) -> None:
-    _check_epoch(path, "dequeue", ckpt.epoch)
+def save_dequeue(path: str, ckpt: DequeueCheckpoint, fsync: bool = True, memo: SaveMemo | None = None) -> None:
+    _check_epoch(path, "dequeue", ckpt.epoch, memo)
     body = {"version": ckpt.version, "read_ms": ckpt.read_ms, "epoch": ckpt.epoch}
-    _save(path, _encode("dequeue", body), ckpt.epoch, fsync)
+    _save(path, _encode("dequeue", body), ckpt.epoch, fsync, memo)
 
 
 def load_dequeue(path: str) -> DequeueCheckpoint | None:

@@ -133,6 +133,8 @@ class Shard:
         lock_fd: int,
     ) -> None:
         self.directory = directory
+        #: This view's own checkpoint saves, so that the next save's epoch check needs no read.
+        self._saved: checkpoint.SaveMemo = {}
         self.log = timer_log
         self.wheel = wheel
         self.tick_ms = wheel.tick_ms
@@ -368,7 +370,7 @@ class Shard:
 
     def save_enqueue_checkpoint(self, ckpt: EnqueueCheckpoint) -> None:
         """Atomically replace enqueue.ckpt (FencedError if it holds a newer epoch)."""
-        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync)
+        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync, self._saved)
 
     def load_enqueue_checkpoint(self) -> EnqueueCheckpoint | None:
         """enqueue.ckpt as it is now on disk, or None."""
@@ -376,7 +378,7 @@ class Shard:
 
     def save_dequeue_checkpoint(self, ckpt: DequeueCheckpoint) -> None:
         """Atomically replace dequeue.ckpt (FencedError if it holds a newer epoch)."""
-        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync)
+        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync, self._saved)
 
     def load_dequeue_checkpoint(self) -> DequeueCheckpoint | None:
         """dequeue.ckpt as it is now on disk, or None."""
