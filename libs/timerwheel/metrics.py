@@ -46,7 +46,6 @@ class Histogram:
             if v > self.maximum:
                 self.maximum = v
 
-
     def _observe_array(self, values: np.ndarray) -> None:
         """``observe_many`` of a large batch (a delivery batch's lateness) in a few numpy calls:
         the same buckets as ``bisect_left``."""

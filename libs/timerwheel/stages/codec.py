@@ -114,9 +114,7 @@ class PutEntry:
         fields = _unpack(data)
         if len(fields) == 4:  # the first form: requests with their trace context inline
             p, lo, hi, reqs = fields
-            traces = tuple((i, r[7], r[8] if len(r) > 8 else None) for i, r in enumerate(reqs)
-                           if len(r) > 7 and r[7])
-            return cls(p, lo, hi, [tuple(r[:PUT_ROW_FIELDS]) for r in reqs], traces)
+            return cls.of(p, lo, hi, [PutRequest(*r) for r in reqs])
         p, lo, hi, rows, traces = fields
         return cls(p, lo, hi, [tuple(r) for r in rows], tuple(tuple(t) for t in traces))
 

@@ -94,26 +94,24 @@ class DequeueGetMsg(QueueStage):
                 items = list(map(new_tuple, repeat(DeliverItem), zip(
                     repeat(DELIVER), map(_FIRE_MS, f.items), map(_ENQUEUED_MS, f.items), records,
                     *zip(*map(_POSITION, f.items), strict=True), repeat(None), strict=False)))
-                start = end
-                out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, tuple(items))))
-                continue
-            items = []
-            for item, rec in zip(f.items, records, strict=True):
-                if rec is None:
-                    kind = MISSING
-                    missing += 1
-                elif item.flags & _ROLL:
-                    kind = ROLL
-                elif item.cancel_partition < 0:
-                    kind = DELIVER
-                elif self._confirmed(rec, markers[(item.cancel_partition, item.cancel_offset)]):
-                    kind = CANCELLED
-                else:
-                    self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
-                    kind = DELIVER
-                # The record carries its own trace headers: DeliverItem.traceparent stays unset.
-                items.append(new_tuple(DeliverItem, (kind, item.fire_ms, item.enqueued_ms, rec, item.src_partition,
-                                                     item.src_offset, None)))
+            else:
+                items = []
+                for item, rec in zip(f.items, records, strict=True):
+                    if rec is None:
+                        kind = MISSING
+                        missing += 1
+                    elif item.flags & _ROLL:
+                        kind = ROLL
+                    elif item.cancel_partition < 0:
+                        kind = DELIVER
+                    elif self._confirmed(rec, markers[(item.cancel_partition, item.cancel_offset)]):
+                        kind = CANCELLED
+                    else:
+                        self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
+                        kind = DELIVER
+                    # The record carries its own trace headers: DeliverItem.traceparent stays unset.
+                    items.append(new_tuple(DeliverItem, (kind, item.fire_ms, item.enqueued_ms, rec, item.src_partition,
+                                                         item.src_offset, None)))
             start = end
             out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, tuple(items))))
         if missing:

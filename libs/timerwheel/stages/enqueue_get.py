@@ -90,9 +90,9 @@ class EnqueueGet:
         #: partition -> [first offset, last offset, rows, traces]
         batches: dict[int, list[Any]] = {}
         topic_hashes = self._topic_hashes
-        batch: list[Any] = [0, 0, [], []]
-        rows: list[PutRow] = batch[2]
-        partition = -1
+        batch: list[Any]
+        rows: list[PutRow]
+        partition = -1  # no record has it: the first record sets batch and rows
         for r in records:
             if r.partition != partition:  # a poll returns each partition's records together, in offset order
                 partition = r.partition

@@ -329,9 +329,10 @@ class Shard:
             pos = record.prev_pos
 
     def read_dense_slot(self, slot_time: int, limit_pos: int | None = None) -> tuple[npt.NDArray[np.int64], RecordArray] | None:
-        """``read_slot`` column-wise, for a slot ``read_slot`` reads by one scan (see there):
-        its records' positions and the records, newest first — or None if the slot is not
-        dense, or a record in its stretch fails its checks (``read_slot`` then reports it)."""
+        """``read_slot`` column-wise, for a dense slot (as in ``read_slot``, but from
+        ``dense_columns_min`` records on): its records' positions and the records, newest first —
+        or None if the slot is not dense, or a record in its stretch fails its checks
+        (``read_slot`` then reports it)."""
         slot_time = self.slot_time(slot_time)
         stretch = self._dense_stretch(self.wheel.get(slot_time), self._limit(limit_pos), self.dense_columns_min)
         if stretch is None:

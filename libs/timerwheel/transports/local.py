@@ -905,8 +905,8 @@ class LocalConsumer:
         for k in range(n):  # start one partition further each poll, so none starves
             p = self._order[(self._turn + k) % n]
             while len(out) < max_records:
-                first = self._positions[p]
-                records, self._positions[p], frame_bytes = self._parts[p].read_from(first, max_records - len(out))
+                records, self._positions[p], frame_bytes = self._parts[p].read_from(
+                    self._positions[p], max_records - len(out))
                 if not records:
                     break
                 if cache is not None:
