@@ -5,6 +5,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from infra import kafka_bootstrap, kafka_control, redis_control, redis_url  # noqa: E402
+from infra import kafka_bootstrap, kafka_control, kafka_noauto_bootstrap, redis_control, redis_url  # noqa: E402
 
-__all__ = ["kafka_bootstrap", "kafka_control", "redis_control", "redis_url"]
+__all__ = ["kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "redis_control", "redis_url"]

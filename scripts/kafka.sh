@@ -17,10 +17,16 @@
 # (two test sessions) share one broker.
 #
 # Environment: TW_KAFKA_HEAP (default -Xmx512m -Xms512m), TW_KAFKA_START_TIMEOUT (s, default 120),
-# PYTHON (used for the health check; default .venv/bin/python, else python3).
+# PYTHON (used for the health check; default .venv/bin/python, else python3),
+# TW_KAFKA_INSTANCE (a second, independent broker: state in .run/kafka-<instance>/, address in
+# .run/kafka-<instance>.env), TW_KAFKA_AUTO_CREATE (true|false, default true: whether the broker
+# creates a topic on first use; read when the instance is first made, as managed services set it).
 set -euo pipefail
 
-NAME=kafka
+NAME=kafka${TW_KAFKA_INSTANCE:+-$TW_KAFKA_INSTANCE}
+[[ "${TW_KAFKA_INSTANCE:-}" =~ ^[a-z0-9-]*$ ]] || { echo "kafka.sh: TW_KAFKA_INSTANCE must be [a-z0-9-]*, got '$TW_KAFKA_INSTANCE'" >&2; exit 1; }
+AUTO_CREATE="${TW_KAFKA_AUTO_CREATE:-true}"
+[[ "$AUTO_CREATE" == true || "$AUTO_CREATE" == false ]] || { echo "kafka.sh: TW_KAFKA_AUTO_CREATE must be true or false, got '$AUTO_CREATE'" >&2; exit 1; }
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -110,7 +116,7 @@ log.dirs=$STATE/data
 num.partitions=1
 default.replication.factor=1
 min.insync.replicas=1
-auto.create.topics.enable=true
+auto.create.topics.enable=$AUTO_CREATE
 offsets.topic.replication.factor=1
 offsets.topic.num.partitions=4
 transaction.state.log.replication.factor=1
@@ -274,7 +280,7 @@ main() {
     up | down | start | stop | restart) ;;
     *) die "usage: scripts/kafka.sh up|down|start|stop|restart|status|env" ;;
     esac
-    exec 9>"$RUN/kafka.lock"
+    exec 9>"$RUN/$NAME.lock"
     flock 9
     case "$verb" in
     up) cmd_up ;;

@@ -27,7 +27,8 @@ RUN = ROOT / ".run"
 _UP_TIMEOUT_S = 900
 
 
-def _script(name: str, verb: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+def _script(name: str, verb: str, timeout_s: float = 300,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(ROOT / "scripts" / f"{name}.sh"), verb],
         cwd=ROOT,
@@ -35,6 +36,7 @@ def _script(name: str, verb: str, timeout_s: float = 300) -> subprocess.Complete
         text=True,
         timeout=timeout_s,
         check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -124,3 +126,27 @@ def kafka_bootstrap(kafka_control: ServerControl) -> str:
 def redis_url(redis_control: ServerControl) -> str:
     """``redis://host:port/db`` of a running Redis server."""
     return redis_control.address
+
+
+#: The second broker of ``kafka_noauto_bootstrap``: ``scripts/kafka.sh`` with these variables.
+NOAUTO_ENV = {"TW_KAFKA_INSTANCE": "noauto", "TW_KAFKA_AUTO_CREATE": "false"}
+
+
+@pytest.fixture(scope="session")
+def kafka_noauto_bootstrap() -> Iterator[str]:
+    """``host:port`` of a second broker that never creates a topic on first use (the default of
+    managed Kafka services): ``TW_KAFKA_INSTANCE=noauto TW_KAFKA_AUTO_CREATE=false
+    scripts/kafka.sh up``, stopped at the end of the session like the first."""
+    was_running = _script("kafka", "status", timeout_s=60, env=NOAUTO_ENV).returncode == 0
+    done = _script("kafka", "up", timeout_s=_UP_TIMEOUT_S, env=NOAUTO_ENV)
+    env_file = RUN / "kafka-noauto.env"
+    if done.returncode != 0 or not env_file.exists():
+        pytest.fail(f"the broker without topic auto-creation could not be started by "
+                    f"TW_KAFKA_INSTANCE=noauto scripts/kafka.sh up (exit {done.returncode}):\n"
+                    f"{done.stderr.strip()[-3000:]}", pytrace=False)
+    address = _read_env("kafka-noauto").get("TW_KAFKA_BOOTSTRAP", "")
+    try:
+        yield address
+    finally:
+        if not was_running and os.environ.get("TW_KEEP_SERVERS", "") not in ("1", "true", "yes"):
+            _script("kafka", "down", timeout_s=120, env=NOAUTO_ENV)

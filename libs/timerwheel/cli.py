@@ -139,7 +139,7 @@ def _commit_log(cfg: TimerConfig, kafka: str | None) -> Any:
     if kafka:
         from timerwheel.transports.kafka import KafkaCommitLog
 
-        return KafkaCommitLog(kafka)
+        return KafkaCommitLog(kafka, compression=cfg.kafka_compression)
     from timerwheel.transports.local import LocalCommitLog
 
     return LocalCommitLog(Path(cfg.data_dir) / "log", default_partitions=1, fsync=cfg.fsync)

@@ -25,6 +25,11 @@ DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 
 #: Internal topics (``__*``) are denied unless an allow pattern names them.
 DEFAULT_ALLOW_TOPICS = (r"(?!__).+",)
 
+#: Kafka's codecs, and "none" (TW_KAFKA_COMPRESSION).
+KAFKA_COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
+#: What enqueue-get does with a message for a destination that does not exist (TW_MISSING_TOPIC).
+MISSING_TOPIC_POLICIES = ("hold", "dlq")
+
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": DAY_MS}
 
 
@@ -73,6 +78,13 @@ class TimerConfig:
     replica_index: int = 0
     replicas: int = 1
     kafka_bootstrap: str = ""
+    #: Compression of the records timerwheel writes to Kafka (delivered, rolled, dead letters).
+    kafka_compression: str = "none"
+    #: A destination that does not exist when a message is scheduled: "hold" schedules it anyway
+    #: (the topic may be created before it is due), "dlq" dead-letters it at once.
+    missing_topic: str = "hold"
+    #: A due message whose destination does not exist is held (re-tried) this long, then dead-lettered.
+    missing_topic_hold_ms: int = 600_000
     redis_url: str = ""
     http_port: int = 0
 
@@ -128,6 +140,11 @@ class TimerConfig:
         need(0 <= self.replica_index < self.replicas, "replica_index",
              f"must be 0..{self.replicas - 1}, got {self.replica_index}")
         need(0 <= self.http_port <= 65535, "http_port", f"must be 0..65535, got {self.http_port}")
+        need(self.kafka_compression in KAFKA_COMPRESSIONS, "kafka_compression",
+             f"must be one of {', '.join(KAFKA_COMPRESSIONS)}, got {self.kafka_compression!r}")
+        need(self.missing_topic in MISSING_TOPIC_POLICIES, "missing_topic",
+             f"must be one of {', '.join(MISSING_TOPIC_POLICIES)}, got {self.missing_topic!r}")
+        need(self.missing_topic_hold_ms >= 0, "missing_topic_hold_ms", f"must be >= 0, got {self.missing_topic_hold_ms}")
 
     @property
     def wheel_slots(self) -> int:
@@ -210,6 +227,12 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "TW_REPLICA_INDEX": ("replica_index", "int", "this enqueue-get replica's index (partitions p % replicas)"),
     "TW_REPLICAS": ("replicas", "int", "number of enqueue-get replicas"),
     "TW_KAFKA_BOOTSTRAP": ("kafka_bootstrap", "str", "Kafka bootstrap servers (production mode)"),
+    "TW_KAFKA_COMPRESSION": ("kafka_compression", "str",
+                             "compression of records written to Kafka: none, gzip, snappy, lz4 or zstd (default none)"),
+    "TW_MISSING_TOPIC": ("missing_topic", "str",
+                         "destination missing when scheduled: hold (schedule; default) or dlq (dead-letter at once)"),
+    "TW_MISSING_TOPIC_HOLD_MS": ("missing_topic_hold_ms", "duration",
+                                 "a due message's missing destination is waited for this long, then DLQ (default 10m)"),
     "TW_REDIS_URL": ("redis_url", "str", "Redis URL for the work queues and leases (production mode)"),
     "TW_HTTP_PORT": ("http_port", "int", "port for /healthz, /readyz and /metrics (0: off)"),
 }
@@ -225,6 +248,8 @@ TOOLING_ENV_VARS = {
     "TW_KEEP_SERVERS": "tests: leave the Kafka and Redis they started running",
     "TW_KAFKA_START_TIMEOUT": "scripts/kafka.sh: seconds to wait for the broker",
     "TW_KAFKA_HEAP": "scripts/kafka.sh: the broker's JVM heap",
+    "TW_KAFKA_INSTANCE": "scripts/kafka.sh: a second, independent broker (.run/kafka-<instance>/)",
+    "TW_KAFKA_AUTO_CREATE": "scripts/kafka.sh: whether the broker creates topics on first use (default true)",
     "TW_REDIS_START_TIMEOUT": "scripts/redis.sh: seconds to wait for redis-server",
 }
 #: Prefix of the benchmarks' own variables (bench/).

@@ -53,7 +53,8 @@ def production_transports(cfg: TimerConfig) -> Any:
     client = redis.Redis.from_url(cfg.redis_url)
     queues: dict[str, WorkQueue] = {name: RedisWorkQueue(client, name, cfg.shards, cfg.queue_bound)
               for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)}
-    return Transports(KafkaCommitLog(cfg.kafka_bootstrap), queues, RedisLeaseStore(client))
+    return Transports(KafkaCommitLog(cfg.kafka_bootstrap, compression=cfg.kafka_compression), queues,
+                      RedisLeaseStore(client))
 
 
 def check_timer_topic(cfg: TimerConfig, commit_log: Any) -> int:

@@ -36,11 +36,13 @@ H_ENQUEUED_AT = "tw-enqueued-at"
 H_DELIVERED_AT = "tw-delivered-at"
 H_ERROR = "tw-error"
 H_SOURCE = "tw-source"
+#: When dequeue-put first found the destination of a due message missing (it holds it, then DLQ).
+H_HELD_SINCE = "tw-held-since"
 
 #: Headers the producer sets to steer the timer; none of them reaches the destination.
 CONTROL_HEADERS = frozenset({H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION})
 #: Headers the service stamps; a producer's own copies are replaced.
-SERVICE_HEADERS = frozenset({H_ID, H_ROLL, H_ENQUEUED_AT, H_DELIVERED_AT})
+SERVICE_HEADERS = frozenset({H_ID, H_ROLL, H_ENQUEUED_AT, H_DELIVERED_AT, H_HELD_SINCE})
 
 MAX_ID_BYTES = 1024
 _DECIMAL = re.compile(r"-?\d{1,20}")
@@ -320,15 +322,19 @@ def delivered_headers(record: Record, headers: dict[str, bytes], enqueued_text: 
     return (*[h for h in record.headers if h[0] not in _NOT_DELIVERED], *stamped)
 
 
-def rolled_headers(record: Record, message_id: str, deliver_ms: int, roll: int, enqueued_ms: int) -> Headers:
-    """Headers of a rolled record written back to the timer topic: absolute time, roll + 1, same id."""
-    drop = {H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ROLL, H_ID, H_ENQUEUED_AT}
+def rolled_headers(record: Record, message_id: str, deliver_ms: int, roll: int, enqueued_ms: int,
+                   held_since_ms: int | None = None) -> Headers:
+    """Headers of a rolled record written back to the timer topic: absolute time, roll + 1, same id.
+    A record held for a missing destination is rolled the same way, with ``tw-held-since``."""
+    drop = {H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ROLL, H_ID, H_ENQUEUED_AT, H_HELD_SINCE}
     out = [(k, v) for k, v in record.headers if k not in drop]
     out.append((H_DELIVER_AT, str(deliver_ms).encode()))
     out.append((H_ROLL, str(roll + 1).encode()))
     out.append((H_ENQUEUED_AT, str(enqueued_ms).encode()))
     if record.header(H_CANCEL) is None:
         out.append((H_ID, message_id.encode()))
+    if held_since_ms is not None:
+        out.append((H_HELD_SINCE, str(held_since_ms).encode()))
     return tuple(out)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from timerwheel.clock import Clock
@@ -85,14 +85,20 @@ def put_blocking(ctx: StageContext, queue: WorkQueue, partition: int, entries: S
             raise Stopped()
 
 
+#: ``on_missing(index, topic)``: what to write instead of ``records[index]``, whose topic does not exist.
+OnMissing = Callable[[int, str], OutRecord]
+
+
 def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequence[OutRecord],
-                         log: StageLogger) -> list[tuple[int, int]]:
+                         log: StageLogger, on_missing: OnMissing | None = None) -> list[tuple[int, int]]:
     """Append ``records``, retrying until every one is written; returns their positions.
 
     A failure that says which records did land (``exc.written``, aligned with the attempt) is
     retried for the others only: retrying a whole batch would duplicate what landed. A record
     the log refuses for good (``exc.refused``: too large, an invalid topic) is replaced by a
-    dead letter naming the reason, so that it cannot stall its stage."""
+    dead letter naming the reason, so that it cannot stall its stage. A record whose topic does
+    not exist (``exc.missing``) is replaced by what ``on_missing`` returns (dequeue-put holds it
+    or dead-letters it); without ``on_missing`` it is retried like any failure."""
     if not records:
         return []
     todo = list(records)
@@ -100,6 +106,7 @@ def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequ
     left = list(range(len(todo)))
     backoff = 0.05
     attempts = 0
+    quick = 0  # retries in a row without a wait (replacements only)
     while True:
         try:
             written = commit_log.append([todo[i] for i in left])
@@ -112,12 +119,23 @@ def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequ
             if len(landed) == len(left):
                 for i, pos in zip(left, landed, strict=True):
                     result[i] = pos
+            replaced: set[int] = set()
             for k, reason in (getattr(exc, "refused", None) or {}).items():
                 i = left[k]
                 todo[i] = refused_record(todo[i], reason, ctx.config.dlq_topic)
+                replaced.add(i)
                 ctx.metrics.inc("refused_records")
                 log.error("record refused by the log, dead-lettered", topic=records[i].topic, reason=reason)
+            if on_missing is not None:
+                for k, topic in (getattr(exc, "missing", None) or {}).items():
+                    i = left[k]
+                    todo[i] = on_missing(i, topic)
+                    replaced.add(i)
             left = [i for i in left if result[i] is None]
+            if replaced.issuperset(left) and quick < 2:
+                quick += 1  # nothing failed but what was replaced: write the replacements now
+                continue
+            quick = 0
             attempts += 1
             ctx.metrics.inc("append_retries")
             log.warning("append failed, retrying", records=len(left), attempt=attempts, error=repr(exc)[:200])

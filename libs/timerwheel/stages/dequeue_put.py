@@ -8,6 +8,13 @@ with an absolute ``tw-deliver-at`` and ``tw-roll`` + 1; a CANCELLED item is drop
 counted; a MISSING one is dead-lettered. The append is retried until it succeeds — a due
 message is never dropped — and only then are the entries acked and the slots' progress
 reported to dequeue-get.
+
+A destination topic that does not exist never holds back the others: the commit log does not
+send its records (one bounded metadata wait per batch) and they are *held*: rolled back to the
+timer topic like a roll hop, due again after a back-off that grows from 1 s to 1 min, with
+``tw-held-since`` set when first held. Once held for ``TW_MISSING_TOPIC_HOLD_MS`` a record is
+dead-lettered with the reason instead. A held record's slot counts as done (the record is
+durable again in the timer topic), so ``R`` moves on.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEn
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
     H_ERROR,
+    H_HELD_SINCE,
     H_PARTITION,
     H_ROLL,
     H_SOURCE,
@@ -33,6 +41,9 @@ from timerwheel.wire import (
 )
 
 STAGE = "dequeue-put"
+#: A held record (missing destination) is due again after half the time it has been held, within these.
+HOLD_RETRY_MIN_MS = 1_000
+HOLD_RETRY_MAX_MS = 60_000
 
 
 class DequeuePut(QueueStage):
@@ -47,10 +58,13 @@ class DequeuePut(QueueStage):
         self.logger = stage_logger(STAGE)
         self._partition_counts: dict[str, int] = {}
 
-    def _partitions_of(self, topic: str) -> int:
+    def _partitions_of(self, topic: str) -> int | None:
+        """The destination's partition count; None while it does not exist (never created here)."""
         n = self._partition_counts.get(topic)
         if n is None:
-            n = self._partition_counts[topic] = self.log.partitions(topic)
+            n = self.log.partition_count(topic)
+            if n is not None:
+                self._partition_counts[topic] = n
         return n
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
@@ -74,6 +88,29 @@ class DequeuePut(QueueStage):
         topics = rules.known_topics
         texts: dict[int, bytes] = {}  # enqueue time -> its text: records produced together share it
         new_tuple = tuple.__new__
+        #: index in ``out`` of each delivery -> (record, its headers, enqueue time, index in sent_records)
+        origins: dict[int, tuple[Record, dict[str, bytes], int, int]] = {}
+        held: dict[str, int] = {}
+        not_sent: set[int] = set()  # indexes in sent_records of the held ones: no lateness
+
+        def hold(i: int, topic: str) -> OutRecord:
+            """The record to write instead of delivery ``i``, whose destination does not exist."""
+            rec, hdr, enqueued, k = origins[i]
+            not_sent.add(k)
+            delivered[topic] -= 1
+            since = int(hdr.get(H_HELD_SINCE) or now)
+            waited = now - since
+            if waited >= cfg.missing_topic_hold_ms:
+                dead[topic] = dead.get(topic, 0) + 1
+                reason = f"destination topic {topic!r} does not exist (held {waited} ms, TW_MISSING_TOPIC_HOLD_MS)"
+                return OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason))
+            held[topic] = held.get(topic, 0) + 1
+            again = now + min(HOLD_RETRY_MAX_MS, max(HOLD_RETRY_MIN_MS, waited // 2))
+            raw_roll = hdr.get(H_ROLL)
+            headers = rolled_headers(rec, message_id_of(rec, hdr), again, int(raw_roll) if raw_roll else 0, enqueued,
+                                     held_since_ms=since)
+            return OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition)
+
         for _eid, payload in entries:
             entry = DeliverEntry.decode(payload)
             counts = done.setdefault((entry.shard, entry.generation), {})
@@ -92,7 +129,8 @@ class DequeuePut(QueueStage):
                 if kind == DELIVER:
                     raw_part = hdr.get(H_PARTITION)
                     dest_partition = int(raw_part) if raw_part else None
-                    if dest_partition is not None and dest_partition >= self._partitions_of(topic):
+                    # A topic that does not exist yet is checked when it does (the append holds it).
+                    if dest_partition is not None and dest_partition >= (self._partitions_of(topic) or dest_partition + 1):
                         reason = f"tw-partition {dest_partition} out of range for {topic!r}"
                         out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
                         dead[topic] = dead.get(topic, 0) + 1
@@ -104,6 +142,7 @@ class DequeuePut(QueueStage):
                     if trace_headers:
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     # OutRecord(...) goes through a Python-level __new__: twice the cost
+                    origins[len(out)] = (rec, hdr, enqueued, len(sent_records))
                     out.append(new_tuple(OutRecord, (topic, rec.key, rec.value, headers, dest_partition, None)))
                     delivered[topic] = delivered.get(topic, 0) + 1
                     sent_records.append(rec)
@@ -120,7 +159,12 @@ class DequeuePut(QueueStage):
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
                     rolled[topic] = rolled.get(topic, 0) + 1
-        append_until_written(ctx, self.log, out, self.logger)
+        append_until_written(ctx, self.log, out, self.logger, on_missing=hold)
+        if held:
+            self.logger.warning("destination topics missing, records held", topics=held)
+        if not_sent:
+            sent_records = [r for k, r in enumerate(sent_records) if k not in not_sent]
+            sent_headers = [h for k, h in enumerate(sent_headers) if k not in not_sent]
         # Report before ack: a crash in between redelivers the entries (a bounded duplicate)
         # instead of stalling the slot until dequeue-get re-sends it.
         for (shard, generation), counts in done.items():
@@ -129,6 +173,9 @@ class DequeuePut(QueueStage):
         for partition, part in batches.items():
             self.deliver_q.ack(partition, [eid for eid, _ in part])
         m = ctx.metrics
+        if held:
+            m.inc_many("held", "topic", held)
+        delivered = {t: n for t, n in delivered.items() if n}
         if delivered:
             m.inc_many("delivered", "topic", delivered)
             m.observe_many("delivery_lateness_ms",

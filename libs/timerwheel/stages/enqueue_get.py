@@ -5,10 +5,20 @@ own (clamped to what the log still holds), validates and normalises each record
 (``TimerRules``), dead-letters the invalid ones with ``tw-error``, and sends one
 ``PutEntry`` per partition and batch to the put queue of shard ``partition % shards``.
 
-Every record's offset reaches enqueue-put, valid or not, so the checkpoint can advance
-past dead-lettered records. Entries lost in transit (Redis flushed) show up as a
-checkpoint that stays behind our read position while the put queue is empty; we then
-rewind to the checkpoint. Rewinding is always safe: enqueue-put skips offsets it has.
+Every offset reaches enqueue-put, valid or not, so the checkpoint can advance past
+dead-lettered records. An entry covers ``[from, next)`` where ``from`` is where the last entry of
+its partition ended and ``next`` the consumer's position after the poll: offsets that hold no
+record for us (transaction markers, aborted records — the timer topic is read
+``read_committed`` — compacted or deleted records) lie inside an entry, never between two, so
+enqueue-put's continuity check never takes them for loss. A poll that only moved the position
+(a transaction's commit marker) sends an entry with no rows. Entries lost in transit (Redis
+flushed) show up as a checkpoint that stays behind our read position while the put queue is
+empty; we then rewind to the checkpoint. Rewinding is always safe: enqueue-put skips offsets it
+has.
+
+A destination that does not exist when the message is scheduled is scheduled anyway
+(``TW_MISSING_TOPIC=hold``: it may be created before the message is due; dequeue-put holds it
+for a bounded time then) or dead-lettered at once (``dlq``).
 """
 
 from __future__ import annotations
@@ -48,9 +58,14 @@ class EnqueueGet:
         self.logger = stage_logger(STAGE)
         #: destination -> its hash in the TimerLog (destinations are few).
         self._topic_hashes: dict[str, int] = {}
-        self.consumer: Consumer = commit_log.consumer(ctx.config.timer_topic, self.resume_offsets())
+        resume = self.resume_offsets()
+        self.consumer: Consumer = commit_log.consumer(ctx.config.timer_topic, resume)
+        #: partition -> where the last entry sent for it ended (the next entry starts there).
+        self._reported = dict(resume)
         self._suspects: dict[int, int] = {}
         self._last_check = time.monotonic()
+        #: partition -> offset of a batch the consumer cannot decode, as last reported.
+        self._undecodable: dict[int, int] = {}
 
     def shard_of(self, partition: int) -> int:
         return partition % self.ctx.config.shards
@@ -71,14 +86,24 @@ class EnqueueGet:
     def step(self, timeout_s: float) -> int:
         """Read one batch and hand it on; returns the number of records read."""
         records = self.consumer.poll(self.ctx.config.batch_size, 0)
-        if records:
-            self.handle(records)
+        consumer = self.consumer
+        reported = self._reported
+        positions = {p: consumer.position(p) for p in self.partitions}
+        moved = {p: at for p, at in positions.items() if at != reported.get(p)}
+        if records or moved:
+            self.handle(records, moved)
         else:
             self.ctx.idle_wait(STAGE, timeout_s)
+        self._report_undecodable()
         self._maybe_rewind()
         return len(records)
 
-    def handle(self, records: Sequence[Record]) -> None:
+    def handle(self, records: Sequence[Record], positions: dict[int, int] | None = None) -> None:
+        """Validate ``records``, dead-letter the invalid ones, and send each partition's entry.
+
+        ``positions`` (partition -> the consumer's next offset) ends each partition's entry; a
+        partition there without records gets an entry with no rows (its position moved over
+        offsets that hold no record for us). Without it, an entry ends after its last record."""
         ctx = self.ctx
         t0 = telemetry.batch_start()
         now = ctx.clock.now_ms()
@@ -93,6 +118,7 @@ class EnqueueGet:
         batch: list[Any]
         rows: list[PutRow]
         partition = -1  # no record has it: the first record sets batch and rows
+        missing = self._missing if ctx.config.missing_topic == "dlq" else None
         for r in records:
             if r.partition != partition:  # a poll returns each partition's records together, in offset order
                 partition = r.partition
@@ -101,6 +127,8 @@ class EnqueueGet:
             batch[1] = r.offset
             hdr = dict(r.headers)
             found = common(r, hdr, now)
+            if found is not None and missing is not None and missing(found[1]):
+                found = None  # the full path below dead-letters it with the reason
             if found is not None:  # most records: no TimerRequest
                 deliver, topic, message_id, size = found
                 row = (r.offset, size, r.timestamp_ms, deliver, False, topic_hashes.get(topic) or self._topic_hash(topic),
@@ -109,6 +137,9 @@ class EnqueueGet:
             else:
                 try:
                     req = parse(r, now, hdr)
+                    if missing is not None and not req.cancel and req.roll == 0 and missing(req.topic):
+                        raise InvalidTimerMessage(f"destination topic {req.topic!r} does not exist "
+                                                  f"(TW_MISSING_TOPIC=dlq)")
                 except InvalidTimerMessage as exc:
                     dead.append(OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)))
                     raw = hdr.get(H_TOPIC)
@@ -131,9 +162,18 @@ class EnqueueGet:
             ctx.metrics.inc_many("dead_lettered", "topic", reasons)
             self.logger.info("dead-lettered", records=len(dead))
         by_shard: dict[int, list[bytes]] = {}
+        reported = self._reported
+        ends = dict(positions or {})
         for p, (lo, last, p_rows, traces) in batches.items():
-            entry = PutEntry(p, lo, last + 1, p_rows, tuple(traces))
+            end = max(ends.pop(p, last + 1), last + 1)
+            entry = PutEntry(p, min(reported.get(p, lo), lo), end, p_rows, tuple(traces))
             by_shard.setdefault(self.shard_of(p), []).append(wire(self.queue, entry))
+            reported[p] = end
+        for p, end in ends.items():  # moved with no record: markers, aborted or compacted records
+            start = reported.get(p, end)
+            if end > start:
+                by_shard.setdefault(self.shard_of(p), []).append(wire(self.queue, PutEntry(p, start, end, [])))
+            reported[p] = end
         for shard, entries in by_shard.items():
             put_blocking(ctx, self.queue, shard, entries, self.logger.bind(shard=shard))
         if scheduled:
@@ -143,6 +183,10 @@ class EnqueueGet:
         if t0 is not None:
             telemetry.enqueue_get_batch(t0, ctx.config, records, dead)
 
+    def _missing(self, topic: str) -> bool:
+        """The destination does not exist (the commit log caches the answer)."""
+        return self.log.partition_count(topic) is None
+
     def _topic_hash(self, topic: str) -> int:
         """The destination's hash in the TimerLog (0 for a cancel), cached: destinations are few."""
         th = self._topic_hashes.get(topic)
@@ -151,6 +195,23 @@ class EnqueueGet:
                 self._topic_hashes.clear()
             th = self._topic_hashes[topic] = topic_hash(topic) if topic else 0
         return th
+
+    def _report_undecodable(self) -> None:
+        """Metrics of partitions whose next batch cannot be decoded (the consumer logs each once)."""
+        found = getattr(self.consumer, "undecodable", None)
+        if found is None or (not found and not self._undecodable):
+            return
+        now = {p: u.offset for p, u in found.items()}
+        if now == self._undecodable:
+            return
+        for p, offset in now.items():
+            if self._undecodable.get(p) != offset:
+                self.ctx.metrics.inc("undecodable_batches", partition=p)
+            self.ctx.metrics.set("undecodable_offset", offset, partition=p)
+        for p in self._undecodable.keys() - now.keys():
+            self.ctx.metrics.set("undecodable_offset", -1, partition=p)
+        self.ctx.metrics.set("undecodable_partitions", len(now))
+        self._undecodable = now
 
     def _maybe_rewind(self) -> None:
         """Seek back to the checkpoint of a partition whose entries were lost in transit."""
@@ -175,6 +236,7 @@ class EnqueueGet:
                                     offset=ckpt, position=self.consumer.position(p))
                 self.ctx.metrics.inc("rewinds", partition=p)
                 self.consumer.seek(p, ckpt)
+                self._reported[p] = ckpt
         self._suspects = suspects
 
     def caught_up(self) -> bool:

@@ -24,7 +24,9 @@ class Consumer(Protocol):
     def seek(self, partition: int, offset: int) -> None: ...
 
     def position(self, partition: int) -> int:
-        """Offset of the next record ``poll`` will return for ``partition``."""
+        """The next offset to read for ``partition``: past every offset ``poll`` has returned or
+        skipped (transaction markers, aborted and compacted records). The records a caller has
+        from ``[old position, new position)`` are all there are in that range."""
         ...
 
     def close(self) -> None: ...
@@ -39,9 +41,16 @@ class CommitLog(Protocol):
         """Partition count of an existing topic (creating it with a default count if the log auto-creates)."""
         ...
 
+    def partition_count(self, topic: str) -> int | None:
+        """Partition count, or None if ``topic`` does not exist; never creates it (a log that
+        creates topics on first write says so by never answering None)."""
+        ...
+
     def append(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
         """Append durably (Kafka: acks=all) and return ``(partition, offset)`` for each record,
-        in order. Raises on failure: nothing is reported written that was not."""
+        in order. Raises on failure: nothing is reported written that was not. The exception's
+        ``written`` (aligned with ``records``) says which landed, ``refused`` which the log refuses
+        for good, and ``missing`` which were not sent because their topic does not exist."""
         ...
 
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:

@@ -31,6 +31,20 @@ What it guarantees:
   only so that standard lag tools can see progress.
 - Every client reconnects on its own after a broker restart; calls made while the broker is away
   raise ``KafkaLogError`` after their timeout and the stages retry.
+- Producers in the field compress (gzip, snappy, lz4, zstd) and write in transactions. Every
+  codec is decodable (``check_codecs`` refuses to build a log otherwise, naming the library), and
+  every consumer reads ``read_committed``: aborted records are never returned, and the offsets
+  that hold no record for the reader (transaction markers, aborted or compacted records) are
+  skipped. A consumer reports its *position* (the next offset to read), not "last offset + 1",
+  so that a caller can tell a gap it skipped on purpose from records lost on the way.
+- A batch that cannot be decoded (corruption, a codec added to Kafka later) stops only its own
+  partition: the consumer pauses it, reports it in ``undecodable`` with its offset and the
+  reason, retries it every ``UNDECODABLE_RETRY_S``, and goes on reading the others.
+- ``append`` never blocks on a destination that does not exist: the metadata of every new topic
+  of a batch is asked for in one round trip (a fan-out to hundreds of new topics costs one
+  wait, not one per topic), and records whose topic is still unknown after ``metadata_wait_s``
+  are not sent: they come back in ``KafkaLogError.missing`` for the caller to hold or
+  dead-letter, while the batch's other records are written.
 
 The clients are created lazily and each is guarded by its own lock: one ``KafkaCommitLog`` may
 be shared by a stage's threads.
@@ -41,8 +55,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from typing import Any
 
 import kafka.errors as kafka_errors
@@ -50,6 +65,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType
 
 from timerwheel.clock import Clock
+from timerwheel.config import KAFKA_COMPRESSIONS as COMPRESSIONS
 from timerwheel.errors import TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
@@ -95,12 +111,39 @@ class KafkaLogError(TimerwheelError):
     """
 
     def __init__(self, message: str, written: list[tuple[int, int] | None] | None = None,
-                 refused: dict[int, str] | None = None) -> None:
+                 refused: dict[int, str] | None = None, missing: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.written = written or []
         #: index -> why Kafka refuses that record for good (too large, invalid topic): retrying
         #: it cannot help; the caller dead-letters it instead.
         self.refused = refused or {}
+        #: index -> the destination topic of a record that was not sent because the topic does
+        #: not exist (no metadata within ``metadata_wait_s``); the caller holds or dead-letters it.
+        self.missing = missing or {}
+
+
+class KafkaCodecError(TimerwheelError):
+    """A Kafka compression codec cannot be decoded here: a library is missing."""
+
+
+#: Kafka's codecs beyond gzip, the pip package kafka-python decodes each with, and its probe.
+_CODEC_LIBRARIES = (("snappy", "python-snappy", "has_snappy"), ("lz4", "lz4", "has_lz4"),
+                    ("zstd", "zstandard", "has_zstd"))
+
+
+def check_codecs() -> None:
+    """Raise ``KafkaCodecError`` naming each codec that kafka-python cannot decode here.
+
+    A producer may compress with any of Kafka's codecs; without its library the first such batch
+    fails every poll of its partition (``UnsupportedCodecError``), and everything behind it on
+    that partition stalls. So a process that reads Kafka refuses to start instead."""
+    from kafka import codec
+
+    missing = [f"{name} (pip install {package})" for name, package, probe in _CODEC_LIBRARIES
+               if not getattr(codec, probe)()]
+    if missing:
+        raise KafkaCodecError(f"Kafka compression codecs cannot be decoded, a library is missing: "
+                              f"{', '.join(missing)}")
 
 
 def _to_record(rec: Any) -> Record:
@@ -136,39 +179,145 @@ def _close_producer(producer: Any, timeout_s: float) -> None:
         producer.close(timeout=0)
 
 
-class KafkaConsumerAdapter:
-    """``Consumer`` over some partitions of one topic, positioned by the caller."""
+#: Errors of one batch that cannot be decoded: its partition is set aside, the others go on.
+_UNDECODABLE = (kafka_errors.CorruptRecordError, kafka_errors.UnsupportedCodecError)
+#: A partition set aside for a batch it could not decode is tried again this often.
+UNDECODABLE_RETRY_S = 30.0
 
-    def __init__(self, consumer: Any, topic: str, offsets: Mapping[int, int], monitor_group: str | None) -> None:
-        self._consumer = consumer
+
+@dataclass
+class Undecodable:
+    """A partition whose next batch cannot be decoded: where, why, since when, tries so far."""
+
+    partition: int
+    offset: int
+    reason: str
+    since: float
+    tries: int = 1
+
+
+def _fetch_position(consumer: Any, tp: TopicPartition) -> int | None:
+    """The consumer's next offset to read for ``tp`` without a network call (None if unknown).
+    kafka-python keeps it in its subscription state; ``position()`` may block on the network."""
+    state = consumer._subscription.assignment.get(tp)
+    position = state.position if state is not None else None
+    return None if position is None else int(position.offset)
+
+
+def _failing_partition(consumer: Any) -> TopicPartition | None:
+    """The partition whose records a failed ``poll`` was decoding (kafka-python's fetcher keeps the
+    partition it is draining); None if it cannot be told."""
+    part = getattr(getattr(consumer, "_fetcher", None), "_next_partition_records", None)
+    tp = getattr(part, "topic_partition", None)
+    return tp if isinstance(tp, TopicPartition) else None
+
+
+class KafkaConsumerAdapter:
+    """``Consumer`` over some partitions of one topic, positioned by the caller.
+
+    ``position`` is Kafka's own fetch position: past transaction markers and aborted records too,
+    so a caller sees such offsets as skipped, not lost. A batch that cannot be decoded sets its
+    partition aside (``undecodable``) and the others go on; the set-aside partition is retried
+    every ``UNDECODABLE_RETRY_S`` from the same offset (a new consumer, so nothing of the failed
+    fetch is kept)."""
+
+    def __init__(self, make_consumer: Callable[[], Any], topic: str, offsets: Mapping[int, int],
+                 monitor_group: str | None) -> None:
+        self._make_consumer = make_consumer
         self._topic = topic
         self._monitor_group = monitor_group
-        self._positions: dict[int, int] = {}
-        consumer.assign([TopicPartition(topic, p) for p in offsets])
-        for partition, offset in offsets.items():
-            self.seek(partition, offset)
+        self._positions: dict[int, int] = dict(offsets)
+        #: partition -> why it is set aside (a batch it cannot decode).
+        self.undecodable: dict[int, Undecodable] = {}
+        #: Set-aside partitions being tried again; one that reads past its offset decodes again.
+        self._retrying: dict[int, Undecodable] = {}
+        self._consumer: Any = None
+        self._assign()
+
+    def _assign(self) -> None:
+        """(Re)build the consumer over the partitions not set aside, at their positions."""
+        if self._consumer is None:
+            self._consumer = self._make_consumer()
+        active = [p for p in self._positions if p not in self.undecodable]
+        self._consumer.assign([TopicPartition(self._topic, p) for p in active])
+        for p in active:
+            self._consumer.seek(TopicPartition(self._topic, p), self._positions[p])
 
     def poll(self, max_records: int, timeout_s: float) -> list[Record]:
+        if self.undecodable:
+            self._retry_undecodable()
+        consumer = self._consumer
         try:
-            batches = self._consumer.poll(timeout_ms=max(0, int(timeout_s * 1000)), max_records=max_records)
+            batches = consumer.poll(timeout_ms=max(0, int(timeout_s * 1000)), max_records=max_records)
+        except _UNDECODABLE as exc:
+            self._set_aside(exc)
+            return []
         except kafka_errors.KafkaError as exc:
             raise KafkaLogError(f"poll of topic {self._topic!r} failed: {exc}") from exc
         out: list[Record] = []
         for tp in sorted(batches, key=lambda tp: tp.partition):
-            recs = batches[tp]
-            out.extend(_to_record(r) for r in recs)
-            if recs:
-                self._positions[tp.partition] = recs[-1].offset + 1
+            out.extend(_to_record(r) for r in batches[tp])
+        positions = self._positions
+        for p in positions:
+            if p not in self.undecodable:
+                at = _fetch_position(consumer, TopicPartition(self._topic, p))
+                if at is not None:
+                    positions[p] = at
+        for p, u in list(self._retrying.items()):
+            if positions[p] > u.offset:
+                del self._retrying[p]
+                stage_logger("kafka").info("partition decodes again", topic=self._topic, partition=p,
+                                           offset=u.offset, tries=u.tries)
         return out
 
+    def _set_aside(self, exc: BaseException) -> None:
+        """The batch being decoded failed: set its partition aside and go on with the others."""
+        tp = _failing_partition(self._consumer)
+        active = [p for p in self._positions if p not in self.undecodable]
+        if tp is None and len(active) == 1:
+            tp = TopicPartition(self._topic, active[0])
+        if tp is None or tp.partition not in self._positions:
+            raise KafkaLogError(f"poll of topic {self._topic!r} failed: {exc}") from exc
+        p = tp.partition
+        at = _fetch_position(self._consumer, tp)
+        if at is not None:
+            self._positions[p] = at
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        before = self._retrying.pop(p, None)
+        tries = before.tries + 1 if before is not None else 1
+        if before is None:  # once: a retry that fails again is counted, not logged again
+            stage_logger("kafka").error("batch cannot be decoded, partition set aside", topic=self._topic,
+                                        partition=p, offset=self._positions[p], reason=reason,
+                                        retry_s=UNDECODABLE_RETRY_S)
+        self.undecodable[p] = Undecodable(p, self._positions[p], reason, time.monotonic(), tries)
+        self._rebuild()
+
+    def _retry_undecodable(self) -> None:
+        now = time.monotonic()
+        due = [u for u in self.undecodable.values() if now - u.since >= UNDECODABLE_RETRY_S * min(u.tries, 10)]
+        if not due:
+            return
+        for u in due:  # a poll that fails again sets it aside again, one try more (the wait grows)
+            self._retrying[self.undecodable.pop(u.partition).partition] = u
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        old, self._consumer = self._consumer, None
+        with suppress(Exception):
+            old.close(autocommit=False)
+        self._assign()
+
     def seek(self, partition: int, offset: int) -> None:
-        self._consumer.seek(TopicPartition(self._topic, partition), offset)
+        if partition not in self._positions:
+            raise KeyError(f"partition {partition} of {self._topic!r} is not assigned to this consumer")
         self._positions[partition] = offset
+        if partition in self.undecodable:
+            self.undecodable[partition].offset = offset
+            return
+        self._consumer.seek(TopicPartition(self._topic, partition), offset)
 
     def position(self, partition: int) -> int:
-        # The position after the last record handed out (or the last seek); kafka-python's own
-        # position() may block on the network, and a skipped control record does not matter to
-        # a caller that resumes from here.
+        """The next offset to read: Kafka's fetch position after the last poll (or the last seek)."""
         if partition not in self._positions:
             raise KeyError(f"partition {partition} of {self._topic!r} is not assigned to this consumer")
         return self._positions[partition]
@@ -182,6 +331,7 @@ class KafkaConsumerAdapter:
 
         offsets = {
             TopicPartition(self._topic, p): OffsetAndMetadata(o, "", -1) for p, o in self._positions.items()
+            if p not in self.undecodable
         }
         with suppress(kafka_errors.KafkaError):
             self._consumer.commit_async(offsets=offsets)
@@ -205,10 +355,25 @@ class KafkaCommitLog:
         read_cache_records: int = 50_000,
         max_request_size: int = 1024 * 1024,
         stall_timeout_s: float = 8.0,
+        compression: str = "none",
+        metadata_wait_s: float = 3.0,
+        missing_topic_recheck_s: float = 5.0,
     ) -> None:
         if not bootstrap:
             raise ValueError("KafkaCommitLog: bootstrap must name at least one broker, got ''")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"KafkaCommitLog: compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
+        check_codecs()
         self.bootstrap = bootstrap
+        self._compression = None if compression == "none" else compression
+        #: ``append`` waits this long, once per batch, for the metadata of topics it has not written yet.
+        self._metadata_wait_s = metadata_wait_s
+        #: A topic found missing is asked for again after this long (not on every batch).
+        self._missing_recheck_s = missing_topic_recheck_s
+        #: topic -> monotonic time it was last found missing.
+        self._missing: dict[str, float] = {}
+        #: topic -> partition count, for topics seen to exist (``partition_count``).
+        self._counts: dict[str, int] = {}
         self._client_id = client_id
         #: Stamps records whose ``timestamp_ms`` is None; without a clock Kafka's producer does.
         self._clock = clock
@@ -263,6 +428,7 @@ class KafkaCommitLog:
             enable_idempotence=True,
             linger_ms=5,
             batch_size=512 * 1024,
+            compression_type=self._compression,
             max_request_size=self._max_request_size,
             delivery_timeout_ms=self._delivery_timeout_ms,
             max_block_ms=self._request_timeout_ms,
@@ -280,6 +446,9 @@ class KafkaCommitLog:
             "max_partition_fetch_bytes": 1024 * 1024,
             "fetch_max_bytes": 16 * 1024 * 1024,
             "allow_auto_create_topics": False,
+            # Transactions: aborted records are never returned, and a consumer stops at the last
+            # stable offset (an open transaction's records wait until it ends).
+            "isolation_level": "read_committed",
         }
         config.update(self._common())
         config.update(overrides)
@@ -355,6 +524,24 @@ class KafkaCommitLog:
             return len(existing["partitions"])
         return self.ensure_topic(topic, -1)
 
+    def partition_count(self, topic: str) -> int | None:
+        """Partition count of ``topic``, or None if it does not exist (it is never created here).
+        A count is kept once seen; a topic found missing is asked for again after
+        ``missing_topic_recheck_s``, so that a stage may call this per record."""
+        count = self._counts.get(topic)
+        if count is not None:
+            return count
+        seen_missing = self._missing.get(topic)
+        if seen_missing is not None and time.monotonic() - seen_missing < self._missing_recheck_s:
+            return None
+        existing = self._describe(topic)
+        if existing is None:
+            self._missing[topic] = time.monotonic()
+            return None
+        self._missing.pop(topic, None)
+        count = self._counts[topic] = len(existing["partitions"])
+        return count
+
     def topic_retention_ms(self, topic: str) -> int | None:
         """The topic's effective ``retention.ms`` (its own or the broker default); None when
         unlimited (-1). The service refuses to start when this is under roll window x 1.5."""
@@ -403,13 +590,15 @@ class KafkaCommitLog:
         futures: list[Any] = []
         written: list[tuple[int, int] | None] = [None] * len(records)
         errors: list[str] = []
-        unreachable: set[str] = set()  # topics whose metadata timed out: do not wait again per record
+        unreachable = self._await_metadata(producer, {r.topic for r in records})
         refused: dict[int, str] = {}
+        missing: dict[int, str] = {}
         for r in records:
             ts = r.timestamp_ms
             if ts is None and self._clock is not None:
                 ts = self._clock.now_ms()
             if r.topic in unreachable:
+                missing[len(futures)] = r.topic
                 futures.append(None)
                 continue
             try:
@@ -430,11 +619,17 @@ class KafkaCommitLog:
                 futures.append(None)
                 errors.append(f"{r.topic}: {exc}")
                 refused[len(futures) - 1] = _refusal(exc)
+            except kafka_errors.KafkaTimeoutError as exc:
+                # Its metadata went away between the wait above and the send (a deleted topic):
+                # not sent, so it is the caller's to hold like a missing topic.
+                missing[len(futures)] = r.topic
+                futures.append(None)
+                unreachable.add(r.topic)
+                self._missing[r.topic] = time.monotonic()
+                errors.append(f"{r.topic}: {exc}")
             except kafka_errors.KafkaError as exc:
                 futures.append(None)
                 errors.append(f"{r.topic}: {exc}")
-                if isinstance(exc, kafka_errors.KafkaTimeoutError):
-                    unreachable.add(r.topic)
         # Wait at most ``stall_timeout_s`` for the acknowledgements. After a broker restart
         # kafka-python's producer was seen holding records until its delivery timeout (35 s),
         # while a new producer gets them through in seconds: records not acknowledged by then
@@ -464,10 +659,52 @@ class KafkaCommitLog:
             # accumulator for good. A new producer (new producer id) starts clean; what the old
             # one still held is failed here and retried by the caller.
             self._drop_producer(producer)
+        if errors or missing:
             failed = sum(1 for w in written if w is None)
-            raise KafkaLogError(f"append: {failed} of {len(records)} records failed, first: {errors[0]}", written,
-                                refused)
+            first = errors[0] if errors else f"topic {next(iter(missing.values()))!r} does not exist"
+            raise KafkaLogError(f"append: {failed} of {len(records)} records failed, first: {first}", written,
+                                refused, missing)
         return [w for w in written if w is not None]
+
+    def _await_metadata(self, producer: Any, topics: set[str]) -> set[str]:
+        """Topics of ``topics`` without metadata after one shared, bounded wait: missing.
+
+        kafka-python's ``send`` waits for a new topic's metadata on its own, up to
+        ``max_block_ms`` per topic and one topic after the other: 300 new destinations cost
+        minutes, and one that does not exist blocked the whole stage. Here every new topic is
+        added to the producer's metadata at once and one refresh asks for them together
+        (a broker that auto-creates topics creates them then); a topic still unknown after
+        ``metadata_wait_s`` is missing, and is not waited for again before
+        ``missing_topic_recheck_s``."""
+        metadata = producer._metadata
+        unknown = {t for t in topics if metadata.partitions_for_topic(t) is None}
+        if not unknown:
+            return set()
+        now = time.monotonic()
+        recent = {t for t in unknown if now - self._missing.get(t, -self._missing_recheck_s) < self._missing_recheck_s}
+        ask = unknown - recent
+        if ask:
+            sender = producer._sender
+            for topic in ask:
+                sender.add_topic(topic)
+            deadline = now + self._metadata_wait_s
+            left = ask
+            while left and time.monotonic() < deadline:
+                answered = threading.Event()
+                metadata.request_update().add_both(lambda *_, done=answered: done.set())
+                sender.wakeup()
+                answered.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
+                left = {t for t in left if metadata.partitions_for_topic(t) is None}
+                if left:
+                    time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            now = time.monotonic()
+            for topic in ask:
+                if topic in left:
+                    self._missing[topic] = now
+                else:
+                    self._missing.pop(topic, None)
+            recent |= left
+        return recent
 
     def _drop_producer(self, producer: Any) -> None:
         with self._producer_lock:
@@ -613,12 +850,9 @@ class KafkaCommitLog:
         records progress in that group for monitoring only; resumption uses the caller's
         checkpoints."""
         with self._kafka_call(f"consumer for topic {topic!r}"):
-            raw = self._new_consumer(
-                f"consumer-{topic}",
-                group_id=monitor_group,
-                **_BATCHED_FETCH,
-            )
-            return KafkaConsumerAdapter(raw, topic, offsets, monitor_group)
+            return KafkaConsumerAdapter(
+                lambda: self._new_consumer(f"consumer-{topic}", group_id=monitor_group, **_BATCHED_FETCH),
+                topic, offsets, monitor_group)
 
     def close(self) -> None:
         self._closed = True

@@ -634,6 +634,10 @@ class LocalCommitLog:
     def partitions(self, topic: str) -> int:
         return self._topic(topic, self.default_partitions)
 
+    def partition_count(self, topic: str) -> int | None:
+        """As ``partitions``: the local log creates a topic on first use, so none is ever missing."""
+        return self.partitions(topic)
+
     def _topic(self, topic: str, create_with: int) -> int:
         count = self._counts.get(topic)
         if count is not None:
