@@ -50,6 +50,8 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
 STAGES = ("enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put")
+#: ``Pipeline.start(ALL_IN_ONE)`` runs ``timerwheel run --kafka --redis``: all five in one process.
+ALL_IN_ONE = "all-in-one"
 #: Stages whose crash may re-deliver the in-flight window (dequeue side).
 DEQUEUE_SIDE = ("dequeue-get", "dequeue-getmsg", "dequeue-put")
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,8 +223,11 @@ class Pipeline:
         proc._log = open(proc.log_path, "ab")  # noqa: SIM115 - stays open while the process runs
         proc._log.write(f"=== e2e: start #{proc.starts} of {name} at {time.strftime('%H:%M:%S')} ===\n".encode())
         proc._log.flush()
+        # "all-in-one": the five stages in one process on the same transports (`timerwheel run`).
+        argv = ["run", "--kafka", self.kafka, "--redis", self.redis_url] if proc.stage == ALL_IN_ONE \
+            else ["stage", proc.stage]
         proc.popen = subprocess.Popen(
-            [sys.executable, "-m", "timerwheel.cli", "stage", proc.stage],
+            [sys.executable, "-m", "timerwheel.cli", *argv],
             cwd=self.workdir, env=proc.env, stdin=subprocess.DEVNULL, stdout=proc._log, stderr=subprocess.STDOUT,
         )
         if wait_ready:

@@ -356,7 +356,7 @@ class KafkaCommitLog:
         max_request_size: int = 1024 * 1024,
         stall_timeout_s: float = 8.0,
         compression: str = "none",
-        metadata_wait_s: float = 3.0,
+        metadata_wait_s: float = 0.5,
         missing_topic_recheck_s: float = 5.0,
     ) -> None:
         if not bootstrap:
@@ -587,49 +587,22 @@ class KafkaCommitLog:
         if not records:
             return []
         producer = self._get_producer()
-        futures: list[Any] = []
+        futures: list[Any] = [None] * len(records)
         written: list[tuple[int, int] | None] = [None] * len(records)
         errors: list[str] = []
-        unreachable = self._await_metadata(producer, {r.topic for r in records})
         refused: dict[int, str] = {}
         missing: dict[int, str] = {}
-        for r in records:
-            ts = r.timestamp_ms
-            if ts is None and self._clock is not None:
-                ts = self._clock.now_ms()
-            if r.topic in unreachable:
-                missing[len(futures)] = r.topic
-                futures.append(None)
-                continue
-            try:
-                futures.append(
-                    producer.send(
-                        r.topic,
-                        # kafka-python refuses a record with neither key nor value (other clients
-                        # allow it): such a record (a dead letter for a vanished source, a producer's
-                        # empty message) goes with an empty value rather than stalling its stage.
-                        value=r.value if r.value is not None or r.key is not None else b"",
-                        key=r.key,
-                        headers=list(r.headers),
-                        partition=r.partition,
-                        timestamp_ms=ts,
-                    )
-                )
-            except _REFUSED as exc:
-                futures.append(None)
-                errors.append(f"{r.topic}: {exc}")
-                refused[len(futures) - 1] = _refusal(exc)
-            except kafka_errors.KafkaTimeoutError as exc:
-                # Its metadata went away between the wait above and the send (a deleted topic):
-                # not sent, so it is the caller's to hold like a missing topic.
-                missing[len(futures)] = r.topic
-                futures.append(None)
-                unreachable.add(r.topic)
-                self._missing[r.topic] = time.monotonic()
-                errors.append(f"{r.topic}: {exc}")
-            except kafka_errors.KafkaError as exc:
-                futures.append(None)
-                errors.append(f"{r.topic}: {exc}")
+        # Records for topics the producer knows go first; a new topic's metadata is waited for
+        # only after they are on their way, so it costs its own records the wait, not everyone's.
+        known, new = self._split_by_metadata(producer, {r.topic for r in records})
+        self._send(producer, records, [i for i, r in enumerate(records) if r.topic in known],
+                   futures, errors, refused, missing)
+        absent = self._await_metadata(producer, new) if new else set()
+        self._send(producer, records, [i for i, r in enumerate(records) if r.topic in new and r.topic not in absent],
+                   futures, errors, refused, missing)
+        for i, r in enumerate(records):
+            if r.topic not in known and (r.topic not in new or r.topic in absent):
+                missing[i] = r.topic  # found missing before, or now: not sent
         # Wait at most ``stall_timeout_s`` for the acknowledgements. After a broker restart
         # kafka-python's producer was seen holding records until its delivery timeout (35 s),
         # while a new producer gets them through in seconds: records not acknowledged by then
@@ -661,50 +634,93 @@ class KafkaCommitLog:
             self._drop_producer(producer)
         if errors or missing:
             failed = sum(1 for w in written if w is None)
-            first = errors[0] if errors else f"topic {next(iter(missing.values()))!r} does not exist"
-            raise KafkaLogError(f"append: {failed} of {len(records)} records failed, first: {first}", written,
+            why = errors[0] if errors else f"topic {next(iter(missing.values()))!r} does not exist"
+            raise KafkaLogError(f"append: {failed} of {len(records)} records failed, first: {why}", written,
                                 refused, missing)
         return [w for w in written if w is not None]
 
+    def _send(self, producer: Any, records: Sequence[OutRecord], indexes: list[int], futures: list[Any],
+              errors: list[str], refused: dict[int, str], missing: dict[int, str]) -> None:
+        """``producer.send`` each of ``records[indexes]``, its future into ``futures``."""
+        for i in indexes:
+            r = records[i]
+            ts = r.timestamp_ms
+            if ts is None and self._clock is not None:
+                ts = self._clock.now_ms()
+            try:
+                futures[i] = producer.send(
+                    r.topic,
+                    # kafka-python refuses a record with neither key nor value (other clients
+                    # allow it): such a record (a dead letter for a vanished source, a producer's
+                    # empty message) goes with an empty value rather than stalling its stage.
+                    value=r.value if r.value is not None or r.key is not None else b"",
+                    key=r.key,
+                    headers=list(r.headers),
+                    partition=r.partition,
+                    timestamp_ms=ts,
+                )
+            except _REFUSED as exc:
+                errors.append(f"{r.topic}: {exc}")
+                refused[i] = _refusal(exc)
+            except kafka_errors.KafkaTimeoutError:
+                # Its metadata went away since it was looked up (a deleted topic): not sent, so
+                # it is the caller's to hold like a missing topic.
+                missing[i] = r.topic
+                self._missing[r.topic] = time.monotonic()
+            except kafka_errors.KafkaError as exc:
+                errors.append(f"{r.topic}: {exc}")
+
+    def _split_by_metadata(self, producer: Any, topics: set[str]) -> tuple[set[str], set[str]]:
+        """(topics the producer has metadata for, new topics to wait for). Topics found missing
+        before are in neither and are not waited for again: every ``missing_topic_recheck_s``
+        their metadata is asked for without waiting, and they are known once it has arrived."""
+        metadata = producer._metadata
+        known = {t for t in topics if metadata.partitions_for_topic(t) is not None}
+        for topic in known & self._missing.keys():
+            del self._missing[topic]
+        now = time.monotonic()
+        new: set[str] = set()
+        recheck = False
+        for topic in topics - known:
+            seen = self._missing.get(topic)
+            if seen is None:
+                new.add(topic)
+            elif now - seen >= self._missing_recheck_s:
+                self._missing[topic] = now
+                producer._sender.add_topic(topic)
+                recheck = True
+        if recheck:
+            metadata.request_update()
+            producer._sender.wakeup()
+        return known, new
+
     def _await_metadata(self, producer: Any, topics: set[str]) -> set[str]:
-        """Topics of ``topics`` without metadata after one shared, bounded wait: missing.
+        """Of these new topics, those still without metadata after one shared, bounded wait.
 
         kafka-python's ``send`` waits for a new topic's metadata on its own, up to
         ``max_block_ms`` per topic and one topic after the other: 300 new destinations cost
         minutes, and one that does not exist blocked the whole stage. Here every new topic is
-        added to the producer's metadata at once and one refresh asks for them together
-        (a broker that auto-creates topics creates them then); a topic still unknown after
-        ``metadata_wait_s`` is missing, and is not waited for again before
-        ``missing_topic_recheck_s``."""
+        added to the producer's metadata at once and each refresh asks for all of them (a broker
+        that auto-creates topics creates them then); a topic still unknown after
+        ``metadata_wait_s`` is missing."""
         metadata = producer._metadata
-        unknown = {t for t in topics if metadata.partitions_for_topic(t) is None}
-        if not unknown:
-            return set()
+        sender = producer._sender
+        for topic in topics:
+            sender.add_topic(topic)
+        deadline = time.monotonic() + self._metadata_wait_s
+        left = set(topics)
+        while left and time.monotonic() < deadline:
+            answered = threading.Event()
+            metadata.request_update().add_both(lambda *_, done=answered: done.set())
+            sender.wakeup()
+            answered.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
+            left = {t for t in left if metadata.partitions_for_topic(t) is None}
+            if left:
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         now = time.monotonic()
-        recent = {t for t in unknown if now - self._missing.get(t, -self._missing_recheck_s) < self._missing_recheck_s}
-        ask = unknown - recent
-        if ask:
-            sender = producer._sender
-            for topic in ask:
-                sender.add_topic(topic)
-            deadline = now + self._metadata_wait_s
-            left = ask
-            while left and time.monotonic() < deadline:
-                answered = threading.Event()
-                metadata.request_update().add_both(lambda *_, done=answered: done.set())
-                sender.wakeup()
-                answered.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
-                left = {t for t in left if metadata.partitions_for_topic(t) is None}
-                if left:
-                    time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-            now = time.monotonic()
-            for topic in ask:
-                if topic in left:
-                    self._missing[topic] = now
-                else:
-                    self._missing.pop(topic, None)
-            recent |= left
-        return recent
+        for topic in left:
+            self._missing[topic] = now
+        return left
 
     def _drop_producer(self, producer: Any) -> None:
         with self._producer_lock:
