@@ -10,6 +10,9 @@
   there, and the output says so (``sustained_asked_rate=false``).
 * ``production.burst``: N messages (default 200,000) due in the same second: time to drain,
   messages/s, and the peak RSS (VmHWM) of each stage process.
+* ``production.compressed``: the throughput run three times in a row, with the timer topic's
+  batches written uncompressed, lz4 and zstd (as producers in the field write them): messages/s of
+  each and the ratio of each codec to uncompressed.
 * ``production.slot_reads``: dequeue-getmsg's read pattern alone: a producer at the lateness rate
   with delays 1-5 s, and every 100 ms a ``KafkaCommitLog.read`` of the positions due in the slot
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
@@ -17,7 +20,7 @@
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, lateness, burst, slot_reads). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+list of throughput, compressed, lateness, burst, slot_reads). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
 else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
 """
 
@@ -67,13 +70,14 @@ def servers() -> tuple[str, str]:
     return kafka or env["TW_KAFKA_BOOTSTRAP"], redis_url or env["TW_REDIS_URL"]
 
 
-def _producer(kafka: str) -> KafkaProducer:
-    return KafkaProducer(bootstrap_servers=kafka, acks="all", linger_ms=5, batch_size=256 * 1024)
+def _producer(kafka: str, compression: str | None = None) -> KafkaProducer:
+    return KafkaProducer(bootstrap_servers=kafka, acks="all", linger_ms=5, batch_size=256 * 1024,
+                         compression_type=compression)
 
 
-def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int) -> float:
+def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int, compression: str | None = None) -> float:
     """Write n timer records due at ``deliver_at`` across the timer partitions; returns seconds."""
-    producer = _producer(kafka)
+    producer = _producer(kafka, compression)
     t0 = time.perf_counter()
     due = str(deliver_at).encode()
     for i in range(n):
@@ -144,15 +148,18 @@ def close(pipe: Pipeline) -> None:
     shutil.rmtree(pipe.workdir, ignore_errors=True)
 
 
-def throughput(kafka: str, redis_url: str, n: int) -> None:
+def throughput(kafka: str, redis_url: str, n: int, compression: str | None = None, baseline: bool = True) -> float:
+    """The pipeline's messages/s for n due records (written with ``compression``); with ``baseline``
+    also the pass-through, and the figure emitted."""
     pipe = new_pipeline(kafka, redis_url)
     dest = pipe.dest("tp")
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
     try:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
-        fill_s = fill(kafka, pipe.timer_topic, dest, n, now_ms())
-        say(f"throughput: {n:,} due records written to the timer topic in {fill_s:.1f} s")
+        fill_s = fill(kafka, pipe.timer_topic, dest, n, now_ms(), compression)
+        say(f"throughput: {n:,} due records ({compression or 'uncompressed'}) written to the timer topic "
+            f"in {fill_s:.1f} s")
         for name in ("enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put"):
             pipe.start(name, wait_ready=False)
         for name in ("enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put"):
@@ -166,13 +173,27 @@ def throughput(kafka: str, redis_url: str, n: int) -> None:
         if t1 is None:
             raise RuntimeError(f"throughput: not all {n} delivered within 600 s\n{pipe.tails()}")
         rate = n / (t1 - t0)
+        if not baseline:
+            say(f"five-process pipeline, timer topic {compression or 'uncompressed'}: {rate:,.0f} msg/s")
+            return rate
         base = pass_through(kafka, pipe.timer_topic, n)
         say(f"five-process pipeline {rate:,.0f} msg/s; kafka-python pass-through {base:,.0f} msg/s")
         emit("production.throughput", rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
              passthrough_per_s=round(base), ratio=round(rate / base, 3), shards=2, timer_partitions=PARTITIONS)
+        return rate
     finally:
         consumer.close()
         close(pipe)
+
+
+def compressed(kafka: str, redis_url: str, n: int) -> None:
+    """Throughput with the timer topic uncompressed, lz4 and zstd, one after the other in this run."""
+    rates = {codec: throughput(kafka, redis_url, n, None if codec == "none" else codec, baseline=False)
+             for codec in ("none", "lz4", "zstd")}
+    say("timer topic compressed: " + ", ".join(f"{c} {r:,.0f} msg/s" for c, r in rates.items()))
+    emit("production.compressed", rates["lz4"], "messages/s", messages=n, uncompressed_per_s=round(rates["none"]),
+         lz4_per_s=round(rates["lz4"]), zstd_per_s=round(rates["zstd"]),
+         lz4_ratio=round(rates["lz4"] / rates["none"], 3), zstd_ratio=round(rates["zstd"] / rates["none"], 3))
 
 
 class _Lateness:
@@ -377,9 +398,12 @@ def slot_reads(kafka: str, rate: int, seconds: float) -> None:
 
 def main() -> None:
     kafka, redis_url = servers()
-    only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY", "throughput,lateness,burst,slot_reads").split(",")))
+    only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY",
+                                           "throughput,compressed,lateness,burst,slot_reads").split(",")))
     if "throughput" in only:
         throughput(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
+    if "compressed" in only:
+        compressed(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "lateness" in only:
         lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
     if "burst" in only:

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 from infra import RUN
-from kafka import codec
+from kafka import KafkaAdminClient, TopicPartition, codec
 from timerwheel.records import OutRecord
+from timerwheel.transports import kafka as kafka_transport
 from timerwheel.transports.kafka import KafkaCodecError, KafkaCommitLog, KafkaLogError, check_codecs
 
 CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
@@ -84,8 +85,8 @@ def test_every_codec_is_decoded_and_positions_pass_transaction_markers(log: Kafk
     assert offsets[-10:] == list(range(111, 121)), "committed records follow the aborted ones and their marker"
 
 
-def test_a_batch_that_cannot_be_decoded_sets_only_its_partition_aside(log: KafkaCommitLog,
-                                                                     kafka_bootstrap: str) -> None:
+def test_a_batch_that_cannot_be_decoded_sets_only_its_partition_aside(
+        log: KafkaCommitLog, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
     topic = new_topic(log, partitions=2)
     producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 20})
     for p in (0, 1):
@@ -112,6 +113,18 @@ def test_a_batch_that_cannot_be_decoded_sets_only_its_partition_aside(log: Kafka
         later = poll_all(consumer, {1: 11}, timeout_s=30)
         assert [r.value for r in later] == [b"later"]
         assert list(consumer.undecodable) == [0]  # type: ignore[attr-defined]
+        # The README's way out for a batch corrupt everywhere: move the partition's start past it.
+        producer.produce(topic, value=b"after", partition=0)
+        producer.flush(30)
+        admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        try:
+            admin.delete_records({TopicPartition(topic, 0): 10})
+        finally:
+            admin.close()
+        monkeypatch.setattr(kafka_transport, "UNDECODABLE_RETRY_S", 0.0)  # try it again now
+        resumed = poll_all(consumer, {0: 11}, timeout_s=30)
+        assert [r.value for r in resumed if r.partition == 0] == [b"after"]
+        assert not consumer.undecodable  # type: ignore[attr-defined]
     finally:
         consumer.close()
 
