@@ -15,19 +15,29 @@ timer topic like a roll hop, due again after a back-off that grows from 1 s to 1
 ``tw-held-since`` set when first held. Once held for ``TW_MISSING_TOPIC_HOLD_MS`` a record is
 dead-lettered with the reason instead. A held record's slot counts as done (the record is
 durable again in the timer topic), so ``R`` moves on.
+
+Never early, whatever the clocks: ``W`` comes from enqueue-put's clock, and pods' clocks differ.
+dequeue-put compares each record's delivery time with its own clock; a batch holding a record
+not yet due waits until it is (at most ``EARLY_WAIT_MAX_S`` of real time; the delivery times are
+stamped after the wait), and records still not due then go back to the timer topic with their
+own time, like a roll. The allow-list holds at delivery too: a destination that
+``TW_ALLOW_TOPICS`` no longer allows (tightened since the message was scheduled, or a forged
+work-queue entry) is dead-lettered with the reason instead of delivered.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from timerwheel import telemetry
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
-from timerwheel.stages.base import QueueStage, StageContext, append_until_written, put_blocking
+from timerwheel.stages.base import QueueStage, StageContext, Stopped, append_until_written, put_blocking
 from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry, wire
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
+    H_DELIVERED_AT,
     H_ERROR,
     H_HELD_SINCE,
     H_PARTITION,
@@ -44,6 +54,8 @@ STAGE = "dequeue-put"
 #: A held record (missing destination) is due again after half the time it has been held, within these.
 HOLD_RETRY_MIN_MS = 1_000
 HOLD_RETRY_MAX_MS = 60_000
+#: A batch with a record not yet due by this process's clock waits this long for it at most.
+EARLY_WAIT_MAX_S = 5.0
 
 
 class DequeuePut(QueueStage):
@@ -66,6 +78,42 @@ class DequeuePut(QueueStage):
             if n is not None:
                 self._partition_counts[topic] = n
         return n
+
+    def _not_early(self, out: list[OutRecord], sent_out: list[int], dues: list[int],
+                   origins: dict[int, tuple[Record, dict[str, bytes], int, int]], delivered: dict[str, int],
+                   rolled: dict[str, int], not_sent: set[int], now: int) -> int:
+        """Some deliveries of this batch are not due by this process's clock: wait until they
+        are, then stamp ``tw-delivered-at`` again; those still not due after EARLY_WAIT_MAX_S go
+        back to the timer topic with their own time. Returns the delivery time now."""
+        ctx = self.ctx
+        latest = max(dues)
+        early = sum(1 for t in dues if t > now)
+        ctx.metrics.inc("early_records", early)
+        self.logger.warning("records not due by this process's clock, waiting", records=early,
+                            ahead_ms=latest - now)
+        deadline = time.monotonic() + EARLY_WAIT_MAX_S
+        while ctx.clock.now_ms() < latest and time.monotonic() < deadline:
+            if ctx.stop.wait(min(0.05, max(0.001, (latest - ctx.clock.now_ms()) / 1000))):
+                raise Stopped()
+        now = ctx.clock.now_ms()
+        stamp = (H_DELIVERED_AT, str(now).encode())
+        cfg = ctx.config
+        for k, i in enumerate(sent_out):
+            rec, hdr, enqueued, _k = origins[i]
+            if dues[k] > now:  # still not due: back to the timer topic, due at its own time
+                not_sent.add(k)
+                topic = out[i].topic
+                delivered[topic] -= 1
+                rolled[topic] = rolled.get(topic, 0) + 1
+                raw_roll = hdr.get(H_ROLL)
+                out[i] = OutRecord(cfg.timer_topic, rec.key, rec.value,
+                                   rolled_headers(rec, message_id_of(rec, hdr), dues[k],
+                                                  int(raw_roll) if raw_roll else 0, enqueued),
+                                   partition=rec.partition)
+            else:
+                r = out[i]
+                out[i] = r._replace(headers=tuple(stamp if h[0] == H_DELIVERED_AT else h for h in r.headers))
+        return now
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """Every partition's entries in one produce-and-wait."""
@@ -92,6 +140,7 @@ class DequeuePut(QueueStage):
         origins: dict[int, tuple[Record, dict[str, bytes], int, int]] = {}
         held: dict[str, int] = {}
         not_sent: set[int] = set()  # indexes in sent_records of the held ones: no lateness
+        sent_out: list[int] = []  # index in ``out`` of each of sent_records
 
         def hold(i: int, topic: str) -> OutRecord:
             """The record to write instead of delivery ``i``, whose destination does not exist."""
@@ -127,6 +176,12 @@ class DequeuePut(QueueStage):
                 raw_topic = hdr.get(H_TOPIC)
                 topic = (topics.get(raw_topic) or raw_topic.decode("utf-8", "replace")) if raw_topic else "-"
                 if kind == DELIVER:
+                    refused = rules.destination_error(topic) if raw_topic not in topics else ""
+                    if refused:  # the allow-list holds at delivery too
+                        reason = f"{refused} (checked at delivery)"
+                        out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
+                        dead[topic] = dead.get(topic, 0) + 1
+                        continue
                     raw_part = hdr.get(H_PARTITION)
                     dest_partition = int(raw_part) if raw_part else None
                     # A topic that does not exist yet is checked when it does (the append holds it).
@@ -143,6 +198,7 @@ class DequeuePut(QueueStage):
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     # OutRecord(...) goes through a Python-level __new__: twice the cost
                     origins[len(out)] = (rec, hdr, enqueued, len(sent_records))
+                    sent_out.append(len(out))
                     out.append(new_tuple(OutRecord, (topic, rec.key, rec.value, headers, dest_partition, None)))
                     delivered[topic] = delivered.get(topic, 0) + 1
                     sent_records.append(rec)
@@ -159,12 +215,14 @@ class DequeuePut(QueueStage):
                         headers = telemetry.replace_trace_headers(headers, trace_headers)
                     out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
                     rolled[topic] = rolled.get(topic, 0) + 1
+        dues = rules.valid_delivery_times(sent_records, sent_headers) if sent_records else []
+        if dues and max(dues) > now:
+            now = self._not_early(out, sent_out, dues, origins, delivered, rolled, not_sent, now)
         append_until_written(ctx, self.log, out, self.logger, on_missing=hold)
         if held:
             self.logger.warning("destination topics missing, records held", topics=held)
         if not_sent:
-            sent_records = [r for k, r in enumerate(sent_records) if k not in not_sent]
-            sent_headers = [h for k, h in enumerate(sent_headers) if k not in not_sent]
+            dues = [t for k, t in enumerate(dues) if k not in not_sent]
         # Report before ack: a crash in between redelivers the entries (a bounded duplicate)
         # instead of stalling the slot until dequeue-get re-sends it.
         for (shard, generation), counts in done.items():
@@ -178,8 +236,7 @@ class DequeuePut(QueueStage):
         delivered = {t: n for t, n in delivered.items() if n}
         if delivered:
             m.inc_many("delivered", "topic", delivered)
-            m.observe_many("delivery_lateness_ms",
-                           [now - t for t in rules.valid_delivery_times(sent_records, sent_headers)])
+            m.observe_many("delivery_lateness_ms", [now - t for t in dues])
         if rolled:
             m.inc_many("rolled", "topic", rolled)
         if cancelled:
