@@ -189,3 +189,19 @@ def test_a_missing_codec_library_is_refused_naming_it(monkeypatch: pytest.Monkey
         check_codecs()
     with pytest.raises(KafkaCodecError, match="zstd"):
         KafkaCommitLog("127.0.0.1:9")
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd"])
+def test_what_timerwheel_writes_is_compressed_as_configured(kafka_bootstrap: str, compression: str) -> None:
+    log = KafkaCommitLog(kafka_bootstrap, client_id="test-compression", compression=compression)
+    try:
+        topic = new_topic(log)
+        log.append([OutRecord(topic, b"k", b"v" * 1000, (("tw-id", b"m"),)) for _ in range(50)])
+    finally:
+        log.close()
+    # The record batch header: baseOffset i64, length i32, leaderEpoch i32, magic i8, crc u32,
+    # attributes i16 (bits 0-2: the codec; 3 lz4, 4 zstd).
+    data = _segment_of(topic, 0).read_bytes()
+    assert data, "nothing written"
+    attributes = int.from_bytes(data[21:23], "big")
+    assert attributes & 0x7 == {"lz4": 3, "zstd": 4}[compression]
