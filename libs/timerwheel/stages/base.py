@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from timerwheel.clock import Clock
 from timerwheel.config import TimerConfig
@@ -22,6 +23,8 @@ from timerwheel.records import OutRecord
 from timerwheel.stages.codec import CONSUMER_OF
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import H_ERROR, H_ID, H_SOURCE, TimerRules
+
+T = TypeVar("T")
 
 
 class Stopped(Exception):
@@ -87,6 +90,26 @@ def put_blocking(ctx: StageContext, queue: WorkQueue, partition: int, entries: S
 
 #: ``on_missing(index, topic)``: what to write instead of ``records[index]``, whose topic does not exist.
 OnMissing = Callable[[int, str], OutRecord]
+
+
+def decoded(ctx: StageContext, queue: WorkQueue, partition: int, entries: Sequence[tuple[str, bytes]],
+            decode: Callable[[bytes], T], log: StageLogger) -> list[T]:
+    """The entries decoded. One that cannot be decoded (corrupt, forged, of an unknown form) is
+    moved to the queue's dead-entry stream (``bury``), counted in ``dead_entries`` and logged
+    once with its id: retried, it would fail the stage's every step for good."""
+    out: list[T] = []
+    bad: list[tuple[str, bytes, str]] = []
+    for entry_id, payload in entries:
+        try:
+            out.append(decode(payload))
+        except Exception as exc:  # noqa: BLE001 - whatever the bytes, they must not stall the stage
+            bad.append((entry_id, payload, f"{type(exc).__name__}: {exc}"[:300]))
+    if bad:
+        queue.bury(partition, bad)
+        ctx.metrics.inc("dead_entries", len(bad), queue=queue.name)
+        log.error("work-queue entries cannot be decoded, moved aside", queue=queue.name, partition=partition,
+                  entries=[b[0] for b in bad], reason=bad[0][2])
+    return out
 
 
 def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequence[OutRecord],

@@ -37,7 +37,7 @@ import numpy.typing as npt
 from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext
+from timerwheel.stages.base import StageContext, decoded
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
@@ -283,8 +283,7 @@ class DequeueGet:
             if st.pending and time.monotonic() - st.last_progress > STALL_S:
                 self._resend(st)
             return 0
-        for _eid, payload in entries:
-            done = DoneEntry.decode(payload)
+        for done in decoded(self.ctx, self.done_q, st.shard_id, entries, DoneEntry.decode, st.log):
             if done.generation != st.generation:
                 continue
             for slot, n in done.counts.items():

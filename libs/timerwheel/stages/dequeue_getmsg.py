@@ -16,7 +16,7 @@ from itertools import repeat
 from timerwheel import telemetry
 from timerwheel.log import stage_logger
 from timerwheel.records import Record
-from timerwheel.stages.base import QueueStage, StageContext, put_blocking
+from timerwheel.stages.base import QueueStage, StageContext, decoded, put_blocking
 from timerwheel.stages.codec import (
     CANCELLED,
     DELIVER,
@@ -60,7 +60,8 @@ class DequeueGetMsg(QueueStage):
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """Every partition's fetch entries served by one read of the commit log."""
         t0 = telemetry.batch_start()
-        fetches = {p: [FetchEntry.decode(payload) for _eid, payload in entries] for p, entries in batches.items()}
+        fetches = {p: decoded(self.ctx, self.fetch_q, p, entries, FetchEntry.decode, self.logger)
+                   for p, entries in batches.items()}
         # The records in item order (a position may repeat: read returns it for each), and
         # separately the few cancel markers whose id hash matched.
         positions = [pos for part in fetches.values() for f in part for pos in map(_POSITION, f.items)]

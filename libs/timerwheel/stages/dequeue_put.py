@@ -33,7 +33,14 @@ from collections.abc import Sequence
 from timerwheel import telemetry
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
-from timerwheel.stages.base import QueueStage, StageContext, Stopped, append_until_written, put_blocking
+from timerwheel.stages.base import (
+    QueueStage,
+    StageContext,
+    Stopped,
+    append_until_written,
+    decoded,
+    put_blocking,
+)
 from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry, wire
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
@@ -117,7 +124,6 @@ class DequeuePut(QueueStage):
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """Every partition's entries in one produce-and-wait."""
-        entries = [e for part in batches.values() for e in part]
         ctx = self.ctx
         cfg = ctx.config
         now = ctx.clock.now_ms()
@@ -160,8 +166,9 @@ class DequeuePut(QueueStage):
                                      held_since_ms=since)
             return OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition)
 
-        for _eid, payload in entries:
-            entry = DeliverEntry.decode(payload)
+        deliver_entries = [e for p, part in batches.items()
+                           for e in decoded(ctx, self.deliver_q, p, part, DeliverEntry.decode, self.logger)]
+        for entry in deliver_entries:
             counts = done.setdefault((entry.shard, entry.generation), {})
             counts[entry.slot_time] = counts.get(entry.slot_time, 0) + len(entry.items)
             for kind, _fire, enqueued, rec, src_partition, src_offset, _tp in entry.items:
@@ -244,5 +251,5 @@ class DequeuePut(QueueStage):
         if dead:
             m.inc_many("dead_lettered", "topic", dead)
         if span is not None:
-            telemetry.dequeue_put_batch(span, cfg, ctx.rules, [DeliverEntry.decode(p) for _, p in entries], out, now,
+            telemetry.dequeue_put_batch(span, cfg, ctx.rules, deliver_entries, out, now,
                                         {"DELIVER": DELIVER, "ROLL": ROLL, "CANCELLED": CANCELLED})

@@ -33,7 +33,7 @@ from timerwheel import telemetry
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext
+from timerwheel.stages.base import StageContext, decoded
 from timerwheel.stages.codec import PUT_ROW_FIELDS, PutEntry, PutRequest, PutRow
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
@@ -189,8 +189,7 @@ class EnqueuePut:
         rows: list[PutRow] = []
         partitions: list[int] = []
         counts: list[int] = []
-        for _eid, payload in entries:
-            entry = PutEntry.decode(payload)
+        for entry in decoded(self.ctx, self.queue, st.shard_id, entries, PutEntry.decode, st.log):
             p = entry.src_partition
             have = offsets.get(p, 0)
             if entry.from_offset > have:

@@ -97,6 +97,11 @@ class WorkQueue(Protocol):
 
     def ack(self, partition: int, entry_ids: Sequence[str]) -> None: ...
 
+    def bury(self, partition: int, entries: Sequence[tuple[str, bytes, str]]) -> None:
+        """Move entries ``(entry_id, payload, reason)`` that cannot be decoded aside, into the
+        queue's dead-entry stream, and ack them: never retried, kept for inspection."""
+        ...
+
     def claim_stale(self, partition: int, consumer: str, idle_ms: int, max_entries: int,
                     dead_idle_ms: int | None = None) -> list[tuple[str, bytes]]:
         """Entries delivered to some consumer but not acked for ``idle_ms``: now this consumer's.

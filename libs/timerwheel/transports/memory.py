@@ -62,7 +62,7 @@ class _Pending:
 
 
 class _QueuePartition:
-    __slots__ = ("lock", "not_empty", "not_full", "waiting", "pending", "next_id")
+    __slots__ = ("lock", "not_empty", "not_full", "waiting", "pending", "next_id", "dead")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -72,6 +72,8 @@ class _QueuePartition:
         # Insertion order is (re)delivery order, so the stalest entries come first.
         self.pending: dict[str, _Pending] = {}
         self.next_id = 0
+        #: Entries moved aside (``bury``): (entry id, payload, reason).
+        self.dead: list[tuple[str, bytes, str]] = []
 
 
 class MemoryWorkQueue:
@@ -151,6 +153,20 @@ class MemoryWorkQueue:
             removed = sum(qp.pending.pop(entry_id, None) is not None for entry_id in entry_ids)
             if removed:
                 qp.not_full.notify_all()
+
+    def bury(self, partition: int, entries: Sequence[tuple[str, bytes, str]]) -> None:
+        qp = self._part(partition)
+        with qp.lock:
+            for entry_id, payload, reason in entries:
+                qp.pending.pop(entry_id, None)
+                qp.dead.append((entry_id, payload, reason))
+            qp.not_full.notify_all()
+
+    def dead_entries(self, partition: int) -> list[tuple[str, bytes, str]]:
+        """What ``bury`` moved aside (tests and inspection)."""
+        qp = self._part(partition)
+        with qp.lock:
+            return list(qp.dead)
 
     def claim_stale(
         self, partition: int, consumer: str, idle_ms: int, max_entries: int, dead_idle_ms: int | None = None

@@ -138,6 +138,10 @@ def _entries(raw: Any) -> list[tuple[str, bytes]]:
     return out
 
 
+#: Entries a dead-entry stream keeps (the oldest are trimmed).
+DEAD_ENTRIES_KEPT = 10_000
+
+
 class RedisWorkQueue:
     """``WorkQueue`` on Redis Streams. See the module docstring.
 
@@ -252,6 +256,30 @@ class RedisWorkQueue:
             pipe.xack(key, self.group, *entry_ids)
             pipe.xdel(key, *entry_ids)
             pipe.execute()
+
+    def dead_key(self, partition: int) -> str:
+        """The stream that ``bury`` moves undecodable entries to (at most DEAD_ENTRIES_KEPT)."""
+        return f"{self.key(partition)}:dead"
+
+    def bury(self, partition: int, entries: Sequence[tuple[str, bytes, str]]) -> None:
+        key = self._check(partition)
+        if not entries:
+            return
+        with _redis_call(f"bury on queue {self.name!r} partition {partition}"):
+            pipe = self.client.pipeline(transaction=True)
+            for entry_id, payload, reason in entries:
+                pipe.xadd(self.dead_key(partition), {"id": entry_id, "payload": payload, "reason": reason},
+                          maxlen=DEAD_ENTRIES_KEPT, approximate=True)
+            ids = [entry_id for entry_id, _, _ in entries]
+            pipe.xack(key, self.group, *ids)
+            pipe.xdel(key, *ids)
+            pipe.execute()
+
+    def dead_entries(self, partition: int) -> list[tuple[str, bytes, str]]:
+        """What ``bury`` moved aside, oldest first (tests and inspection)."""
+        with _redis_call(f"read dead entries of queue {self.name!r} partition {partition}"):
+            rows: Any = self.client.xrange(self.dead_key(partition))
+        return [(bytes(f[b"id"]).decode(), bytes(f[b"payload"]), bytes(f[b"reason"]).decode()) for _sid, f in rows]
 
     def heartbeat(self, consumer: str, ttl_ms: int) -> None:
         with _redis_call(f"heartbeat of {consumer!r}"):
