@@ -87,6 +87,10 @@ class TimerConfig:
     missing_topic_hold_ms: int = 600_000
     redis_url: str = ""
     http_port: int = 0
+    #: Embedded mode: the local commit log deletes segments older than this; 0 means
+    #: max(7 days, 1.5 x the roll window). At least 1.5 x the roll window (rolled messages are
+    #: re-read from the timer topic), as for the timer topic's retention.ms on Kafka.
+    log_retention_ms: int = 0
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, message: str) -> None:
@@ -140,11 +144,17 @@ class TimerConfig:
         need(0 <= self.replica_index < self.replicas, "replica_index",
              f"must be 0..{self.replicas - 1}, got {self.replica_index}")
         need(0 <= self.http_port <= 65535, "http_port", f"must be 0..65535, got {self.http_port}")
+        need(self.log_retention_ms == 0 or self.log_retention_ms >= self.roll_window_ms * 3 // 2, "log_retention_ms",
+             f"must be at least 1.5 x roll_window_ms ({self.roll_window_ms * 3 // 2}), got {self.log_retention_ms}")
         need(self.kafka_compression in KAFKA_COMPRESSIONS, "kafka_compression",
              f"must be one of {', '.join(KAFKA_COMPRESSIONS)}, got {self.kafka_compression!r}")
         need(self.missing_topic in MISSING_TOPIC_POLICIES, "missing_topic",
              f"must be one of {', '.join(MISSING_TOPIC_POLICIES)}, got {self.missing_topic!r}")
         need(self.missing_topic_hold_ms >= 0, "missing_topic_hold_ms", f"must be >= 0, got {self.missing_topic_hold_ms}")
+
+    @property
+    def effective_log_retention_ms(self) -> int:
+        return self.log_retention_ms or max(7 * DAY_MS, self.roll_window_ms * 3 // 2)
 
     @property
     def wheel_slots(self) -> int:
@@ -235,6 +245,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                                  "a due message's missing destination is waited for this long, then DLQ (default 10m)"),
     "TW_REDIS_URL": ("redis_url", "str", "Redis URL for the work queues and leases (production mode)"),
     "TW_HTTP_PORT": ("http_port", "int", "port for /healthz, /readyz and /metrics (0: off)"),
+    "TW_LOG_RETENTION_MS": ("log_retention_ms", "duration",
+                            "embedded: the local log keeps records this long (default max(7d, 1.5 x roll window))"),
 }
 
 #: Variables read outside TimerConfig.

@@ -41,6 +41,9 @@ from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 from timerwheel.wire import Ticket
 
+#: How often the embedded runtime applies the local commit log's retention (seconds).
+RETENTION_EVERY_S = 60.0
+
 
 @dataclass
 class Transports:
@@ -114,6 +117,7 @@ class EmbeddedTimerwheel:
         self.clock = clock or SystemClock()
         self.metrics = Metrics()
         self._pending_every = Every(PENDING_EVERY_S)
+        self._retention_every = Every(RETENTION_EVERY_S)
         self.log = stage_logger("embedded")
         self.runners: list[StageRunner] = []
         self._started = False
@@ -166,8 +170,7 @@ class EmbeddedTimerwheel:
         self.runners = [
             StageRunner("enqueue-get", self.enqueue_get, ctx),
             StageRunner("enqueue-put", self.enqueue_put, ctx),
-            StageRunner("dequeue-get", self.dequeue_get, ctx,
-                        sample=lambda: self.sample_gauges(self._pending_every.due())),
+            StageRunner("dequeue-get", self.dequeue_get, ctx, sample=self._sample),
             StageRunner("dequeue-getmsg", self.dequeue_getmsg, ctx),
             StageRunner("dequeue-put", self.dequeue_put, ctx),
         ]
@@ -261,6 +264,23 @@ class EmbeddedTimerwheel:
                 return
             time.sleep(0.0005)
         raise TimeoutError(f"timerwheel did not become idle within {timeout_s} s: {self.inspect()}")
+
+    def _sample(self) -> None:
+        """Every second, from the gauge thread: gauges, and now and then the local log's retention."""
+        self.sample_gauges(self._pending_every.due())
+        if self._retention_every.due():
+            self.enforce_retention()
+
+    def enforce_retention(self) -> int:
+        """Delete the local commit log's segments past ``TW_LOG_RETENTION_MS``; returns how many."""
+        expire = getattr(self.commit_log, "expire", None)  # Kafka keeps its own retention
+        if expire is None:
+            return 0
+        deleted = int(expire(self.clock.now_ms(), self.config.effective_log_retention_ms))
+        if deleted:
+            self.log.info("log retention", segments_deleted=deleted,
+                          retention_ms=self.config.effective_log_retention_ms)
+        return deleted
 
     def sample_gauges(self, pending: bool = True) -> None:
         """Set the queue-depth gauges and (with ``pending``) the pending messages. dequeue-get's

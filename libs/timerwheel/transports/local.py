@@ -36,7 +36,8 @@ What it guarantees, and why:
   .log, every frame's CRC, also past a missing batch-end mark) and cuts it at the first damaged
   record.
 * Retention (``delete_before``) deletes whole segments, oldest first; the last segment is never
-  deleted (an empty one is rolled first), so the end offset survives.
+  deleted (an empty one is rolled first), so the end offset survives. ``expire`` does it by time,
+  as Kafka's ``retention.ms``: segments whose newest record is older than the retention go.
 
 Assumes one machine (flock, a shared page cache); not for network file systems.
 """
@@ -581,6 +582,23 @@ class _Partition:
             fsync_dir(self.dir)
         return self.start()
 
+    def expire(self, cutoff_ms: int) -> int:
+        """Delete the oldest segments whose newest record is stamped before ``cutoff_ms`` (never
+        the last segment); returns how many went. Lock held."""
+        with self._view_lock:
+            self._refresh()
+            bases = list(self._bases)
+        keep_from = None
+        for _base, next_base in itertools.pairwise(bases):
+            newest = self.read_offsets([next_base - 1]).get(next_base - 1)
+            if newest is None or newest.timestamp_ms >= cutoff_ms:
+                break
+            keep_from = next_base
+        if keep_from is None:
+            return 0
+        self.delete_before(keep_from)
+        return bases.index(keep_from)
+
     def close(self) -> None:
         self._closed = True
         with self._view_lock:
@@ -735,6 +753,18 @@ class LocalCommitLog:
         part = self._partition(topic, partition)
         with part.locked():
             return part.delete_before(offset)
+
+    def expire(self, now_ms: int, retention_ms: int) -> int:
+        """Retention by time over every topic: delete whole segments whose newest record is older
+        than ``retention_ms`` (as Kafka's ``retention.ms``); returns the segments deleted."""
+        deleted = 0
+        for meta in sorted(self.directory.glob("*/topic.json")):
+            topic = meta.parent.name
+            for p in range(self.partitions(topic)):
+                part = self._partition(topic, p)
+                with part.locked():
+                    deleted += part.expire(now_ms - retention_ms)
+        return deleted
 
     # -- reading ------------------------------------------------------------------------
 
