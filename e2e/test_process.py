@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from harness import STAGES, Collector, Pipeline, TimerProducer, free_port, is_ready, make_report, now_ms, tail
+from timerwheel.config import RECORD_SIZE
 
 pytestmark = pytest.mark.e2e
 
@@ -71,7 +72,9 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
             sent = [producer.schedule(dest, now_ms() + 500) for _ in range(20)]
             producer.flush()
             assert not collector.wait_for([m.message_id for m in sent], 30, pipe), pipe.tails()
-            make_report("probes", producer, collector)
+            rep = make_report("probes", producer, collector)
+            assert (rep.scheduled, rep.delivered, rep.lost, rep.duplicated, rep.early, rep.unexpected) == \
+                (20, 20, [], 0, [], []), rep.line()
         for name in STAGES:
             code, body = pipe.http(name, "/healthz")
             assert (code, body) == (200, "ok\n"), name
@@ -90,10 +93,11 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
             assert code == 0, f"{name} exited with {code} on SIGTERM\n{tail(pipe.procs[name].log_path)}"
             assert took < 8, f"{name} took {took:.1f} s to stop"
             assert '"event":"stopped"' in tail(pipe.procs[name].log_path, 5), name
-        # enqueue-put published a final checkpoint with every record it wrote.
-        for shard in range(2):
-            ckpt = pipe.checkpoint(shard)
-            assert ckpt["flushed_pos"] >= 0 and ckpt["epoch"] >= 1
+        # enqueue-put published a final checkpoint with every record it wrote: the 20 messages,
+        # one 64-byte TimerLog record each, across the two shards (fresh TimerLogs start at 0).
+        ckpts = [pipe.checkpoint(shard) for shard in range(2)]
+        assert sum(c["flushed_pos"] for c in ckpts) == 20 * RECORD_SIZE, ckpts
+        assert all(c["epoch"] >= 1 for c in ckpts), ckpts
     finally:
         pipe.stop_all()
 

@@ -264,12 +264,22 @@ def test_metrics_are_exported_over_otlp_with_the_counts_of_a_run(
 
 
 def test_tracing_off_records_no_spans(clock: SimulatedClock, tmp_path: Path) -> None:
+    """The same scenario with the exporter's provider in use records spans; after ``use(None)``,
+    none (so the check below is against an exporter that would see them)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    telemetry.use(None)
+    telemetry.use(provider)
+    try:
+        with EmbeddedTimerwheel(tmp_path / "on", clock=clock, tick_ms=100, roll_window_ms=ROLL_WINDOW_MS,
+                                fsync=False) as tw:
+            run_scenario(tw, clock)
+        assert exporter.get_finished_spans(), "tracing on: the exporter sees the stages' spans"
+        exporter.clear()
+    finally:
+        telemetry.use(None)
     assert telemetry.tracer() is None and telemetry.batch_start() is None
-    with EmbeddedTimerwheel(tmp_path / "data", clock=clock, tick_ms=100, roll_window_ms=ROLL_WINDOW_MS,
+    with EmbeddedTimerwheel(tmp_path / "off", clock=clock, tick_ms=100, roll_window_ms=ROLL_WINDOW_MS,
                             fsync=False) as tw:
         run_scenario(tw, clock)
         assert exporter.get_finished_spans() == ()

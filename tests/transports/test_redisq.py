@@ -21,6 +21,16 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
     c.close()
 
 
+@pytest.fixture
+def flushable(client: redis.Redis, redis_control: ServerControl) -> redis.Redis:
+    """``client``, for a test that runs FLUSHALL: only on the server the tests started themselves
+    (scripts/redis.sh), never on one that ``TW_REDIS_URL`` names, whose data may be someone's."""
+    if not redis_control.managed:
+        pytest.fail(f"refused: this test runs FLUSHALL, and Redis at {redis_control.address} (TW_REDIS_URL) was "
+                    f"not started by the tests; unset TW_REDIS_URL to let them start their own", pytrace=False)
+    return client
+
+
 def queue(client: redis.Redis, partitions: int = 2, bound: int = 100) -> RedisWorkQueue:
     return RedisWorkQueue(client, f"t-{uuid.uuid4().hex[:8]}", partitions, bound)
 
@@ -138,7 +148,8 @@ def test_claim_stale_respects_max_entries_across_a_long_pending_list(client: red
     assert [p for _, p in first] == [b"%d" % i for i in range(250)]
 
 
-def test_the_queue_keeps_working_after_flushall(client: redis.Redis) -> None:
+def test_the_queue_keeps_working_after_flushall(flushable: redis.Redis) -> None:
+    client = flushable
     q = queue(client)
     q.put(0, [b"lost"], timeout_s=1)
     q.get(0, "c", 10, 1)
@@ -237,7 +248,8 @@ def test_a_lapsed_lease_nobody_took_can_still_be_renewed(client: redis.Redis) ->
     assert leases.acquire("enqueue-put", 0, "b", ttl_ms=10_000) is None
 
 
-def test_epochs_stay_monotonic_after_flushall_through_the_floor(client: redis.Redis) -> None:
+def test_epochs_stay_monotonic_after_flushall_through_the_floor(flushable: redis.Redis) -> None:
+    client = flushable
     leases = RedisLeaseStore(client)
     for _ in range(3):
         epoch = leases.acquire("enqueue-put", 7, "a", ttl_ms=10_000)
