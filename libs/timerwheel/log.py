@@ -1,5 +1,8 @@
 """Structured logs: one JSON line per event, always with stage and shard.
 
+An error logged with ``exc=True`` carries its whole traceback in the ``traceback`` field (and its
+last line in ``error``), once, where the error is handled.
+
     log = stage_logger("enqueue-put", shard=3)
     log.info("checkpoint", write_ms=W, flushed_pos=pos)
 
@@ -26,7 +29,10 @@ class JsonFormatter(logging.Formatter):
         if fields:
             line.update(fields)
         if record.exc_info:
-            line["error"] = self.formatException(record.exc_info).splitlines()[-1]
+            # The whole traceback, in the same one line (JSON escapes its newlines).
+            text = self.formatException(record.exc_info)
+            line["error"] = text.splitlines()[-1]
+            line["traceback"] = text
         return json.dumps(line, default=str, separators=(",", ":"))
 
 

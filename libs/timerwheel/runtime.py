@@ -74,16 +74,29 @@ class StageRunner:
         if self.sample is not None:
             threading.Thread(target=self._sample, name=f"tw-{self.name}-gauges", daemon=True).start()
         backoff = 0.01
+        failing: tuple[str, str] | None = None  # the error of the failing streak, logged in full once
+        repeats = 0
         while not self.ctx.stop.is_set():
             try:
                 self.work += self.stage.step(self.idle_s)
                 backoff = 0.01
+                if failing is not None:
+                    self.log.info("step works again", after_failures=repeats + 1)
+                failing, repeats = None, 0
             except Stopped:
                 break
-            except Exception:  # noqa: BLE001 - a stage never dies; it logs and retries
+            except Exception as exc:  # noqa: BLE001 - a stage never dies; it logs and retries
                 self.errors += 1
                 self.ctx.metrics.inc("stage_errors", stage=self.name)
-                self.log.error("step failed, retrying", exc=True, backoff_s=backoff)
+                seen = (type(exc).__name__, str(exc)[:200])
+                if seen != failing:
+                    self.log.error("step failed, retrying", exc=True, backoff_s=backoff)
+                    failing, repeats = seen, 0
+                else:
+                    repeats += 1
+                    if repeats in (1, 10, 100) or repeats % 1000 == 0:  # the traceback was logged above
+                        self.log.error("step failed again, retrying", error=f"{seen[0]}: {seen[1]}",
+                                       repeats=repeats, backoff_s=backoff)
                 if self.ctx.stop.wait(backoff):
                     break
                 backoff = min(backoff * 2, 2.0)
