@@ -73,6 +73,7 @@ from timerwheel.records import OutRecord, Record
 __all__ = ["KafkaCommitLog", "KafkaConsumerAdapter", "KafkaLogError"]
 
 _TOPIC_EXISTS = 36
+_UNKNOWN_TOPIC = 3  # UNKNOWN_TOPIC_OR_PARTITION
 
 # Random reads are bound by kafka-python decoding every record it walks past (~20 us each, more
 # without the crc32c package): a fetch starts at the batch holding the wanted offset, and the
@@ -357,6 +358,7 @@ class KafkaCommitLog:
         stall_timeout_s: float = 8.0,
         compression: str = "none",
         metadata_wait_s: float = 0.5,
+        creating_wait_s: float = 15.0,
         missing_topic_recheck_s: float = 5.0,
     ) -> None:
         if not bootstrap:
@@ -368,10 +370,14 @@ class KafkaCommitLog:
         self._compression = None if compression == "none" else compression
         #: ``append`` waits this long, once per batch, for the metadata of topics it has not written yet.
         self._metadata_wait_s = metadata_wait_s
+        #: ... and this long for a topic the broker says exists (auto-created, its leader not elected yet).
+        self._creating_wait_s = creating_wait_s
         #: A topic found missing is asked for again after this long (not on every batch).
         self._missing_recheck_s = missing_topic_recheck_s
         #: topic -> monotonic time it was last found missing.
         self._missing: dict[str, float] = {}
+        #: The broker's auto.create.topics.enable, once asked (``_broker_auto_creates``).
+        self._auto_create: bool | None = None
         #: topic -> partition count, for topics seen to exist (``partition_count``).
         self._counts: dict[str, int] = {}
         self._client_id = client_id
@@ -695,31 +701,66 @@ class KafkaCommitLog:
         return known, new
 
     def _await_metadata(self, producer: Any, topics: set[str]) -> set[str]:
-        """Of these new topics, those still without metadata after one shared, bounded wait.
+        """Of these new topics, those that do not exist: the rest have metadata now.
 
         kafka-python's ``send`` waits for a new topic's metadata on its own, up to
         ``max_block_ms`` per topic and one topic after the other: 300 new destinations cost
         minutes, and one that does not exist blocked the whole stage. Here every new topic is
-        added to the producer's metadata at once and each refresh asks for all of them (a broker
-        that auto-creates topics creates them then); a topic still unknown after
-        ``metadata_wait_s`` is missing."""
-        metadata = producer._metadata
+        added to the producer's metadata at once and each refresh asks for all of them. On a
+        broker that creates topics on first use, that creates them: they are waited for up to
+        ``creating_wait_s``. On one that does not, a topic still unknown after
+        ``metadata_wait_s`` is looked up with the admin client: one that exists (just created
+        by someone) is waited for as well, the others are missing at once."""
         sender = producer._sender
         for topic in topics:
             sender.add_topic(topic)
-        deadline = time.monotonic() + self._metadata_wait_s
-        left = set(topics)
+        if self._broker_auto_creates():
+            left = self._refresh_until(producer, set(topics), self._creating_wait_s)
+        else:
+            left = self._refresh_until(producer, set(topics), self._metadata_wait_s)
+            if left:
+                with self._admin_lock, self._kafka_call("describe new topics"):
+                    found = self._get_admin().describe_topics(sorted(left))
+                # Any answer but "unknown topic" means it exists (a new one: no leader yet, code 5).
+                creating = {t["name"] for t in found if t["error_code"] != _UNKNOWN_TOPIC}
+                left = (left - creating) | self._refresh_until(producer, creating, self._creating_wait_s)
+        now = time.monotonic()
+        for topic in left:
+            self._missing[topic] = now
+        return left
+
+    def _broker_auto_creates(self) -> bool:
+        """The broker's ``auto.create.topics.enable`` (asked once; True when it cannot be told)."""
+        if self._auto_create is None:
+            try:
+                with self._admin_lock, self._kafka_call("describe the broker's configuration"):
+                    admin = self._get_admin()
+                    brokers = admin.describe_cluster().get("brokers") or []
+                    node = str(brokers[0]["broker_id"]) if brokers else "0"
+                    found = admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, node,
+                                                                   ["auto.create.topics.enable"])],
+                                                   config_filter="all")
+                entry = found.get("broker", {}).get(node, {}).get("auto.create.topics.enable") or {}
+                self._auto_create = str(entry.get("value", "true")).lower() != "false"
+            except (KafkaLogError, LookupError, TypeError, AttributeError) as exc:
+                stage_logger("kafka").warning("cannot tell whether the broker creates topics; assuming it does",
+                                              error=str(exc)[:200])
+                self._auto_create = True
+        return self._auto_create
+
+    def _refresh_until(self, producer: Any, topics: set[str], wait_s: float) -> set[str]:
+        """Ask for the metadata of ``topics`` until all have some or ``wait_s`` passed; the rest."""
+        metadata = producer._metadata
+        deadline = time.monotonic() + wait_s
+        left = {t for t in topics if metadata.partitions_for_topic(t) is None}
         while left and time.monotonic() < deadline:
             answered = threading.Event()
             metadata.request_update().add_both(lambda *_, done=answered: done.set())
-            sender.wakeup()
+            producer._sender.wakeup()
             answered.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
             left = {t for t in left if metadata.partitions_for_topic(t) is None}
             if left:
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        now = time.monotonic()
-        for topic in left:
-            self._missing[topic] = now
         return left
 
     def _drop_producer(self, producer: Any) -> None:
