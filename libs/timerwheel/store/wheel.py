@@ -41,6 +41,7 @@ import numpy.typing as npt
 from timerwheel.errors import ConfigError, FormatMismatchError, TimerwheelError
 from timerwheel.files import fsync_dir
 from timerwheel.store.format import FORMAT_VERSION
+from timerwheel.store.fresh import drop_cached, pread_fresh
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,27 @@ class TimerWheel:
         ]
         if wrong:
             raise FormatMismatchError(f"TimerWheel {self.path} does not match: " + "; ".join(wrong))
+
+    def fresh_synced_pos(self) -> int | None:
+        """``synced_pos`` as the file holds it now, read past this node's cache (None while the
+        header fails its CRC: being rewritten)."""
+        data = pread_fresh(self.path, 0, HEADER_SIZE)
+        if len(data) < HEADER_SIZE or zlib.crc32(data[:-4]) != struct.unpack_from("<I", data, 60)[0]:
+            return None
+        return int(struct.unpack_from("<q", data, _SYNCED_POS_OFFSET)[0])
+
+    def reload(self) -> None:
+        """Reader: map the file again with this node's cached pages of it dropped, so that slots
+        read from now on are at least as new as the file's last msync (another node's writes)."""
+        if not self.readonly:
+            return
+        size = HEADER_SIZE + self.slots * SLOT_SIZE
+        del self._slots
+        with contextlib.suppress(BufferError):  # a caller still holds a view; the mapping goes when it does
+            self._mm.close()
+        drop_cached(self._fd)
+        self._mm = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ)
+        self._slots = np.ndarray((self.slots,), dtype=SLOT_DTYPE, buffer=self._mm, offset=HEADER_SIZE)
 
     @property
     def synced_pos(self) -> int:
