@@ -14,8 +14,6 @@ import os
 import time
 from pathlib import Path
 
-from mounts import mounts  # noqa: F401 - the fixture
-from mounts import TwoMounts
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DoneEntry, FetchEntry
@@ -23,6 +21,7 @@ from timerwheel.stages.dequeue_get import DequeueGet
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord, shard_dir
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
+from two_mounts import TwoMounts
 
 START = 1_700_000_000_000
 TICK = 100

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from mounts import mounts  # noqa: F401 - the fixture
-from mounts import TwoMounts
 from timerwheel.errors import FencedError
 from timerwheel.store.checkpoint import (
     DequeueCheckpoint,
@@ -23,6 +21,7 @@ from timerwheel.store.checkpoint import (
     save_dequeue,
     save_enqueue,
 )
+from two_mounts import TwoMounts
 
 OLD_SAVES = 600
 NEW_SAVES = 200

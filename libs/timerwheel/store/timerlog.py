@@ -34,7 +34,6 @@ import numpy.typing as npt
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import ConfigError, CorruptRecordError, FormatMismatchError, TimerwheelError
 from timerwheel.files import fsync_dir, pwrite_all
-from timerwheel.store.fresh import drop_cached, pread_fresh
 from timerwheel.store.format import (
     RECORD_DTYPE,
     RecordArray,
@@ -46,6 +45,7 @@ from timerwheel.store.format import (
     valid_mask,
     why_invalid,
 )
+from timerwheel.store.fresh import drop_cached, pread_fresh
 
 log = logging.getLogger(__name__)
 

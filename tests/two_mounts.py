@@ -1,4 +1,4 @@
-"""Two nodes on one machine: two ``bindfs -o auto_cache`` mounts of one directory.
+"""Two nodes on one machine: two ``bindfs -o auto_cache`` mounts of one directory (fixture ``mounts``).
 
 Each FUSE mount has its own page cache, so they behave like two NFS clients of one export
 (close-to-open at best): a file kept open or mapped through one mount shows old bytes after a
