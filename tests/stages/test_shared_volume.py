@@ -149,3 +149,24 @@ def test_the_mounts_really_are_two_caches(mounts: TwoMounts) -> None:
         assert os.pread(fd_b, 4, 0) == b"old!", "mount B is not stale: these tests would prove nothing"
     finally:
         os.close(fd_b)
+
+
+def test_inspect_through_a_second_mount_counts_what_the_writer_published(mounts: TwoMounts) -> None:
+    """The status an operator reads (``timerwheel inspect``, the ``pending`` gauge) from another
+    node counts the records the checkpoint publishes, not the wheel as that node cached it."""
+    from timerwheel.embedded import inspect_shards
+
+    writer = open_at(mounts.a, writer=True)
+    writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=START, epoch=0))
+    writer.append([rec(START + 5_000, 0)])
+    writer.save_enqueue_checkpoint(EnqueueCheckpoint(writer.sync_wheel(), START, {0: 1}, 1))
+    reader = open_at(mounts.b, writer=False)
+    try:
+        assert inspect_shards(CFG, {0: reader}, START)["shards"][0]["pending"] == 1
+        writer.append([rec(START + 5_000 + 100 * (i % 7), 1 + i) for i in range(40)])
+        writer.save_enqueue_checkpoint(EnqueueCheckpoint(writer.flush(), START, {0: 41}, 1))
+        status = inspect_shards(CFG, {0: reader}, START)["shards"][0]
+        assert status["pending"] == 41 and status["flushed_pos"] == 41 * 64, status
+    finally:
+        reader.close()
+        writer.close()

@@ -329,13 +329,12 @@ class Shard:
         if tail is None or published.epoch != self._tail_epoch or limit < tail.end:
             # A first view, or another owner opened the shard (its recovery may have cut the tail
             # and written other records in its place): start again from the wheel.
-            self.wheel.reload()
+            fresh = self.wheel.reload()
             self.log.forget_cached()
-            tail = self.tail = TailIndex(start)
+            tail = self.tail = TailIndex(start if fresh else self.log.start_pos)
             self._tail_epoch = published.epoch
             self._invalid_since = None
-        elif start > tail.start:
-            self.wheel.reload()
+        elif start > tail.start and self.wheel.reload():
             tail.forget_below(start)
         return self._read_tail(tail, limit)
 
@@ -396,6 +395,20 @@ class Shard:
             return found
         in_tail = self.tail.next_slot(self.slot_time(from_ms), to_ms if found is None else found)
         return found if in_tail is None else in_tail
+
+    def count_range(self, from_ms: int, to_ms: int) -> int:
+        """Records in the slots overlapping [from_ms, to_ms), as this view knows them (see ``slot``)."""
+        total = self.wheel.count_range(from_ms, to_ms)
+        if self.tail is None or self.writer:
+            return total
+        slot_time, _head, first, num = self.tail.merged(self.slot_time(from_ms), to_ms)
+        if not len(slot_time):
+            return total
+        rows = self.wheel.rows((slot_time // self.tick_ms) % self.slots)
+        has = (rows["magic"] == SLOT_MAGIC) & (rows["slot_time"] == slot_time)
+        view = np.where(has, rows["num"], 0).astype(np.int64)
+        merged = np.where(has & (rows["last_pos"] < first), view + num, np.maximum(view, num))
+        return total + int(merged.sum() - view.sum())
 
     # ---------------------------------------------------------------- reading
 

@@ -99,6 +99,18 @@ class TailIndex:
                 num += int(run.num[k])
         return (head, first, num) if num else None
 
+    def merged(self, from_ms: int, to_ms: int) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+        """(slot time, newest, oldest, count) of the indexed slots with from_ms <= t < to_ms."""
+        parts = []
+        for run in self._runs:
+            lo, hi = np.searchsorted(run.slot, [from_ms, to_ms])
+            parts.append((run.slot[lo:hi], run.head[lo:hi], run.first[lo:hi], run.num[lo:hi]))
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, empty
+        run = _Run.of(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+        return run.slot, run.head, run.first, run.num
+
     def next_slot(self, from_ms: int, to_ms: int) -> int | None:
         """The first indexed slot time t with from_ms <= t < to_ms, or None."""
         best: int | None = None

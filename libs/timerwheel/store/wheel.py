@@ -190,18 +190,26 @@ class TimerWheel:
             return None
         return int(struct.unpack_from("<q", data, _SYNCED_POS_OFFSET)[0])
 
-    def reload(self) -> None:
+    def reload(self) -> bool:
         """Reader: map the file again with this node's cached pages of it dropped, so that slots
-        read from now on are at least as new as the file's last msync (another node's writes)."""
+        read from now on are at least as new as the file's last msync (another node's writes).
+        False if the old mapping is still in use (a view held by another thread): its pages stay
+        cached then, and the caller must not count on the new mapping being fresh."""
         if not self.readonly:
-            return
-        size = HEADER_SIZE + self.slots * SLOT_SIZE
-        del self._slots
-        with contextlib.suppress(BufferError):  # a caller still holds a view; the mapping goes when it does
-            self._mm.close()
-        drop_cached(self._fd)
-        self._mm = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ)
+            return True
+        old = self._mm
+        self._mm = mmap.mmap(self._fd, HEADER_SIZE + self.slots * SLOT_SIZE, access=mmap.ACCESS_READ)
         self._slots = np.ndarray((self.slots,), dtype=SLOT_DTYPE, buffer=self._mm, offset=HEADER_SIZE)
+        try:
+            old.close()
+        except BufferError:  # a caller still holds a view; the mapping goes when it does
+            return False
+        drop_cached(self._fd)  # pages mapped by a process (the new mapping faults lazily) stay
+        return True
+
+    def rows(self, idx: IntArray) -> npt.NDArray[np.void]:
+        """The stored rows at wheel indexes ``idx`` (pending changes not included)."""
+        return self._slots[idx]
 
     @property
     def synced_pos(self) -> int:
