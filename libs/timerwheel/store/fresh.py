@@ -11,20 +11,59 @@ size the client remembers came back short). Two ways past the cache, both measur
 * where ``O_DIRECT`` is refused (tmpfs): ``posix_fadvise(DONTNEED)`` on a fresh descriptor,
   which drops the clean cached pages of the range so the read fetches them again.
 
-On a local disk both read the same bytes as a cached read (O_DIRECT writes back dirty pages of
-the range first), only slower; so readers use them where a stale view would be taken for a
-fact (checkpoints, the wheel header, the TimerLog tail up to the published flushed position),
-and cached reads elsewhere, checked against what these established.
+Readers use them where a stale view would be taken for a fact (checkpoints, the wheel header,
+the TimerLog tail up to the published flushed position), and cached reads elsewhere, checked
+against what these established. Only on a file system another node can write, though: on a
+local one (ext4, xfs, tmpfs, overlay, ...) this node's page cache is the only copy, a cached
+read is always fresh, and an uncached one costs a disk read (measured: ~1 ms per 4 KiB read
+with O_DIRECT against ~60 us for a checkpoint read through the cache). ``is_shared`` tells the
+two apart by the file system type in /proc/self/mountinfo; a type it does not know counts as
+shared (the safe side).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 
 #: O_DIRECT wants offsets, lengths and buffers aligned to the logical block size; a page is safe.
 ALIGN = 4096
+#: File systems only this node writes: its page cache is coherent with what they hold.
+LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "zfs", "f2fs", "jfs",
+                      "bcachefs", "reiserfs", "squashfs", "iso9660", "vfat", "exfat"})
+
+
+@functools.lru_cache(maxsize=64)
+def _fs_type(dev: int) -> str | None:
+    """The type of the file system of device ``dev`` (st_dev), from /proc/self/mountinfo."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == want and "-" in fields:
+                    return fields[fields.index("-") + 1]
+    except OSError:
+        return None
+    return None
+
+
+def shared_dev(dev: int) -> bool:
+    """True unless device ``dev`` holds a local file system (see LOCAL_FS)."""
+    return _fs_type(dev) not in LOCAL_FS
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_dir(directory: str) -> bool:
+    return shared_dev(os.stat(directory).st_dev)
+
+
+def is_shared(path: str) -> bool:
+    """Whether another node may write the file system holding ``path`` (an existing file or
+    directory's parent): then reads that must be fresh go past the page cache."""
+    return _shared_dir(os.path.dirname(os.path.abspath(path)) or "/")
 
 
 def _aligned(offset: int, length: int) -> tuple[int, int]:
@@ -37,12 +76,14 @@ def pread_fresh(path: str, offset: int, length: int) -> bytes:
     at the end of the file). FileNotFoundError if there is no such file."""
     if length <= 0:
         return b""
+    if not is_shared(path):
+        return _pread(path, offset, length, drop=False)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        return _pread_dropped(path, offset, length)
+        return _pread(path, offset, length, drop=True)
     try:
         start, size = _aligned(offset, length)
         buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
@@ -52,7 +93,7 @@ def pread_fresh(path: str, offset: int, length: int) -> bytes:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                return _pread_dropped(path, offset, length)
+                return _pread(path, offset, length, drop=True)
             lo = offset - start
             return bytes(buf[lo : max(lo, min(got, lo + length))])
         finally:
@@ -61,10 +102,11 @@ def pread_fresh(path: str, offset: int, length: int) -> bytes:
         os.close(fd)
 
 
-def _pread_dropped(path: str, offset: int, length: int) -> bytes:
+def _pread(path: str, offset: int, length: int, drop: bool) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        if drop:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         out = bytearray()
         while len(out) < length:
             chunk = os.pread(fd, length - len(out), offset + len(out))
@@ -76,15 +118,21 @@ def _pread_dropped(path: str, offset: int, length: int) -> bytes:
         os.close(fd)
 
 
-def read_fresh(path: str, limit: int = 1 << 20) -> bytes:
+def read_fresh(path: str, limit: int = 1 << 24) -> bytes:
     """The whole (small) file ``path`` as the file system holds it now."""
-    data = pread_fresh(path, 0, limit)
-    if len(data) == limit:
-        raise ValueError(f"{path} is larger than {limit} bytes")
-    return data
+    size = 16 * ALIGN
+    while True:
+        data = pread_fresh(path, 0, size)
+        if len(data) < size:
+            return data
+        if size >= limit:
+            raise ValueError(f"{path} is larger than {limit} bytes")
+        size *= 4
 
 
 def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
     """Forget this node's clean cached pages of a range (0 length: to the end), so the next
-    cached read or mapping fault fetches them again. Pages mapped by a process stay."""
-    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    cached read or mapping fault fetches them again. Pages mapped by a process stay. Nothing
+    to do on a local file system (the cache is the truth there)."""
+    if shared_dev(os.fstat(fd).st_dev):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
