@@ -63,7 +63,7 @@ from timerwheel.store.format import (
     valid_mask,
     why_invalid,
 )
-from timerwheel.store.fresh import pread_fresh
+from timerwheel.store.fresh import is_shared, pread_fresh
 from timerwheel.store.recovery import RecoveryReport, recover
 from timerwheel.store.tail import TailIndex
 from timerwheel.store.timerlog import CHUNK_RECORDS, SEGMENT_SUFFIX, TimerLog
@@ -170,6 +170,9 @@ class Shard:
         #: Reader: the TimerLog records its wheel view may not show (see ``refresh``), the epoch of
         #: the enqueue checkpoint they were read under, and when an invalid record was first met.
         self.tail: TailIndex | None = None
+        #: Another node may write this shard's files (``fresh.is_shared``): the reader needs a
+        #: view of its own (``refresh``). On a local file system the page cache is shared.
+        self.shared = is_shared(os.path.join(directory, META_FILE))
         self._tail_epoch = -1
         self._invalid_since: tuple[int, float] | None = None
 
@@ -318,8 +321,8 @@ class Shard:
         yet (a short read, a stale page): the caller retries later and must not take the slots
         for empty meanwhile. The writer's view is always complete.
         """
-        if self.writer:
-            return True
+        if self.writer or not self.shared:
+            return True  # one page cache: the writer's publishes are this view already
         limit = published.flushed_pos
         synced = self.wheel.fresh_synced_pos()
         if synced is None:

@@ -70,7 +70,7 @@ class TailIndex:
         if not len(positions):
             return
         self._runs.append(_Run.of(slot_times, positions, positions, np.ones(len(positions), dtype=np.int64)))
-        while len(self._runs) > 1 and 2 * len(self._runs[-1]) >= len(self._runs[-2]):
+        while len(self._runs) > 1 and len(self._runs[-1]) >= len(self._runs[-2]):
             b, a = self._runs.pop(), self._runs.pop()
             self._runs.append(_Run.of(np.concatenate((a.slot, b.slot)), np.concatenate((a.head, b.head)),
                                       np.concatenate((a.first, b.first)), np.concatenate((a.num, b.num))))
