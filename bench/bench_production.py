@@ -172,7 +172,7 @@ def layout(name: str) -> Iterator[TwoMounts | None]:
 
 
 def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = None,
-               name: str = "production.throughput", **labels: Any) -> None:
+               bench_name: str = "production.throughput", **labels: Any) -> None:
     pipe = new_pipeline(kafka, redis_url, mounts)
     dest = pipe.dest("tp")
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
@@ -196,7 +196,7 @@ def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = No
         rate = n / (t1 - t0)
         base = pass_through(kafka, pipe.timer_topic, n)
         say(f"five-process pipeline {rate:,.0f} msg/s; kafka-python pass-through {base:,.0f} msg/s")
-        emit(name, rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
+        emit(bench_name, rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
              passthrough_per_s=round(base), ratio=round(rate / base, 3), shards=2, timer_partitions=PARTITIONS,
              **labels)
     finally:

@@ -63,7 +63,7 @@ from timerwheel.store.format import (
     valid_mask,
     why_invalid,
 )
-from timerwheel.store.fresh import is_shared, pread_fresh
+from timerwheel.store.fresh import is_shared
 from timerwheel.store.recovery import RecoveryReport, recover
 from timerwheel.store.tail import TailIndex
 from timerwheel.store.timerlog import CHUNK_RECORDS, SEGMENT_SUFFIX, TimerLog
@@ -348,10 +348,7 @@ class Shard:
             pos = tail.end
             base = pos - pos % segment_bytes
             want = min(limit, base + segment_bytes, pos + CHUNK_RECORDS * RECORD_SIZE) - pos
-            try:
-                data = pread_fresh(self.log.segment_path(base), pos - base, want)
-            except FileNotFoundError:
-                data = b""
+            data = self.log.read_fresh(pos, want)
             data = data[: len(data) - len(data) % RECORD_SIZE]
             arr = np.frombuffer(data, dtype=RECORD_DTYPE)
             ok = valid_mask(arr)

@@ -45,7 +45,7 @@ from timerwheel.store.format import (
     valid_mask,
     why_invalid,
 )
-from timerwheel.store.fresh import drop_cached, pread_fresh
+from timerwheel.store.fresh import DirectFile, drop_cached
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class TimerLog:
         #: Reader: records below this position were read valid past the page cache (Shard.refresh);
         #: a cached read of them that comes back short or invalid is a stale page, read again fresh.
         self.fresh_end = 0
+        self._direct: dict[int, DirectFile] = {}
         if readonly:
             if not os.path.isdir(self.directory):
                 raise TimerwheelError(f"no TimerLog directory at {self.directory}")
@@ -107,7 +108,25 @@ class TimerLog:
             drop_cached(fd)
             os.close(fd)
         self._read_fds.clear()
+        self._close_direct()
         self.fresh_end = 0
+
+    def _close_direct(self, below: int | None = None) -> None:
+        for base in [b for b in self._direct if below is None or b < below]:
+            self._direct.pop(base).close()
+
+    def read_fresh(self, pos: int, length: int) -> bytes:
+        """Up to ``length`` bytes at ``pos``, within one segment, past this node's page cache
+        (``fresh.DirectFile``, kept open per segment: a few, the newest ones)."""
+        base = pos - pos % self.segment_bytes
+        direct = self._direct.get(base)
+        if direct is None:
+            try:
+                direct = self._direct[base] = DirectFile(self._path(base))
+            except FileNotFoundError:
+                return b""
+            self._close_direct(below=base - 4 * self.segment_bytes)
+        return direct.pread(pos - base, length)
 
     def _stale(self, pos: int, length: int) -> bool:
         """A reader's cached read of [pos, pos + length) that failed may be stale (see fresh_end)."""
@@ -119,7 +138,7 @@ class TimerLog:
         fd = self._read_fds.get(base)
         if fd is not None:
             drop_cached(fd, pos - base, length)
-        return pread_fresh(self._path(base), pos - base, length)
+        return self.read_fresh(pos, length)
 
     def _scan(self) -> list[tuple[int, int]]:
         """(base, size) of every segment file, by base."""
@@ -462,6 +481,7 @@ class TimerLog:
         for fd in self._read_fds.values():
             os.close(fd)
         self._read_fds.clear()
+        self._close_direct()
         if self._write_fd >= 0:
             os.close(self._write_fd)
             self._write_fd, self._write_base = -1, -1

@@ -41,7 +41,7 @@ import numpy.typing as npt
 from timerwheel.errors import ConfigError, FormatMismatchError, TimerwheelError
 from timerwheel.files import fsync_dir
 from timerwheel.store.format import FORMAT_VERSION
-from timerwheel.store.fresh import drop_cached, pread_fresh
+from timerwheel.store.fresh import DirectFile, drop_cached
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class TimerWheel:
         self.slots = slots
         self.readonly = readonly
         self.fsync = fsync
+        self._direct: DirectFile | None = None
         #: True when this call created the file (an empty wheel, synced_pos 0).
         self.created = False
         if not os.path.exists(self.path):
@@ -185,7 +186,9 @@ class TimerWheel:
     def fresh_synced_pos(self) -> int | None:
         """``synced_pos`` as the file holds it now, read past this node's cache (None while the
         header fails its CRC: being rewritten)."""
-        data = pread_fresh(self.path, 0, HEADER_SIZE)
+        if self._direct is None:
+            self._direct = DirectFile(self.path)
+        data = self._direct.pread(0, HEADER_SIZE)
         if len(data) < HEADER_SIZE or zlib.crc32(data[:-4]) != struct.unpack_from("<I", data, 60)[0]:
             return None
         return int(struct.unpack_from("<q", data, _SYNCED_POS_OFFSET)[0])
@@ -542,6 +545,9 @@ class TimerWheel:
                     np.array([slot.num]))
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
         if self._fd < 0:
             return
         del self._slots
