@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -117,15 +118,21 @@ def epoch_file(path: str, epoch: int) -> str:
 
 def _epoch_files(path: str) -> list[tuple[int, str]]:
     """(epoch, file) of every epoch-named file of checkpoint ``path``, newest epoch first."""
+    return _listing(path)[0]
+
+
+def _listing(path: str) -> tuple[list[tuple[int, str]], bool]:
+    """``_epoch_files``, and whether the single file of the earlier layout (``path``) is there:
+    one directory listing."""
     head, name = os.path.split(path)
     stem = name[: -len(".ckpt")] if name.endswith(".ckpt") else name
     pattern = re.compile(re.escape(stem) + r"\.(\d{20})\.ckpt$")
     try:
         names = os.listdir(head or ".")
     except FileNotFoundError:
-        return []
+        return [], False
     found = [(int(m.group(1)), os.path.join(head, n)) for n in names if (m := pattern.match(n))]
-    return sorted(found, reverse=True)
+    return sorted(found, reverse=True), name in names
 
 
 def published_file(path: str) -> str | None:
@@ -137,14 +144,37 @@ def published_file(path: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def _load(path: str, kind: str) -> dict[str, Any] | None:
+#: How long a reader keeps reading the checkpoint file it found before it lists the directory
+#: again for a newer epoch's (``LoadMemo``).
+LIST_EVERY_S = 1.0
+
+#: One reader's memory of where each checkpoint was: path -> (the file, when it was listed).
+LoadMemo = dict[str, tuple[str, float]]
+
+
+def _load(path: str, kind: str, memo: LoadMemo | None = None) -> dict[str, Any] | None:
     """The newest epoch's checkpoint, read past this node's cache; a file removed between the
-    listing and the read (its owner was superseded meanwhile) is looked up again."""
+    listing and the read (its owner was superseded meanwhile) is looked up again.
+
+    With a ``memo``, the file found is read again without a listing for LIST_EVERY_S: a listing
+    and an open are each a round trip on NFS or FUSE, and readers poll every few milliseconds.
+    A newer owner's file is then seen up to LIST_EVERY_S late (the reader sees no progress
+    meanwhile, never an older epoch than it saw), or at once when it removed the file read."""
+    if memo is not None:
+        known = memo.get(path)
+        if known is not None and time.monotonic() - known[1] < LIST_EVERY_S:
+            try:
+                return _decode(known[0], kind, missing_ok=False)
+            except FileNotFoundError:
+                pass
     for _attempt in range(5):
         named = _epoch_files(path)
         try:
             if named:
-                return _decode(named[0][1], kind, missing_ok=False)
+                body = _decode(named[0][1], kind, missing_ok=False)
+                if memo is not None:
+                    memo[path] = (named[0][1], time.monotonic())
+                return body
             return _decode(path, kind)
         except FileNotFoundError:
             continue
@@ -158,25 +188,26 @@ def _save(path: str, kind: str, data: bytes, epoch: int, fsync: bool) -> None:
     replace another owner's checkpoint, whatever node it runs on and whenever it was paused:
     file locks do not reach across NFS clients, and reading the epoch before a rename leaves a
     window for the other owner. Readers take the newest epoch's file. The save of a superseded
-    owner lands in a file no reader takes, and raises FencedError so that its owner stops.
+    owner lands in a file no reader takes, and raises FencedError so that its owner stops. One
+    directory listing per save: on NFS or FUSE each file-system call is a round trip.
     """
     mine = epoch_file(path, epoch)
-    found = _epoch_files(path)
-    older = [(e, f) for e, f in found if e < epoch]
+    atomic_write(mine, data, fsync)
+    found, legacy_there = _listing(path)
     newer = [e for e, _f in found if e > epoch]
-    legacy = _legacy_epoch(path, kind)
+    legacy = _legacy_epoch(path, kind) if legacy_there else None
     if legacy is not None and legacy > epoch:
+        # Readers prefer epoch-named files: ours must not hide the newer single-file checkpoint.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mine)
         newer.append(legacy)
     if newer:
-        # Checked before writing too, so that a superseded owner does not even leave a file.
+        # Our file is older than one already there: no reader takes it, its successor removes it.
         raise FencedError(f"{kind} checkpoint {path} holds epoch {max(newer)}, newer than this owner's epoch {epoch}")
-    atomic_write(mine, data, fsync)
-    newer = [e for e, _f in _epoch_files(path) if e > epoch]
-    if newer:
-        raise FencedError(f"{kind} checkpoint {path} holds epoch {max(newer)}, newer than this owner's epoch {epoch}")
-    for _e, old in older:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(old)
+    for e, old in found:
+        if e < epoch:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old)
     if legacy is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -184,8 +215,6 @@ def _save(path: str, kind: str, data: bytes, epoch: int, fsync: bool) -> None:
 
 def _legacy_epoch(path: str, kind: str) -> int | None:
     """The epoch in a checkpoint file of the earlier layout (one file, replaced by rename), if any."""
-    if not os.path.exists(path):
-        return None
     try:
         body = _decode(path, kind)
     except FileNotFoundError:
@@ -211,9 +240,9 @@ def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True, memo: S
     _save(path, "enqueue", _encode("enqueue", body), ckpt.epoch, fsync)
 
 
-def load_enqueue(path: str) -> EnqueueCheckpoint | None:
-    """The published enqueue checkpoint (newest epoch), read fresh, or None."""
-    body = _load(path, "enqueue")
+def load_enqueue(path: str, memo: LoadMemo | None = None) -> EnqueueCheckpoint | None:
+    """The published enqueue checkpoint (newest epoch), read fresh, or None (``memo``: see _load)."""
+    body = _load(path, "enqueue", memo)
     if body is None:
         return None
     offsets = body.get("next_offsets")
@@ -240,9 +269,9 @@ def save_dequeue(path: str, ckpt: DequeueCheckpoint, fsync: bool = True, memo: S
     _save(path, "dequeue", _encode("dequeue", body), ckpt.epoch, fsync)
 
 
-def load_dequeue(path: str) -> DequeueCheckpoint | None:
-    """The published dequeue checkpoint (newest epoch), read fresh, or None."""
-    body = _load(path, "dequeue")
+def load_dequeue(path: str, memo: LoadMemo | None = None) -> DequeueCheckpoint | None:
+    """The published dequeue checkpoint (newest epoch), read fresh, or None (``memo``: see _load)."""
+    body = _load(path, "dequeue", memo)
     if body is None:
         return None
     return DequeueCheckpoint(

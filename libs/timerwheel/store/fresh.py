@@ -176,7 +176,7 @@ def _pread(path: str, offset: int, length: int, drop: bool) -> bytes:
 
 def read_fresh(path: str, limit: int = 1 << 24) -> bytes:
     """The whole (small) file ``path`` as the file system holds it now."""
-    size = 16 * ALIGN
+    size = ALIGN
     while True:
         data = pread_fresh(path, 0, size)
         if len(data) < size:

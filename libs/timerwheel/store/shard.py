@@ -150,6 +150,8 @@ class Shard:
         self.directory = directory
         #: This view's own checkpoint saves, so that the next save's epoch check needs no read.
         self._saved: checkpoint.SaveMemo = {}
+        #: Where this view last found each checkpoint (spares a directory listing per load).
+        self._found: checkpoint.LoadMemo = {}
         self.log = timer_log
         self.wheel = wheel
         self.tick_ms = wheel.tick_ms
@@ -499,16 +501,17 @@ class Shard:
         checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync, self._saved)
 
     def load_enqueue_checkpoint(self) -> EnqueueCheckpoint | None:
-        """enqueue.ckpt as it is now on disk, or None."""
-        return checkpoint.load_enqueue(self._path(ENQUEUE_CKPT))
+        """The published enqueue checkpoint as it is now on the volume, or None (a newer owner's file is
+        seen within checkpoint.LIST_EVERY_S)."""
+        return checkpoint.load_enqueue(self._path(ENQUEUE_CKPT), self._found)
 
     def save_dequeue_checkpoint(self, ckpt: DequeueCheckpoint) -> None:
         """Atomically replace dequeue.ckpt (FencedError if it holds a newer epoch)."""
         checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync, self._saved)
 
     def load_dequeue_checkpoint(self) -> DequeueCheckpoint | None:
-        """dequeue.ckpt as it is now on disk, or None."""
-        return checkpoint.load_dequeue(self._path(DEQUEUE_CKPT))
+        """The published dequeue checkpoint as it is now on the volume, or None (see above)."""
+        return checkpoint.load_dequeue(self._path(DEQUEUE_CKPT), self._found)
 
     # ---------------------------------------------------------------- retention
 
