@@ -13,6 +13,10 @@
 * ``production.compressed``: the throughput run three times in a row, with the timer topic's
   batches written uncompressed, lz4 and zstd (as producers in the field write them): messages/s of
   each and the ratio of each codec to uncompressed.
+* ``production.shared_volume``: throughput (as above) and lateness at the lateness rate for
+  ``TW_BENCH_SHARED_SECONDS`` (30), each with the data directory as a plain directory, through
+  one ``bindfs -o auto_cache`` mount for every stage, and with the enqueue stages on one mount
+  and the dequeue stages on another (two page caches: two nodes of an NFS volume), in one run.
 * ``production.slot_reads``: dequeue-getmsg's read pattern alone: a producer at the lateness rate
   with delays 1-5 s, and every 100 ms a ``KafkaCommitLog.read`` of the positions due in the slot
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
@@ -20,7 +24,7 @@
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, compressed, lateness, burst, slot_reads). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+list of throughput, compressed, lateness, burst, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
 else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
 """
 
@@ -34,6 +38,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +50,10 @@ from bench.common import emit, percentile, say
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "e2e"))
 
+sys.path.insert(0, str(ROOT / "tests"))
+
 from harness import STAGES, Pipeline, now_ms  # noqa: E402 - the e2e harness runs the processes
+from two_mounts import TwoMounts, two_mounts  # noqa: E402 - two bindfs mounts: two nodes on one machine
 
 PARTITIONS = 4
 VALUE = b"x" * 100
@@ -129,8 +138,8 @@ def pass_through(kafka: str, source: str, n: int) -> float:
     return n / elapsed
 
 
-def new_pipeline(kafka: str, redis_url: str, **settings: Any) -> Pipeline:
-    work = Path(tempfile.mkdtemp(prefix="tw-bench-prod-"))
+def new_pipeline(kafka: str, redis_url: str, mounts: TwoMounts | None = None, **settings: Any) -> Pipeline:
+    work = Path(tempfile.mkdtemp(prefix="tw-bench-prod-")) if mounts is None else mounts.base.parent.parent
     settings.setdefault("fsync", "true")
     settings.setdefault("roll_window_ms", 3_600_000)
     settings.setdefault("wheel_span_ms", 2 * int(settings["roll_window_ms"]))
@@ -138,20 +147,40 @@ def new_pipeline(kafka: str, redis_url: str, **settings: Any) -> Pipeline:
     settings.setdefault("max_in_flight", 20_000)
     settings.setdefault("lease_ttl_ms", 10_000)
     settings.setdefault("timer_partitions", PARTITIONS)
-    pipe = Pipeline(work, kafka, redis_url, **settings)
+    pipe = Pipeline(work, kafka, redis_url, mounts=mounts, **settings)
     pipe.env["TW_LOG_LEVEL"] = "WARNING"
     return pipe
 
 
 def close(pipe: Pipeline) -> None:
     pipe.stop_all()
-    shutil.rmtree(pipe.workdir, ignore_errors=True)
+    if pipe.mounts is None:
+        shutil.rmtree(pipe.workdir, ignore_errors=True)
 
 
-def throughput(kafka: str, redis_url: str, n: int, compression: str | None = None, baseline: bool = True) -> float:
+@contextmanager
+def layout(name: str) -> Iterator[TwoMounts | None]:
+    """The data directory as ``name`` says: ``local`` (a plain directory), ``one-mount`` (every
+    stage through one ``bindfs -o auto_cache`` mount of it) or ``two-mounts`` (the enqueue stages
+    through one mount, the dequeue stages through another: two page caches, as two nodes of an
+    NFS volume)."""
+    if name == "local":
+        yield None
+        return
+    work = Path(tempfile.mkdtemp(prefix="tw-bench-prod-"))
+    try:
+        with two_mounts(work / "volume") as mounts:
+            yield mounts if name == "two-mounts" else TwoMounts(mounts.base, mounts.a, mounts.a)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = None,
+               bench_name: str = "production.throughput", compression: str | None = None, baseline: bool = True,
+               **labels: Any) -> float:
     """The pipeline's messages/s for n due records (written with ``compression``); with ``baseline``
     also the pass-through, and the figure emitted."""
-    pipe = new_pipeline(kafka, redis_url)
+    pipe = new_pipeline(kafka, redis_url, mounts)
     dest = pipe.dest("tp")
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
     try:
@@ -178,8 +207,9 @@ def throughput(kafka: str, redis_url: str, n: int, compression: str | None = Non
             return rate
         base = pass_through(kafka, pipe.timer_topic, n)
         say(f"five-process pipeline {rate:,.0f} msg/s; kafka-python pass-through {base:,.0f} msg/s")
-        emit("production.throughput", rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
-             passthrough_per_s=round(base), ratio=round(rate / base, 3), shards=2, timer_partitions=PARTITIONS)
+        emit(bench_name, rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
+             passthrough_per_s=round(base), ratio=round(rate / base, 3), shards=2, timer_partitions=PARTITIONS,
+             **labels)
         return rate
     finally:
         consumer.close()
@@ -188,7 +218,7 @@ def throughput(kafka: str, redis_url: str, n: int, compression: str | None = Non
 
 def compressed(kafka: str, redis_url: str, n: int) -> None:
     """Throughput with the timer topic uncompressed, lz4 and zstd, one after the other in this run."""
-    rates = {codec: throughput(kafka, redis_url, n, None if codec == "none" else codec, baseline=False)
+    rates = {codec: throughput(kafka, redis_url, n, compression=None if codec == "none" else codec, baseline=False)
              for codec in ("none", "lz4", "zstd")}
     say("timer topic compressed: " + ", ".join(f"{c} {r:,.0f} msg/s" for c, r in rates.items()))
     emit("production.compressed", rates["lz4"], "messages/s", messages=n, uncompressed_per_s=round(rates["none"]),
@@ -255,8 +285,9 @@ class _Lateness:
                 "early": sum(1 for x in late if x < 0)}
 
 
-def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float) -> dict[str, Any]:
-    pipe = new_pipeline(kafka, redis_url, tick_ms=100, batch_size=200, max_in_flight=5_000)
+def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float,
+                  mounts: TwoMounts | None = None) -> dict[str, Any]:
+    pipe = new_pipeline(kafka, redis_url, mounts, tick_ms=100, batch_size=200, max_in_flight=5_000)
     dest = pipe.dest("late")
     try:
         pipe.create_timer_topic()
@@ -396,10 +427,27 @@ def slot_reads(kafka: str, rate: int, seconds: float) -> None:
          seconds=seconds)
 
 
+def shared_volume(kafka: str, redis_url: str, n: int, rate: int, seconds: float) -> None:
+    """Throughput and lateness with the data directory seen from two nodes (``layout``), beside
+    one mount and a plain directory, in the same run, one after the other."""
+    layouts = ("local", "one-mount", "two-mounts")
+    for name in layouts:
+        with layout(name) as mounts:
+            throughput(kafka, redis_url, n, mounts, "production.shared_volume.throughput", layout=name)
+    for name in layouts:
+        with layout(name) as mounts:
+            result = _lateness_run(kafka, redis_url, rate, seconds, mounts)
+        say(f"lateness, {name}: {result}")
+        emit("production.shared_volume.lateness.p99", result["p99"], "ms", layout=name, p50=result["p50"],
+             max=result["max"], early=result["early"], scheduled=result["sent"], delivered=result["delivered"],
+             not_delivered_10s_after_last_send=result["behind_after_10s"], sustained=keeps_up(result),
+             rate_per_s=rate, seconds=seconds, tick_ms=100)
+
+
 def main() -> None:
     kafka, redis_url = servers()
     only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY",
-                                           "throughput,compressed,lateness,burst,slot_reads").split(",")))
+                                           "throughput,compressed,lateness,burst,slot_reads,shared_volume").split(",")))
     if "throughput" in only:
         throughput(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "compressed" in only:
@@ -410,6 +458,9 @@ def main() -> None:
         burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000))
     if "slot_reads" in only:
         slot_reads(kafka, _env_int("TW_BENCH_PROD_RATE", 1_000), 20.0)
+    if "shared_volume" in only:
+        shared_volume(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000), _env_int("TW_BENCH_PROD_RATE", 1_000),
+                      float(_env_int("TW_BENCH_SHARED_SECONDS", 30)))
 
 
 if __name__ == "__main__":

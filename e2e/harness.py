@@ -48,6 +48,8 @@ from typing import IO, Any
 import redis
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
+from timerwheel.store.checkpoint import published_file
+from two_mounts import TwoMounts
 
 STAGES = ("enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put")
 #: ``Pipeline.start(ALL_IN_ONE)`` runs ``timerwheel run --kafka --redis``: all five in one process.
@@ -127,12 +129,17 @@ class StageProcess:
 class Pipeline:
     """The five stage processes of one test, sharing a data directory, topics and a Redis DB."""
 
-    def __init__(self, workdir: Path, kafka: str, redis_url: str, **settings: object) -> None:
+    def __init__(self, workdir: Path, kafka: str, redis_url: str, *, mounts: TwoMounts | None = None,
+                 **settings: object) -> None:
+        """``mounts``: the two-node layout — the data directory is ``mounts.base``, the enqueue
+        stages use it through ``mounts.a`` and the dequeue stages through ``mounts.b`` (two
+        ``bindfs -o auto_cache`` mounts: two page caches, as on two nodes of an NFS volume)."""
         uid = uuid.uuid4().hex[:8]
         self.uid = uid
         self.kafka = kafka
         self.workdir = workdir
-        self.data_dir = workdir / "data"
+        self.mounts = mounts
+        self.data_dir = mounts.base if mounts is not None else workdir / "data"
         self.log_dir = workdir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis_url = with_db(redis_url, next(_redis_dbs) % 15 + 1)
@@ -209,6 +216,8 @@ class Pipeline:
         assert name not in self.procs, f"{name} already added"
         penv = dict(self.env)
         penv["TW_HTTP_PORT"] = str(free_port())
+        if self.mounts is not None:
+            penv["TW_DATA_DIR"] = str(self.mounts.b if stage in DEQUEUE_SIDE else self.mounts.a)
         penv.update({k: str(v) for k, v in env.items()})
         proc = StageProcess(name, stage, int(penv["TW_HTTP_PORT"]), self.log_dir / f"{name}.log", penv)
         self.procs[name] = proc
@@ -361,7 +370,15 @@ class Pipeline:
         return self.data_dir / f"shard-{shard:04d}"
 
     def checkpoint(self, shard: int, kind: str = "enqueue") -> dict[str, Any]:
-        return dict(json.loads((self.shard_dir(shard) / f"{kind}.ckpt").read_text()))
+        """The published checkpoint (the newest epoch's file) as its JSON object."""
+        for _attempt in range(5):
+            path = published_file(str(self.shard_dir(shard) / f"{kind}.ckpt"))
+            assert path is not None, f"shard {shard} has no {kind} checkpoint"
+            try:
+                return dict(json.loads(Path(path).read_text()))
+            except FileNotFoundError:
+                continue  # replaced by a newer owner's file meanwhile
+        raise AssertionError(f"shard {shard}: the {kind} checkpoint kept moving")
 
 
 # -- producing -----------------------------------------------------------------------------------

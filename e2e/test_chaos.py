@@ -34,6 +34,7 @@ from harness import (
     now_ms,
 )
 from infra import ServerControl
+from two_mounts import two_mounts
 
 pytestmark = pytest.mark.e2e
 
@@ -124,8 +125,22 @@ def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
 ) -> None:
     """SIGKILL every stage at a random moment and restart it; then two at once. enqueue-put's
     TimerLog gets its last record torn in half before enqueue-put restarts."""
-    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, max_in_flight=MAX_IN_FLIGHT,
-                    batch_size=BATCH_SIZE, roll_window_ms=ROLL_WINDOW_MS)
+    sigkill_each_stage(Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, max_in_flight=MAX_IN_FLIGHT,
+                                batch_size=BATCH_SIZE, roll_window_ms=ROLL_WINDOW_MS), "chaos-kill")
+
+
+def test_the_same_with_enqueue_and_dequeue_stages_on_two_nodes_of_a_shared_volume(
+    tmp_path: Path, kafka_bootstrap: str, redis_url: str
+) -> None:
+    """The enqueue stages through one ``bindfs -o auto_cache`` mount of the data directory, the
+    dequeue stages through another (two page caches, as two nodes of an NFS volume)."""
+    with two_mounts(tmp_path / "volume") as mounts:
+        sigkill_each_stage(Pipeline(tmp_path, kafka_bootstrap, redis_url, mounts=mounts, shards=SHARDS,
+                                    max_in_flight=MAX_IN_FLIGHT, batch_size=BATCH_SIZE,
+                                    roll_window_ms=ROLL_WINDOW_MS), "chaos-kill-two-mounts")
+
+
+def sigkill_each_stage(pipe: Pipeline, name: str) -> None:
     dest = pipe.new_dest("load", 2)
     rng = random.Random(17)
     damaged = 0
@@ -145,7 +160,7 @@ def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
             for name in victims:
                 pipe.wait_ready(name)
         time.sleep(3)
-        finish(pipe, run, "chaos-kill", ledger, damaged, 25_000)
+        finish(pipe, run, name, ledger, damaged, 25_000)
         recovered = [line for line in pipe.log_lines("enqueue-put") if line.get("event") == "recovered"]
         assert any(line["truncated_bytes"] > 0 for line in recovered), recovered
         pipe.stop_cleanly()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from harness import Collector, Pipeline, Scheduled, TimerProducer, make_report, now_ms
+from two_mounts import two_mounts
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +46,22 @@ def bad_inputs(pipe: Pipeline) -> dict[str, tuple[list[tuple[str, bytes]], str]]
 def test_random_delays_cancels_rolls_and_bad_input_over_kafka_and_redis(
     tmp_path: Path, kafka_bootstrap: str, redis_url: str
 ) -> None:
-    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, roll_window_ms=ROLL_WINDOW_MS, max_record_bytes=4096)
+    check_correctness(Pipeline(tmp_path, kafka_bootstrap, redis_url, roll_window_ms=ROLL_WINDOW_MS,
+                               max_record_bytes=4096))
+
+
+def test_the_same_with_enqueue_and_dequeue_stages_on_two_nodes_of_a_shared_volume(
+    tmp_path: Path, kafka_bootstrap: str, redis_url: str
+) -> None:
+    """The enqueue stages write the data directory through one ``bindfs -o auto_cache`` mount,
+    the dequeue stages read it through another: two page caches, as two nodes of a
+    ReadWriteMany volume (NFS) have. Nothing may be lost, early or leak a cancel."""
+    with two_mounts(tmp_path / "volume") as mounts:
+        check_correctness(Pipeline(tmp_path, kafka_bootstrap, redis_url, mounts=mounts,
+                                   roll_window_ms=ROLL_WINDOW_MS, max_record_bytes=4096))
+
+
+def check_correctness(pipe: Pipeline) -> None:
     dest_a, dest_b, dest_one = pipe.dest("a"), pipe.dest("b"), pipe.dest("one")
     pipe.create_topic(dest_a, 2)
     pipe.create_topic(dest_b, 3)

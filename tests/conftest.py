@@ -1,5 +1,7 @@
-"""Suite-wide fixtures: the real Kafka and Redis servers (see infra.py)."""
+"""Suite-wide fixtures: the real Kafka and Redis servers (see infra.py), and two mounts of one
+directory for the shared-volume tests (see two_mounts.py)."""
 
 from infra import kafka_bootstrap, kafka_control, kafka_noauto_bootstrap, redis_control, redis_url
+from two_mounts import mounts
 
-__all__ = ["kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "redis_control", "redis_url"]
+__all__ = ["kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "mounts", "redis_control", "redis_url"]

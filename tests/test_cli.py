@@ -55,7 +55,7 @@ def test_schedule_in_one_process_reaches_run_in_another(tmp_path: Path) -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         deadline = time.monotonic() + 30
-        while not (Path(data) / "shard-0000" / "enqueue.ckpt").exists():
+        while not list((Path(data) / "shard-0000").glob("enqueue.*.ckpt")):
             assert server.poll() is None, server.stderr.read() if server.stderr else ""
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)

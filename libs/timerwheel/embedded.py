@@ -299,6 +299,8 @@ def inspect_shards(config: TimerConfig, shards: dict[int, Shard], now_ms: int,
     for shard_id, shard in sorted(shards.items()):
         enq = shard.load_enqueue_checkpoint()
         deq = shard.load_dequeue_checkpoint()
+        if enq is not None:
+            shard.refresh(enq)  # a reader on another node: what the volume holds, not its cache
         w = enq.write_ms if enq else None
         r = deq.read_ms if deq else None
         span_end = (r or now_ms) + config.wheel_slots * config.tick_ms
@@ -308,11 +310,11 @@ def inspect_shards(config: TimerConfig, shards: dict[int, Shard], now_ms: int,
             "R": r,
             "W_lag_ms": None if w is None else now_ms - w,
             "R_lag_ms": None if r is None else now_ms - r,
-            "pending": shard.wheel.count_range(r, span_end) if r is not None else 0,
+            "pending": shard.count_range(r, span_end) if r is not None else 0,
             "timerlog_bytes": (enq.flushed_pos - shard.log.start_pos) if enq else 0,
             "flushed_pos": enq.flushed_pos if enq else 0,
             "load_ahead": {
-                label: shard.wheel.count_range(now_ms, now_ms + ms)
+                label: shard.count_range(now_ms, now_ms + ms)
                 for label, ms in (("1s", 1000), ("1m", 60_000), ("1h", 3_600_000))
             },
         }

@@ -200,4 +200,4 @@ def sample_gauges(metrics: Metrics, config: TimerConfig, queues: Mapping[str, Wo
     for shard_id, shard in shards.items():
         deq = shard.load_dequeue_checkpoint()
         if deq is not None:
-            metrics.set("pending", shard.wheel.count_range(deq.read_ms, deq.read_ms + span), shard=shard_id)
+            metrics.set("pending", shard.count_range(deq.read_ms, deq.read_ms + span), shard=shard_id)

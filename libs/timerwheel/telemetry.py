@@ -482,5 +482,5 @@ def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None, stage
 
 KNOWN_COUNTERS = ("scheduled", "delivered", "cancelled", "rolled", "dead_lettered", "cancel_requests",
                   "cancel_missed", "append_retries", "queue_full_waits", "stage_errors", "timerlog_records",
-                  "resends", "rewinds", "fenced", "put_gaps", "source_records_lost")
+                  "resends", "rewinds", "fenced", "put_gaps", "source_records_lost", "stale_views")
 KNOWN_GAUGES = ("write_lag_ms", "read_lag_ms", "in_flight", "timerlog_bytes", "pending", "queue_depth")

@@ -50,7 +50,7 @@ def test_a_crash_between_temp_write_and_rename_leaves_the_old_checkpoint_readabl
 def test_a_damaged_checkpoint_is_reported_not_trusted(open_shard: OpenShard) -> None:
     shard = open_shard()
     shard.save_enqueue_checkpoint(ENQ)
-    path = Path(shard.directory) / "enqueue.ckpt"
+    path = Path(ckpt_module.epoch_file(os.path.join(shard.directory, "enqueue.ckpt"), ENQ.epoch))
     path.write_text(path.read_text().replace("6400", "6464"))
     with pytest.raises(CorruptCheckpointError, match="CRC"):
         shard.load_enqueue_checkpoint()
@@ -76,8 +76,7 @@ def test_an_older_epoch_cannot_overwrite_a_newer_one(open_shard: OpenShard) -> N
 
 
 def test_a_newer_epoch_another_process_saved_is_seen_after_our_own_save(open_shard: OpenShard) -> None:
-    """A save skips re-reading the file while it is still the one this process saved; a file
-    another process replaced since is read again, and its newer epoch fences us."""
+    """A newer epoch another process saved fences our next save, and readers take its file."""
     import subprocess
     import sys
 
@@ -105,10 +104,11 @@ def test_load_rereads_the_file_that_another_process_publishes(open_shard: OpenSh
     assert loaded is not None and loaded.flushed_pos == 12_800
 
 
-def test_the_file_is_versioned_json_with_a_crc(tmp_path: Path) -> None:
+def test_the_file_is_versioned_json_with_a_crc_named_by_its_epoch(tmp_path: Path) -> None:
     path = str(tmp_path / "enqueue.ckpt")
     ckpt_module.save_enqueue(path, ENQ)
-    body = json.loads(Path(path).read_text())
+    assert os.listdir(tmp_path) == ["enqueue.00000000000000000004.ckpt"]
+    body = json.loads(Path(ckpt_module.epoch_file(path, 4)).read_text())
     assert body["version"] == FORMAT_VERSION and body["kind"] == "enqueue" and isinstance(body["crc32"], int)
     assert body["next_offsets"] == {"0": 17, "3": 2}
 
@@ -117,11 +117,51 @@ def test_a_flushed_position_that_is_not_a_record_boundary_is_refused(open_shard:
     shard = open_shard()
     with pytest.raises(ValueError, match="not a TimerLog position"):
         shard.save_enqueue_checkpoint(EnqueueCheckpoint(100, 0, {}, 1))
-    path = Path(shard.directory) / "enqueue.ckpt"
-    ckpt_module.save_enqueue(str(path), ENQ)
+    ckpt_module.save_enqueue(os.path.join(shard.directory, "enqueue.ckpt"), ENQ)
+    path = Path(ckpt_module.epoch_file(os.path.join(shard.directory, "enqueue.ckpt"), ENQ.epoch))
     body = json.loads(path.read_text())
     body["flushed_pos"] = 100
     del body["crc32"]
     path.write_bytes(ckpt_module._encode("enqueue", {k: v for k, v in body.items() if k != "kind"}))
     with pytest.raises(CorruptCheckpointError, match="not a TimerLog position"):
         shard.load_enqueue_checkpoint()
+
+
+def _legacy(path: Path, kind: str, body: dict[str, object]) -> None:
+    """A checkpoint in the earlier layout: one file named ``<kind>.ckpt``, replaced by rename."""
+    path.write_bytes(ckpt_module._encode(kind, {"version": FORMAT_VERSION, **body}))
+
+
+def test_a_checkpoint_of_the_earlier_single_file_layout_is_read_then_replaced(open_shard: OpenShard) -> None:
+    shard = open_shard()
+    directory = Path(shard.directory)
+    _legacy(directory / "enqueue.ckpt", "enqueue",
+            {"flushed_pos": 640, "write_ms": 7, "next_offsets": {"1": 3}, "epoch": 2})
+    _legacy(directory / "dequeue.ckpt", "dequeue", {"read_ms": 5, "epoch": 2})
+    assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(640, 7, {1: 3}, 2)
+    assert shard.load_dequeue_checkpoint() == DequeueCheckpoint(5, 2)
+    with pytest.raises(FencedError, match="epoch 2"):
+        shard.save_enqueue_checkpoint(EnqueueCheckpoint(640, 8, {}, epoch=1))
+    shard.save_enqueue_checkpoint(EnqueueCheckpoint(704, 8, {1: 4}, epoch=3))
+    shard.save_dequeue_checkpoint(DequeueCheckpoint(6, epoch=2))
+    assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(704, 8, {1: 4}, 3)
+    assert shard.load_dequeue_checkpoint() == DequeueCheckpoint(6, 2)
+    assert not (directory / "enqueue.ckpt").exists() and not (directory / "dequeue.ckpt").exists()
+
+
+def test_a_superseded_owner_s_late_save_is_never_what_readers_load(open_shard: OpenShard) -> None:
+    """The older owner's save lands in its own file, raises FencedError, and readers keep the
+    newer epoch's checkpoint."""
+    shard = open_shard()
+    path = os.path.join(shard.directory, "enqueue.ckpt")
+    ckpt_module.save_enqueue(path, EnqueueCheckpoint(640, 1, {}, epoch=1))
+    ckpt_module.save_enqueue(path, EnqueueCheckpoint(1280, 2, {}, epoch=2))
+    assert not os.path.exists(ckpt_module.epoch_file(path, 1)), "the newer owner removes older files"
+    # The old owner passed its check before the new owner saved, and writes now (the race).
+    ckpt_module.atomic_write(ckpt_module.epoch_file(path, 1),
+                             ckpt_module._encode("enqueue", {"version": FORMAT_VERSION, "flushed_pos": 64,
+                                                             "write_ms": 9, "next_offsets": {}, "epoch": 1}))
+    assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(1280, 2, {}, 2)
+    with pytest.raises(FencedError, match="epoch 2"):
+        ckpt_module.save_enqueue(path, EnqueueCheckpoint(64, 10, {}, epoch=1))
+    assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(1280, 2, {}, 2)

@@ -33,6 +33,8 @@ SLOTS = 16
 WINDOW = SLOTS // 2  # records go at most this many slots past W, so no stale revolution is written
 SEGMENT = 64 * 8
 PARTITIONS = (0, 1, 2)
+#: The file the checkpoints of this test (all of epoch 1) are saved in.
+CKPT_FILE = "enqueue.00000000000000000001.ckpt"
 
 
 def fields(record: TimerRecord) -> tuple[int, ...]:
@@ -167,7 +169,7 @@ class ShardAgainstModel(RuleBasedStateMachine):
         next_offsets = {p: 1 + max((r.src_offset for r in durable if r.src_partition == p), default=-1)
                         for p in PARTITIONS}
         self.live.save_enqueue_checkpoint(EnqueueCheckpoint(self.flushed, self.w_ms, next_offsets, 1))
-        self.checkpoints.append((Path(self.live.directory) / "enqueue.ckpt").read_bytes())
+        self.checkpoints.append((Path(self.live.directory) / CKPT_FILE).read_bytes())
 
     @rule(data=st.data())
     def read_a_slot(self, data: st.DataObject) -> None:
@@ -241,7 +243,7 @@ class ShardAgainstModel(RuleBasedStateMachine):
 
         # The checkpoint: maybe the previous one.
         if len(self.checkpoints) >= 2 and data.draw(st.booleans(), label="lose the last checkpoint"):
-            (crashed / "enqueue.ckpt").write_bytes(self.checkpoints[-2])
+            (crashed / CKPT_FILE).write_bytes(self.checkpoints[-2])
             self.checkpoints.pop()
 
         self.live.close()

@@ -78,6 +78,8 @@ class GetShard:
     ckpt: EnqueueCheckpoint | None = None
     ckpt_version: int = -1
     ckpt_read: float = 0.0
+    #: The shard view shows every record below ``ckpt``'s flushed position (Shard.refresh).
+    visible: bool = False
     #: Done entries a previous owner took and never acked are still to be claimed (e2e fix).
     reclaim: bool = True
 
@@ -153,7 +155,7 @@ class DequeueGet:
                 end = st.shard.slot_time(ckpt.write_ms)
                 if st.cursor >= end:
                     break
-                slot = st.shard.wheel.next_nonempty(st.cursor, end)
+                slot = st.shard.next_nonempty(st.cursor, end)
                 if slot is None:
                     st.cursor = end
                     break
@@ -179,25 +181,32 @@ class DequeueGet:
         return work
 
     def _published(self, st: GetShard) -> EnqueueCheckpoint | None:
-        """W and the flushed TimerLog position from enqueue.ckpt — the only thing a reader trusts.
+        """W and the flushed TimerLog position from enqueue.ckpt — the only thing a reader trusts —
+        once the shard view shows every record below that position (``Shard.refresh``).
 
         Re-read when this process's enqueue-put says it published, else at most every
         CKPT_POLL_S (an enqueue-put in another process): reading the file each step costs
-        more than the rest of an idle step."""
+        more than the rest of an idle step. While the view is incomplete (another node's bytes
+        not visible here yet) nothing new is read: a slot is never taken for empty on a stale view."""
         version = self.ctx.published_w.get(st.shard_id, 0)
         now = time.monotonic()
         if st.ckpt is None or version != st.ckpt_version or now - st.ckpt_read >= CKPT_POLL_S:
             ckpt = st.shard.load_enqueue_checkpoint()
             if ckpt is None:
                 return None
-            st.ckpt, st.ckpt_version, st.ckpt_read = ckpt, version, now
+            st.ckpt_version, st.ckpt_read = version, now
+            if ckpt != st.ckpt or not st.visible:
+                st.ckpt = ckpt
+                st.visible = st.shard.refresh(ckpt)
+                if not st.visible:
+                    self.ctx.metrics.inc("stale_views", shard=st.shard_id)
             st.write_ms = ckpt.write_ms
-        return st.ckpt
+        return st.ckpt if st.visible else None
 
     def _open(self, st: GetShard, slot: int, flushed_pos: int) -> SlotReader:
         """Collect the slot's cancel markers, then stream its other records as fetch items."""
         shard = st.shard
-        small = shard.wheel.get(slot).num <= SMALL_SLOT
+        small = shard.slot(slot).num <= SMALL_SLOT
         dense = shard.read_dense_slot(slot, flushed_pos) if small else None
         if dense is not None:
             reader = SlotReader(slot, {}, iter(()))

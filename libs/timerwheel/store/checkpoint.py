@@ -10,8 +10,12 @@ spaces. Written atomically (temp file, fsync, rename, directory fsync): a crash 
 file or the new one, never a mix. Loading re-reads the file every time (other processes publish
 through it) and checks kind, CRC and version.
 
-A save never moves a file back to an older owner: if the file holds a newer epoch than the one
-being saved, the save raises FencedError (a cheap guard; the operator's epochs are the fence).
+Each owner saves into a file named by its epoch (``enqueue.<epoch, 20 digits>.ckpt``) and readers
+take the newest epoch's file: no save can replace a newer owner's checkpoint, even from another
+node where file locks do not reach (``_save``). A file of the earlier layout (``enqueue.ckpt``,
+replaced by rename) is still read when no epoch-named file exists, and removed by the first save
+of an epoch at least its own. Loads read past this node's page cache (``fresh.read_fresh``): on a
+shared volume another node's save is otherwise seen late, or cut at the size this node remembers.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +33,10 @@ from typing import Any
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError, FormatMismatchError, TimerwheelError
 from timerwheel.files import atomic_write
+
+__all__ = ["atomic_write"]  # re-exported for tests that write a file as another owner would
 from timerwheel.store.format import FORMAT_VERSION
+from timerwheel.store.fresh import read_fresh
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +71,13 @@ def _encode(kind: str, body: dict[str, Any]) -> bytes:
     return json.dumps({**body, "crc32": zlib.crc32(canonical.encode())}, sort_keys=True).encode() + b"\n"
 
 
-def _decode(path: str, kind: str) -> dict[str, Any] | None:
+def _decode(path: str, kind: str, missing_ok: bool = True) -> dict[str, Any] | None:
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_fresh(path)  # another node may have written it: not this node's cached copy
     except FileNotFoundError:
-        return None
+        if missing_ok:
+            return None
+        raise
     try:
         body = json.loads(raw)
         if not isinstance(body, dict):
@@ -94,48 +104,132 @@ def _int(path: str, body: dict[str, Any], name: str) -> int:
     return value
 
 
-#: What a writer remembers of its own saves: path -> (the identity of the file it last saved
-#: there, the epoch it saved). While the file is still that one (no other owner replaced it),
-#: the epoch check needs no read.
+#: Kept for callers of the earlier API; saves no longer need a memo (see ``_save``).
 SaveMemo = dict[str, tuple[tuple[int, int, int, int], int]]
 
 
-def _identity(path: str) -> tuple[int, int, int, int] | None:
+def epoch_file(path: str, epoch: int) -> str:
+    """The file an owner of ``epoch`` saves the checkpoint ``path`` names: ``enqueue.ckpt`` ->
+    ``enqueue.00000000000000000007.ckpt``."""
+    head, name = os.path.split(path)
+    stem = name[: -len(".ckpt")] if name.endswith(".ckpt") else name
+    return os.path.join(head, f"{stem}.{epoch:020d}.ckpt")
+
+
+def _epoch_files(path: str) -> list[tuple[int, str]]:
+    """(epoch, file) of every epoch-named file of checkpoint ``path``, newest epoch first."""
+    return _listing(path)[0]
+
+
+def _listing(path: str) -> tuple[list[tuple[int, str]], bool]:
+    """``_epoch_files``, and whether the single file of the earlier layout (``path``) is there:
+    one directory listing."""
+    head, name = os.path.split(path)
+    stem = name[: -len(".ckpt")] if name.endswith(".ckpt") else name
+    pattern = re.compile(re.escape(stem) + r"\.(\d{20})\.ckpt$")
     try:
-        st = os.stat(path)
+        names = os.listdir(head or ".")
     except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+        return [], False
+    found = [(int(m.group(1)), os.path.join(head, n)) for n in names if (m := pattern.match(n))]
+    return sorted(found, reverse=True), name in names
 
 
-def _save(path: str, data: bytes, epoch: int, fsync: bool, memo: SaveMemo | None) -> None:
-    atomic_write(path, data, fsync)
+def published_file(path: str) -> str | None:
+    """The file that holds checkpoint ``path`` now: the newest epoch's, else the single file of
+    the earlier layout (``path`` itself), else None."""
+    named = _epoch_files(path)
+    if named:
+        return named[0][1]
+    return path if os.path.exists(path) else None
+
+
+#: How long a reader keeps reading the checkpoint file it found before it lists the directory
+#: again for a newer epoch's (``LoadMemo``).
+LIST_EVERY_S = 1.0
+
+#: One reader's memory of where each checkpoint was: path -> (the file, when it was listed).
+LoadMemo = dict[str, tuple[str, float]]
+
+
+def _load(path: str, kind: str, memo: LoadMemo | None = None) -> dict[str, Any] | None:
+    """The newest epoch's checkpoint, read past this node's cache; a file removed between the
+    listing and the read (its owner was superseded meanwhile) is looked up again.
+
+    With a ``memo``, the file found is read again without a listing for LIST_EVERY_S: a listing
+    and an open are each a round trip on NFS or FUSE, and readers poll every few milliseconds.
+    A newer owner's file is then seen up to LIST_EVERY_S late (the reader sees no progress
+    meanwhile, never an older epoch than it saw), or at once when it removed the file read."""
     if memo is not None:
-        identity = _identity(path)
-        if identity is not None:
-            memo[path] = (identity, epoch)
+        known = memo.get(path)
+        if known is not None and time.monotonic() - known[1] < LIST_EVERY_S:
+            try:
+                return _decode(known[0], kind, missing_ok=False)
+            except FileNotFoundError:
+                pass
+    for _attempt in range(5):
+        named = _epoch_files(path)
+        try:
+            if named:
+                body = _decode(named[0][1], kind, missing_ok=False)
+                if memo is not None:
+                    memo[path] = (named[0][1], time.monotonic())
+                return body
+            return _decode(path, kind)
+        except FileNotFoundError:
+            continue
+    return _decode(path, kind)
 
 
-def _check_epoch(path: str, kind: str, epoch: int, memo: SaveMemo | None) -> None:
-    mine = memo.get(path) if memo is not None else None
-    if mine is not None and mine[0] == _identity(path):
-        if mine[1] > epoch:
-            raise FencedError(f"{kind} checkpoint {path} holds epoch {mine[1]}, newer than this owner's epoch {epoch}")
-        return  # the file is still the one this writer saved: no other owner wrote since
+def _save(path: str, kind: str, data: bytes, epoch: int, fsync: bool) -> None:
+    """Write this owner's own file, then check no newer owner has one, then remove older ones.
+
+    Each epoch writes only the file named by its epoch (one owner per epoch), so no save can
+    replace another owner's checkpoint, whatever node it runs on and whenever it was paused:
+    file locks do not reach across NFS clients, and reading the epoch before a rename leaves a
+    window for the other owner. Readers take the newest epoch's file. The save of a superseded
+    owner lands in a file no reader takes, and raises FencedError so that its owner stops. One
+    directory listing per save: on NFS or FUSE each file-system call is a round trip.
+    """
+    mine = epoch_file(path, epoch)
+    atomic_write(mine, data, fsync)
+    found, legacy_there = _listing(path)
+    newer = [e for e, _f in found if e > epoch]
+    legacy = _legacy_epoch(path, kind) if legacy_there else None
+    if legacy is not None and legacy > epoch:
+        # Readers prefer epoch-named files: ours must not hide the newer single-file checkpoint.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mine)
+        newer.append(legacy)
+    if newer:
+        # Our file is older than one already there: no reader takes it, its successor removes it.
+        raise FencedError(f"{kind} checkpoint {path} holds epoch {max(newer)}, newer than this owner's epoch {epoch}")
+    for e, old in found:
+        if e < epoch:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old)
+    if legacy is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _legacy_epoch(path: str, kind: str) -> int | None:
+    """The epoch in a checkpoint file of the earlier layout (one file, replaced by rename), if any."""
     try:
         body = _decode(path, kind)
+    except FileNotFoundError:
+        return None
     except TimerwheelError as exc:
         log.warning("replacing an unreadable %s checkpoint: %s", kind, exc)
-        return
-    if body is not None and isinstance(body.get("epoch"), int) and body["epoch"] > epoch:
-        raise FencedError(f"{kind} checkpoint {path} holds epoch {body['epoch']}, newer than this owner's epoch {epoch}")
+        return -1
+    epoch = body.get("epoch") if body is not None else None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else -1
 
 
 def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True, memo: SaveMemo | None = None) -> None:
-    """Save ``ckpt`` atomically; ``memo`` (one per writer) spares re-reading a file it saved itself."""
+    """Save ``ckpt`` atomically in this epoch's file (``_save``); ``memo`` is unused."""
     if ckpt.flushed_pos < 0 or ckpt.flushed_pos % RECORD_SIZE:
         raise ValueError(f"enqueue checkpoint flushed_pos {ckpt.flushed_pos} is not a TimerLog position")
-    _check_epoch(path, "enqueue", ckpt.epoch, memo)
     body = {
         "version": ckpt.version,
         "flushed_pos": ckpt.flushed_pos,
@@ -143,11 +237,12 @@ def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True, memo: S
         "next_offsets": {str(p): o for p, o in sorted(ckpt.next_offsets.items())},
         "epoch": ckpt.epoch,
     }
-    _save(path, _encode("enqueue", body), ckpt.epoch, fsync, memo)
+    _save(path, "enqueue", _encode("enqueue", body), ckpt.epoch, fsync)
 
 
-def load_enqueue(path: str) -> EnqueueCheckpoint | None:
-    body = _decode(path, "enqueue")
+def load_enqueue(path: str, memo: LoadMemo | None = None) -> EnqueueCheckpoint | None:
+    """The published enqueue checkpoint (newest epoch), read fresh, or None (``memo``: see _load)."""
+    body = _load(path, "enqueue", memo)
     if body is None:
         return None
     offsets = body.get("next_offsets")
@@ -170,13 +265,13 @@ def load_enqueue(path: str) -> EnqueueCheckpoint | None:
 
 
 def save_dequeue(path: str, ckpt: DequeueCheckpoint, fsync: bool = True, memo: SaveMemo | None = None) -> None:
-    _check_epoch(path, "dequeue", ckpt.epoch, memo)
     body = {"version": ckpt.version, "read_ms": ckpt.read_ms, "epoch": ckpt.epoch}
-    _save(path, _encode("dequeue", body), ckpt.epoch, fsync, memo)
+    _save(path, "dequeue", _encode("dequeue", body), ckpt.epoch, fsync)
 
 
-def load_dequeue(path: str) -> DequeueCheckpoint | None:
-    body = _decode(path, "dequeue")
+def load_dequeue(path: str, memo: LoadMemo | None = None) -> DequeueCheckpoint | None:
+    """The published dequeue checkpoint (newest epoch), read fresh, or None (``memo``: see _load)."""
+    body = _load(path, "dequeue", memo)
     if body is None:
         return None
     return DequeueCheckpoint(
@@ -185,8 +280,11 @@ def load_dequeue(path: str) -> DequeueCheckpoint | None:
 
 
 def remove_stale_temps(directory: str, names: tuple[str, ...]) -> None:
-    """Delete temp files a crash left between write and rename, for the files named (their owner only)."""
+    """Delete temp files a crash left between write and rename, for the files named (their owner
+    only); a checkpoint name covers its epoch-named files too."""
+    stems = tuple(n[: -len(".ckpt")] + "." for n in names if n.endswith(".ckpt"))
     for name in os.listdir(directory):
-        if ".tmp-" in name and name.split(".tmp-", 1)[0] in names:
+        target = name.split(".tmp-", 1)[0]
+        if ".tmp-" in name and (target in names or (target.endswith(".ckpt") and target.startswith(stems))):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))

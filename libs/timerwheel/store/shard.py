@@ -34,6 +34,7 @@ import fcntl
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -52,10 +53,21 @@ from timerwheel.errors import (
 from timerwheel.files import atomic_write
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
-from timerwheel.store.format import FORMAT_VERSION, RecordArray, TimerRecord, pack_records, seal, valid_mask
+from timerwheel.store.format import (
+    FORMAT_VERSION,
+    RECORD_DTYPE,
+    RecordArray,
+    TimerRecord,
+    pack_records,
+    seal,
+    valid_mask,
+    why_invalid,
+)
+from timerwheel.store.fresh import is_shared
 from timerwheel.store.recovery import RecoveryReport, recover
-from timerwheel.store.timerlog import SEGMENT_SUFFIX, TimerLog
-from timerwheel.store.wheel import Slot, TimerWheel
+from timerwheel.store.tail import TailIndex
+from timerwheel.store.timerlog import CHUNK_RECORDS, SEGMENT_SUFFIX, TimerLog
+from timerwheel.store.wheel import SLOT_MAGIC, Slot, TimerWheel
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +85,9 @@ DENSE_COLUMNS_MIN = 16
 DENSE_SLOT_SHARE = 10
 #: Records between two wheel msyncs: bounds the re-linking recovery does after a crash (~1 s).
 DEFAULT_WHEEL_SYNC_RECORDS = 1_000_000
+#: A reader retries an invalid TimerLog record below the published flushed position this long
+#: (a stale view of a page: it reads fresh bytes each time) before it reports it corrupt.
+STALE_RETRY_S = 5.0
 
 
 def shard_dir(data_dir: str | os.PathLike[str], shard: int) -> str:
@@ -114,7 +129,7 @@ def _has_data(directory: str) -> bool:
     segments = os.listdir(log_dir) if os.path.isdir(log_dir) else []
     return (
         any(name.endswith(SEGMENT_SUFFIX) and os.path.getsize(os.path.join(log_dir, name)) for name in segments)
-        or os.path.exists(os.path.join(directory, ENQUEUE_CKPT))
+        or checkpoint.published_file(os.path.join(directory, ENQUEUE_CKPT)) is not None
     )
 
 
@@ -135,6 +150,8 @@ class Shard:
         self.directory = directory
         #: This view's own checkpoint saves, so that the next save's epoch check needs no read.
         self._saved: checkpoint.SaveMemo = {}
+        #: Where this view last found each checkpoint (spares a directory listing per load).
+        self._found: checkpoint.LoadMemo = {}
         self.log = timer_log
         self.wheel = wheel
         self.tick_ms = wheel.tick_ms
@@ -152,6 +169,14 @@ class Shard:
         self._unsynced_records = 0
         self._segment_max: dict[int, int] = {}
         self._closed = False
+        #: Reader: the TimerLog records its wheel view may not show (see ``refresh``), the epoch of
+        #: the enqueue checkpoint they were read under, and when an invalid record was first met.
+        self.tail: TailIndex | None = None
+        #: Another node may write this shard's files (``fresh.is_shared``): the reader needs a
+        #: view of its own (``refresh``). On a local file system the page cache is shared.
+        self.shared = is_shared(os.path.join(directory, META_FILE))
+        self._tail_epoch = -1
+        self._invalid_since: tuple[int, float] | None = None
 
     # ---------------------------------------------------------------- opening
 
@@ -207,7 +232,7 @@ class Shard:
                 )
             else:
                 atomic_write(os.path.join(directory, META_FILE), json.dumps(wanted, indent=1).encode() + b"\n", fsync)
-            checkpoint.remove_stale_temps(directory, (META_FILE, WHEEL_FILE, ENQUEUE_CKPT))
+            checkpoint.remove_stale_temps(directory, (META_FILE, WHEEL_FILE, ENQUEUE_CKPT, DEQUEUE_CKPT))
             timer_log = TimerLog(os.path.join(directory, LOG_DIR), segment_bytes, fsync=fsync)
             wheel = TimerWheel(os.path.join(directory, WHEEL_FILE), tick_ms, slots, fsync=fsync)
             shard = cls(
@@ -285,6 +310,108 @@ class Shard:
         self._unsynced_records = 0
         return pos
 
+    # ---------------------------------------------------------------- the reader's view
+
+    def refresh(self, published: EnqueueCheckpoint) -> bool:
+        """Reader: bring this view up to what ``published`` publishes; True once every record below
+        its flushed position is visible to ``slot``, ``next_nonempty`` and ``read_slot``.
+
+        The view is the wheel as of the synced position its header names (read past this node's
+        cache, and the mapping read again when that position moves: on another node the wheel is
+        only known written that far) and a ``TailIndex`` of the TimerLog records from there to the
+        flushed position, read past the cache too. False while some of those bytes cannot be seen
+        yet (a short read, a stale page): the caller retries later and must not take the slots
+        for empty meanwhile. The writer's view is always complete.
+        """
+        if self.writer or not self.shared:
+            return True  # one page cache: the writer's publishes are this view already
+        limit = published.flushed_pos
+        synced = self.wheel.fresh_synced_pos()
+        if synced is None:
+            return False  # the header is being rewritten: read it again next time
+        start = max(min(synced, limit), self.log.start_pos)
+        tail = self.tail
+        if tail is None or published.epoch != self._tail_epoch or limit < tail.end:
+            # A first view, or another owner opened the shard (its recovery may have cut the tail
+            # and written other records in its place): start again from the wheel.
+            fresh = self.wheel.reload()
+            self.log.forget_cached()
+            tail = self.tail = TailIndex(start if fresh else self.log.start_pos)
+            self._tail_epoch = published.epoch
+            self._invalid_since = None
+        elif start > tail.start and self.wheel.reload():
+            tail.forget_below(start)
+        return self._read_tail(tail, limit)
+
+    def _read_tail(self, tail: TailIndex, limit: int) -> bool:
+        """Index the records of ``[tail.end, limit)``, read fresh; False if some cannot be seen yet."""
+        segment_bytes = self.log.segment_bytes
+        while tail.end < limit:
+            pos = tail.end
+            base = pos - pos % segment_bytes
+            want = min(limit, base + segment_bytes, pos + CHUNK_RECORDS * RECORD_SIZE) - pos
+            data = self.log.read_fresh(pos, want)
+            data = data[: len(data) - len(data) % RECORD_SIZE]
+            arr = np.frombuffer(data, dtype=RECORD_DTYPE)
+            ok = valid_mask(arr)
+            good = len(arr) if ok.all() else int(np.argmin(ok))
+            positions = pos + RECORD_SIZE * np.arange(good, dtype=np.int64)
+            deliver = arr["deliver_ms"][:good].astype(np.int64)
+            tail.add(deliver - deliver % self.tick_ms, positions, pos + good * RECORD_SIZE)
+            self.log.fresh_end = max(self.log.fresh_end, tail.end)
+            if good == len(arr) and len(data) == want:
+                continue
+            # Bytes the checkpoint says are flushed, yet short or invalid here: a stale view of them
+            # (another node's cache) until they stay so for STALE_RETRY_S; then a corrupt record.
+            bad = tail.end
+            now = time.monotonic()
+            if self._invalid_since is None or self._invalid_since[0] != bad:
+                self._invalid_since = (bad, now)
+            if good < len(arr) and now - self._invalid_since[1] >= STALE_RETRY_S:
+                self._report_corrupt(bad, why_invalid(arr[good : good + 1].tobytes()) or "invalid record", -1)
+                tail.add(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), bad + RECORD_SIZE)
+                continue
+            log.warning("shard %s: TimerLog bytes at %d below the published flushed position %d are not "
+                        "visible yet (%s); read again later", self.directory, bad, limit,
+                        "invalid record" if good < len(arr) else "short read")
+            return False
+        self._invalid_since = None
+        return True
+
+    def slot(self, slot_time: int) -> Slot:
+        """The slot as this view knows it: the wheel's, and for a reader its tail records too."""
+        slot = self.wheel.get(slot_time)
+        found = self.tail.get(slot.slot_time) if self.tail is not None and not self.writer else None
+        if found is None:
+            return slot
+        head, first, num = found
+        if slot.magic != SLOT_MAGIC:
+            return Slot(slot.slot_time, first, head, num, SLOT_MAGIC)
+        return Slot(slot.slot_time, min(slot.first_pos, first), max(slot.last_pos, head),
+                    slot.num + num if slot.last_pos < first else max(slot.num, num), SLOT_MAGIC)
+
+    def next_nonempty(self, from_ms: int, to_ms: int) -> int | None:
+        """First slot time t with slot_time(from_ms) <= t < to_ms whose slot holds records, or None."""
+        found = self.wheel.next_nonempty(from_ms, to_ms)
+        if self.tail is None or self.writer:
+            return found
+        in_tail = self.tail.next_slot(self.slot_time(from_ms), to_ms if found is None else found)
+        return found if in_tail is None else in_tail
+
+    def count_range(self, from_ms: int, to_ms: int) -> int:
+        """Records in the slots overlapping [from_ms, to_ms), as this view knows them (see ``slot``)."""
+        total = self.wheel.count_range(from_ms, to_ms)
+        if self.tail is None or self.writer:
+            return total
+        slot_time, _head, first, num = self.tail.merged(self.slot_time(from_ms), to_ms)
+        if not len(slot_time):
+            return total
+        rows = self.wheel.rows((slot_time // self.tick_ms) % self.slots)
+        has = (rows["magic"] == SLOT_MAGIC) & (rows["slot_time"] == slot_time)
+        view = np.where(has, rows["num"], 0).astype(np.int64)
+        merged = np.where(has & (rows["last_pos"] < first), view + num, np.maximum(view, num))
+        return total + int(merged.sum() - view.sum())
+
     # ---------------------------------------------------------------- reading
 
     def _report_corrupt(self, pos: int, why: str, slot_time: int) -> None:
@@ -304,7 +431,7 @@ class Shard:
         """
         slot_time = self.slot_time(slot_time)
         limit_pos = self._limit(limit_pos)
-        slot = self.wheel.get(slot_time)
+        slot = self.slot(slot_time)
         pos = slot.last_pos
         stretch = self._dense_stretch(slot, limit_pos, self.dense_slot_min)
         if stretch is not None:
@@ -334,7 +461,7 @@ class Shard:
         or None if the slot is not dense, or a record in its stretch fails its checks
         (``read_slot`` then reports it)."""
         slot_time = self.slot_time(slot_time)
-        stretch = self._dense_stretch(self.wheel.get(slot_time), self._limit(limit_pos), self.dense_columns_min)
+        stretch = self._dense_stretch(self.slot(slot_time), self._limit(limit_pos), self.dense_columns_min)
         if stretch is None:
             return None
         return self.log.scan_back_arrays(*stretch, slot_time, self.tick_ms)
@@ -374,16 +501,17 @@ class Shard:
         checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync, self._saved)
 
     def load_enqueue_checkpoint(self) -> EnqueueCheckpoint | None:
-        """enqueue.ckpt as it is now on disk, or None."""
-        return checkpoint.load_enqueue(self._path(ENQUEUE_CKPT))
+        """The published enqueue checkpoint as it is now on the volume, or None (a newer owner's file is
+        seen within checkpoint.LIST_EVERY_S)."""
+        return checkpoint.load_enqueue(self._path(ENQUEUE_CKPT), self._found)
 
     def save_dequeue_checkpoint(self, ckpt: DequeueCheckpoint) -> None:
         """Atomically replace dequeue.ckpt (FencedError if it holds a newer epoch)."""
         checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync, self._saved)
 
     def load_dequeue_checkpoint(self) -> DequeueCheckpoint | None:
-        """dequeue.ckpt as it is now on disk, or None."""
-        return checkpoint.load_dequeue(self._path(DEQUEUE_CKPT))
+        """The published dequeue checkpoint as it is now on the volume, or None (see above)."""
+        return checkpoint.load_dequeue(self._path(DEQUEUE_CKPT), self._found)
 
     # ---------------------------------------------------------------- retention
 

@@ -45,6 +45,7 @@ from timerwheel.store.format import (
     valid_mask,
     why_invalid,
 )
+from timerwheel.store.fresh import DirectFile, drop_cached
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,10 @@ class TimerLog:
         self._end = 0
         self._flushed = 0
         self._dir_dirty = False
+        #: Reader: records below this position were read valid past the page cache (Shard.refresh);
+        #: a cached read of them that comes back short or invalid is a stale page, read again fresh.
+        self.fresh_end = 0
+        self._direct: dict[int, DirectFile] = {}
         if readonly:
             if not os.path.isdir(self.directory):
                 raise TimerwheelError(f"no TimerLog directory at {self.directory}")
@@ -92,6 +97,48 @@ class TimerLog:
 
     def _path(self, base: int) -> str:
         return os.path.join(self.directory, f"{base:020d}{SEGMENT_SUFFIX}")
+
+    def segment_path(self, base: int) -> str:
+        """The file of the segment starting at position ``base``."""
+        return self._path(base)
+
+    def forget_cached(self) -> None:
+        """Reader: close the cached descriptors, drop their cached pages and ``fresh_end``."""
+        for fd in self._read_fds.values():
+            drop_cached(fd)
+            os.close(fd)
+        self._read_fds.clear()
+        self._close_direct()
+        self.fresh_end = 0
+
+    def _close_direct(self, below: int | None = None) -> None:
+        for base in [b for b in self._direct if below is None or b < below]:
+            self._direct.pop(base).close()
+
+    def read_fresh(self, pos: int, length: int) -> bytes:
+        """Up to ``length`` bytes at ``pos``, within one segment, past this node's page cache
+        (``fresh.DirectFile``, kept open per segment: a few, the newest ones)."""
+        base = pos - pos % self.segment_bytes
+        direct = self._direct.get(base)
+        if direct is None:
+            try:
+                direct = self._direct[base] = DirectFile(self._path(base))
+            except FileNotFoundError:
+                return b""
+            self._close_direct(below=base - 4 * self.segment_bytes)
+        return direct.pread(pos - base, length)
+
+    def _stale(self, pos: int, length: int) -> bool:
+        """A reader's cached read of [pos, pos + length) that failed may be stale (see fresh_end)."""
+        return self.readonly and pos + length <= self.fresh_end
+
+    def _read_fresh(self, pos: int, length: int) -> bytes:
+        """[pos, pos + length) of one segment past the page cache; the cached pages dropped too."""
+        base = pos - pos % self.segment_bytes
+        fd = self._read_fds.get(base)
+        if fd is not None:
+            drop_cached(fd, pos - base, length)
+        return self.read_fresh(pos, length)
 
     def _scan(self) -> list[tuple[int, int]]:
         """(base, size) of every segment file, by base."""
@@ -307,6 +354,8 @@ class TimerLog:
             self._check_pos(pos)
         offset = pos % self.segment_bytes
         data = os.pread(self._fd(pos - offset), RECORD_SIZE, offset)
+        if self._stale(pos, RECORD_SIZE) and (len(data) < RECORD_SIZE or why_invalid(data) is not None):
+            data = self._read_fresh(pos, RECORD_SIZE)
         if not data:
             raise IndexError(f"TimerLog {self.directory} holds nothing at position {pos}")
         if len(data) < RECORD_SIZE:
@@ -317,7 +366,13 @@ class TimerLog:
         """Read raw bytes at ``pos`` into ``buf``, stopping at the segment's end; returns the count."""
         self._check_pos(pos)
         base = pos - pos % self.segment_bytes
-        return os.preadv(self._fd(base), [buf[: base + self.segment_bytes - pos]], pos - base)
+        buf = buf[: base + self.segment_bytes - pos]
+        got = os.preadv(self._fd(base), [buf], pos - base)
+        if got < len(buf) and self._stale(pos, min(len(buf), self.fresh_end - pos)):
+            data = self._read_fresh(pos, len(buf))
+            buf[: len(data)] = data
+            got = len(data)
+        return got
 
     def iter_chunks(
         self, start: int, end: int, *, reverse: bool = False, chunk_records: int = CHUNK_RECORDS
@@ -414,6 +469,11 @@ class TimerLog:
         first of its records that fire in ``slot_time`` or fail their checks)."""
         for first, arr in self.iter_chunks(max(lo, self.start_pos), hi, reverse=True):
             ok = valid_mask(arr)
+            if not ok.all() and self._stale(first, len(arr) * RECORD_SIZE):
+                fresh = self._read_fresh(first, len(arr) * RECORD_SIZE)
+                if len(fresh) == len(arr) * RECORD_SIZE:
+                    arr[:] = np.frombuffer(fresh, dtype=RECORD_DTYPE)
+                    ok = valid_mask(arr)
             deliver = arr["deliver_ms"]
             yield first, arr, ok, np.flatnonzero((ok & (deliver - deliver % tick_ms == slot_time)) | ~ok)[::-1]
 
@@ -421,6 +481,7 @@ class TimerLog:
         for fd in self._read_fds.values():
             os.close(fd)
         self._read_fds.clear()
+        self._close_direct()
         if self._write_fd >= 0:
             os.close(self._write_fd)
             self._write_fd, self._write_base = -1, -1

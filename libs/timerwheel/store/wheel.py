@@ -41,6 +41,7 @@ import numpy.typing as npt
 from timerwheel.errors import ConfigError, FormatMismatchError, TimerwheelError
 from timerwheel.files import fsync_dir
 from timerwheel.store.format import FORMAT_VERSION
+from timerwheel.store.fresh import DirectFile, drop_cached
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class TimerWheel:
         self.slots = slots
         self.readonly = readonly
         self.fsync = fsync
+        self._direct: DirectFile | None = None
         #: True when this call created the file (an empty wheel, synced_pos 0).
         self.created = False
         if not os.path.exists(self.path):
@@ -180,6 +182,37 @@ class TimerWheel:
         ]
         if wrong:
             raise FormatMismatchError(f"TimerWheel {self.path} does not match: " + "; ".join(wrong))
+
+    def fresh_synced_pos(self) -> int | None:
+        """``synced_pos`` as the file holds it now, read past this node's cache (None while the
+        header fails its CRC: being rewritten)."""
+        if self._direct is None:
+            self._direct = DirectFile(self.path)
+        data = self._direct.pread(0, HEADER_SIZE)
+        if len(data) < HEADER_SIZE or zlib.crc32(data[:-4]) != struct.unpack_from("<I", data, 60)[0]:
+            return None
+        return int(struct.unpack_from("<q", data, _SYNCED_POS_OFFSET)[0])
+
+    def reload(self) -> bool:
+        """Reader: map the file again with this node's cached pages of it dropped, so that slots
+        read from now on are at least as new as the file's last msync (another node's writes).
+        False if the old mapping is still in use (a view held by another thread): its pages stay
+        cached then, and the caller must not count on the new mapping being fresh."""
+        if not self.readonly:
+            return True
+        old = self._mm
+        self._mm = mmap.mmap(self._fd, HEADER_SIZE + self.slots * SLOT_SIZE, access=mmap.ACCESS_READ)
+        self._slots = np.ndarray((self.slots,), dtype=SLOT_DTYPE, buffer=self._mm, offset=HEADER_SIZE)
+        try:
+            old.close()
+        except BufferError:  # a caller still holds a view; the mapping goes when it does
+            return False
+        drop_cached(self._fd)  # pages mapped by a process (the new mapping faults lazily) stay
+        return True
+
+    def rows(self, idx: IntArray) -> npt.NDArray[np.void]:
+        """The stored rows at wheel indexes ``idx`` (pending changes not included)."""
+        return self._slots[idx]
 
     @property
     def synced_pos(self) -> int:
@@ -512,6 +545,9 @@ class TimerWheel:
                     np.array([slot.num]))
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
         if self._fd < 0:
             return
         del self._slots
