@@ -7,7 +7,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from timerwheel import EmbeddedTimerwheel, SimulatedClock, TimerClient, TimerConfig, Ticket
+from timerwheel import EmbeddedTimerwheel, SimulatedClock, Ticket, TimerClient, TimerConfig
 from timerwheel.transports.kafka import KafkaCommitLog
 
 START = 1_700_000_000_000
