@@ -80,10 +80,18 @@ def test_run_prints_commands_that_work_as_printed_in_a_new_terminal(server: Serv
     assert not (tmp_path / "data").exists(), "a printed command used a path relative to the server's directory"
 
 
-def test_local_commit_log_of_the_data_dir_reaches_the_running_service(server: Server) -> None:
-    from timerwheel import KafkaCommitLog, LocalCommitLog, TimerClient  # exported from the package
+def test_the_commit_logs_are_exported_from_the_package() -> None:
+    import timerwheel
+    from timerwheel import KafkaCommitLog, LocalCommitLog
 
-    assert KafkaCommitLog.__name__ == "KafkaCommitLog"
+    assert {"KafkaCommitLog", "LocalCommitLog"} <= set(timerwheel.__all__)
+    assert (KafkaCommitLog.__name__, LocalCommitLog.__name__) == ("KafkaCommitLog", "LocalCommitLog")
+
+
+def test_local_commit_log_of_the_data_dir_reaches_the_running_service(server: Server) -> None:
+    from timerwheel import TimerClient
+    from timerwheel.transports.local import LocalCommitLog
+
     tickets: list[object] = []
 
     def schedule() -> None:  # what a reader of the README writes
