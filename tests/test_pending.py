@@ -6,9 +6,11 @@ import json
 import random
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
-from timerwheel import EmbeddedTimerwheel, SimulatedClock, Ticket
+from timerwheel import EmbeddedTimerwheel, SimulatedClock, SystemClock, Ticket
 
 START = 1_700_000_000_000
 TOPICS = ("t1", "t2")
@@ -80,3 +82,28 @@ def test_pending_command_reads_a_data_dir(tmp_path: Path) -> None:
     assert report["count"] == 9 and report["shown"] == 3
     assert [t["id"] for t in report["timers"]] == [t.message_id for t in tickets[1:4]]
     assert all(isinstance(Ticket(0, t["deliver_at_ms"], t["id"]), Ticket) for t in report["timers"])
+
+
+def test_pending_command_with_kafka_reads_the_timer_topic_there(tmp_path: Path, kafka_bootstrap: str) -> None:
+    from timerwheel.embedded import Transports
+    from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
+    from timerwheel.transports.kafka import KafkaCommitLog
+    from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
+
+    timer_topic = f"tw-pending-{uuid.uuid4().hex[:8]}"
+    transports = Transports(KafkaCommitLog(kafka_bootstrap),
+                            {q: MemoryWorkQueue(q, 1, 64) for q in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)},
+                            MemoryLeaseStore(SystemClock()))
+    with EmbeddedTimerwheel(tmp_path, tick_ms=100, roll_window_ms=10_000, shards=1, timer_partitions=1,
+                            timer_topic=timer_topic, fsync=False, transports=transports) as tw:
+        tickets = [tw.schedule("orders", b"v", delay_ms=3_600_000 + i) for i in range(3)]
+        deadline = time.monotonic() + 60
+        while tw.pending().count < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    out = subprocess.run([sys.executable, "-m", "timerwheel.cli", "pending", "--data-dir", str(tmp_path),
+                          "--kafka", kafka_bootstrap, "--timer-topic", timer_topic], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["count"] == 3
+    assert [(t["id"], t["roll"]) for t in report["timers"]] == [(t.message_id, 0) for t in tickets]

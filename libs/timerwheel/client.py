@@ -16,8 +16,8 @@ would only dead-letter; the ``timerwheel schedule`` command does.
 
 ``reschedule`` finds the message's timer record (reading its timer partition back from the end),
 then appends the cancel and the new record together: in one Kafka transaction when the commit log
-has ``append_atomic`` (``KafkaCommitLog``), in one append to one partition on the local log (the
-new record goes to the ticket's timer partition, so both are written by one write).
+has ``append_atomic`` (``KafkaCommitLog``), else in one ``append`` (the local log: one partition,
+as the new record goes to the ticket's timer partition, under that partition's lock).
 """
 
 from __future__ import annotations
