@@ -7,7 +7,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from timerwheel import EmbeddedTimerwheel, SimulatedClock, Ticket, TimerClient, TimerConfig
+import pytest
+from timerwheel import EmbeddedTimerwheel, SimulatedClock, Ticket, TimerClient, TimerConfig, TimerwheelError
 from timerwheel.transports.kafka import KafkaCommitLog
 
 START = 1_700_000_000_000
@@ -34,6 +35,19 @@ def test_reschedule_delivers_at_the_new_time_only(tmp_path: Path) -> None:
         moved = got[1]
         assert moved.key == b"k" and moved.header("trace") == b"abc"
         assert int(moved.header("tw-delivered-at") or b"0") >= START + 12_000
+
+
+def test_reschedule_after_the_delivery_time_is_refused(tmp_path: Path) -> None:
+    clock = SimulatedClock(start_ms=START)
+    with EmbeddedTimerwheel(tmp_path, clock=clock, tick_ms=100, roll_window_ms=10_000, fsync=False) as tw:
+        old = tw.schedule("orders", b"v", delay_ms=1_000)
+        clock.advance(2_000)
+        tw.wait_idle()
+        with pytest.raises(TimerwheelError, match="most likely delivered"):
+            tw.reschedule(old, delay_ms=5_000)
+        clock.advance(10_000)
+        tw.wait_idle()
+        assert len(tw.read("orders")) == 1
 
 
 def test_reschedule_command_prints_the_new_ticket(tmp_path: Path) -> None:

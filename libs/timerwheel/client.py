@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 import uuid
 import zlib
 from collections.abc import Sequence
@@ -52,6 +53,8 @@ from timerwheel.wire import (
 
 #: ``find`` reads a timer partition back from its end this many records at a time.
 FIND_CHUNK = 5_000
+#: ... and gives up when one chunk takes longer than this.
+FIND_TIMEOUT_S = 60.0
 _DEFAULT_ID = re.compile(r"(\d+)-(\d+)")
 
 
@@ -192,8 +195,12 @@ class TimerClient:
             lo = max(start, hi - FIND_CHUNK)
             found: Record | None = None
             consumer = self.log.consumer(topic, {p: lo})
+            deadline = time.monotonic() + FIND_TIMEOUT_S
             try:
                 while consumer.position(p) < hi:
+                    if time.monotonic() > deadline:
+                        raise TimerwheelError(f"find: reading partition {p} of {topic!r} from offset {lo} "
+                                              f"did not reach {hi} within {FIND_TIMEOUT_S:g} s")
                     for r in consumer.poll(FIND_CHUNK, 1.0):
                         if r.offset < hi and r.header(H_ID) == want and r.header(H_CANCEL) is None:
                             found = r
@@ -209,8 +216,14 @@ class TimerClient:
                    delay_level: int | None = None, message_id: str | None = None) -> Ticket:
         """Cancel the ticket's message and schedule it again (same destination, key, value and
         headers) at the new time; returns the new ticket (a new message id unless ``message_id``).
-        The cancel and the new record are appended together (see the module header)."""
+        The cancel and the new record are appended together (see the module header). Refused
+        once the old delivery time has passed (the message would be delivered twice)."""
         ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
+        now = self.clock.now_ms()
+        if ticket.deliver_at_ms <= now:
+            # Its cancel could no longer take effect: the message would be delivered twice.
+            raise TimerwheelError(f"reschedule: the delivery time of {ticket.message_id!r} passed "
+                                  f"{now - ticket.deliver_at_ms} ms ago; the message was most likely delivered")
         original = self.find(ticket)
         if original is None:
             raise TimerwheelError(f"reschedule: no timer record of {ticket.message_id!r} in partition "
