@@ -91,3 +91,5 @@ def test_demo_reports_lateness(tmp_path: Path) -> None:
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["delivered"] == 300 - summary["cancelled"]
     assert summary["early"] == 0
+    first = result.stderr.lstrip("\r").splitlines()[0]
+    assert first.startswith("demo: ") and "300 timers" in first, "demo says nothing before its progress bar"

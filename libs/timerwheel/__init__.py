@@ -6,7 +6,7 @@ from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.wire import Ticket
 
-__all__ = ["Clock", "ConfigError", "EmbeddedTimerwheel", "SimulatedClock", "SystemClock", "Ticket", "Timer",
+__all__ = ["Clock", "ConfigError", "EmbeddedTimerwheel", "KafkaCommitLog", "LocalCommitLog", "SimulatedClock", "SystemClock", "Ticket", "Timer",
            "TimerClient", "TimerConfig", "TimerwheelError"]
 
 
@@ -16,4 +16,12 @@ def __getattr__(name: str) -> object:
         from timerwheel.embedded import EmbeddedTimerwheel
 
         return EmbeddedTimerwheel
+    if name == "LocalCommitLog":
+        from timerwheel.transports.local import LocalCommitLog
+
+        return LocalCommitLog
+    if name == "KafkaCommitLog":  # kafka-python is imported only by who uses it
+        from timerwheel.transports.kafka import KafkaCommitLog
+
+        return KafkaCommitLog
     raise AttributeError(name)

@@ -3,11 +3,16 @@
     timerwheel run --embedded --data-dir D      serve until SIGINT / SIGTERM
     timerwheel schedule --data-dir D --topic T --delay-ms 5000 --value hello
     timerwheel cancel --data-dir D TICKET
+    timerwheel reschedule --data-dir D TICKET --delay-ms 10s
     timerwheel consume --data-dir D --topic T [--follow]
     timerwheel inspect --data-dir D
+    timerwheel pending --data-dir D [--from T1] [--to T2] [--topic X] [--id ID] [--limit N]
     timerwheel demo
 
-A bad argument or configuration value exits with status 2 and one line naming it.
+A bad argument or configuration value exits with status 2 and one line naming it; every error
+line starts ``timerwheel: error:``. Client commands (schedule, cancel, reschedule, consume,
+inspect, pending) take only their own flags; the service's settings come from the same ``TW_*``
+variables the service reads (``schedule`` checks a timer with the service's rules).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import argparse
 import json
 import os
 import random
+import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -27,8 +34,8 @@ from typing import Any, NoReturn
 
 from timerwheel import telemetry
 from timerwheel.client import Timer, TimerClient
-from timerwheel.config import ENV_VARS, TimerConfig, parse_duration_ms
-from timerwheel.errors import ConfigError, FormatMismatchError, TimerwheelError
+from timerwheel.config import DAY_MS, ENV_VARS, TimerConfig, parse_duration_ms
+from timerwheel.errors import ConfigError, FormatMismatchError, InvalidTimerMessage, TimerwheelError
 from timerwheel.log import configure_logging, stage_logger
 from timerwheel.records import Record
 
@@ -46,7 +53,17 @@ class CliError(Exception):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        command = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
+        self.exit(2, f"timerwheel: error: {command}{message}\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("timerwheel")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _duration(text: str) -> int:
@@ -56,16 +73,69 @@ def _duration(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+_DEFAULTS = TimerConfig()
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", help="data directory (default $TW_DATA_DIR or ./data)")
-    p.add_argument("--shards", type=int)
-    p.add_argument("--tick-ms", type=int)
-    p.add_argument("--roll-window", type=_duration, help="e.g. 2d, 12h, 86400000")
-    p.add_argument("--max-delay", type=_duration, help="e.g. 400d")
-    p.add_argument("--timer-topic")
-    p.add_argument("--dlq-topic")
-    p.add_argument("--allow-topics", help="comma-separated regexes")
-    p.add_argument("--timer-partitions", type=int)
+    """The service's settings (``run``); each overrides its ``TW_*`` variable."""
+    d = _DEFAULTS
+    p.add_argument("--data-dir", help=f"data directory: shards and the local commit log (default $TW_DATA_DIR or {d.data_dir})")
+    p.add_argument("--shards", type=int, help=f"number of shards (default $TW_SHARDS or {d.shards})")
+    p.add_argument("--tick-ms", type=int, help=f"wheel tick: 10, 100, 200, 500 or 1000 (default $TW_TICK_MS or {d.tick_ms})")
+    p.add_argument("--roll-window", type=_duration,
+                   help=f"roll window, e.g. 2d, 12h, 86400000 (default $TW_ROLL_WINDOW_MS or {d.roll_window_ms // DAY_MS}d)")
+    p.add_argument("--max-delay", type=_duration,
+                   help=f"longest accepted delay, e.g. 400d (default $TW_MAX_DELAY_MS or {d.max_delay_ms // DAY_MS}d)")
+    p.add_argument("--timer-topic", help=f"the timer topic (default $TW_TIMER_TOPIC or {d.timer_topic})")
+    p.add_argument("--dlq-topic", help=f"the dead-letter topic (default $TW_DLQ_TOPIC or {d.dlq_topic})")
+    p.add_argument("--allow-topics", help="comma-separated regexes of allowed destinations (default $TW_ALLOW_TOPICS: any)")
+    p.add_argument("--timer-partitions", type=int,
+                   help=f"partitions of the timer topic when it is created (default $TW_TIMER_PARTITIONS or {d.timer_partitions})")
+
+
+def _client_args(p: argparse.ArgumentParser, *, create: bool = False, kafka: bool = True) -> None:
+    """Where a client command finds the service: its data directory, or Kafka."""
+    p.add_argument("--data-dir", help=f"the running service's data directory (default $TW_DATA_DIR or "
+                                      f"{_DEFAULTS.data_dir}); its commit log is <data dir>/log")
+    if create:
+        p.add_argument("--create-data-dir", action="store_true",
+                       help="create the data directory if it does not exist (else refused: no service reads it)")
+    if kafka:
+        p.add_argument("--kafka", metavar="BOOTSTRAP", help="use Kafka at BOOTSTRAP (host:port,...) instead of the local log")
+    p.add_argument("--timer-topic", help=f"the timer topic (default $TW_TIMER_TOPIC or {_DEFAULTS.timer_topic})")
+
+
+def _when_args(p: argparse.ArgumentParser) -> None:
+    when = p.add_mutually_exclusive_group(required=True)
+    when.add_argument("--delay-ms", type=_duration, help="delay from now, e.g. 5000, 5s, 2h")
+    when.add_argument("--deliver-at", type=int, help="absolute delivery time, epoch milliseconds")
+    when.add_argument("--delay-level", type=int, help="RocketMQ delay level 1..N ($TW_DELAY_LEVELS)")
+
+
+def _time(text: str) -> int:
+    """Epoch milliseconds, ``now``, ``now+DURATION`` / ``+DURATION`` / ``now-DURATION``, or ISO 8601 (UTC if no zone)."""
+    from datetime import UTC, datetime
+
+    t = text.strip()
+    if t.lstrip("-").isdigit():
+        return int(t)
+    if t.startswith("now") or t.startswith("+"):
+        rest = t[3:] if t.startswith("now") else t
+        now = int(time.time() * 1000)
+        if not rest:
+            return now
+        sign = -1 if rest[0] == "-" else 1
+        try:
+            return now + sign * parse_duration_ms(rest.lstrip("+-"))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    try:
+        when = datetime.fromisoformat(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected epoch ms, now[+-DURATION] or ISO 8601, got {text!r}") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
 
 
 def build_config(args: argparse.Namespace, **extra: Any) -> TimerConfig:
@@ -84,48 +154,96 @@ def build_config(args: argparse.Namespace, **extra: Any) -> TimerConfig:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="timerwheel", description="Arbitrary-delay timer messages for Kafka.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    parser.add_argument("--version", action="version", version=f"timerwheel {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run all five stages in one process")
+    run = sub.add_parser("run", help="run all five stages in one process", description="Run all five stages in "
+                         "one process until SIGINT / SIGTERM. TW_HTTP_PORT serves /healthz, /readyz, /metrics.")
     run.add_argument("--embedded", action="store_true", help="local commit log and in-process queues (default)")
-    run.add_argument("--kafka", help="Kafka bootstrap servers (production transports)")
-    run.add_argument("--redis", help="Redis URL (production transports)")
+    run.add_argument("--kafka", metavar="BOOTSTRAP", help="Kafka bootstrap servers (production transports, with --redis)")
+    run.add_argument("--redis", metavar="URL", help="Redis URL (production transports, with --kafka)")
     _config_args(run)
 
-    sched = sub.add_parser("schedule", help="schedule one timer message")
-    _config_args(sched)
-    sched.add_argument("--kafka", help="schedule through Kafka instead of the local log")
+    sched = sub.add_parser("schedule", help="schedule one timer message; prints its ticket",
+                           description="Schedule one timer message and print its ticket. It is checked first with "
+                           "the service's rules (TW_ALLOW_TOPICS, TW_MAX_DELAY_MS, ...): what the service would "
+                           "dead-letter is refused with the reason.")
+    _client_args(sched, create=True)
     sched.add_argument("--topic", required=True, help="destination topic")
-    when = sched.add_mutually_exclusive_group(required=True)
-    when.add_argument("--delay-ms", type=_duration, help="delay, e.g. 5000, 5s, 2h")
-    when.add_argument("--deliver-at", type=int, help="absolute epoch milliseconds")
-    when.add_argument("--delay-level", type=int, help="RocketMQ delay level 1..N")
+    _when_args(sched)
     sched.add_argument("--value", default="", help="record value (UTF-8)")
     sched.add_argument("--key", help="record key (UTF-8)")
     sched.add_argument("--id", dest="message_id", help="message id (default: generated)")
     sched.add_argument("--header", action="append", default=[], metavar="K=V", help="user header, repeatable")
 
-    cancel = sub.add_parser("cancel", help="cancel a scheduled message by its ticket")
-    _config_args(cancel)
-    cancel.add_argument("--kafka")
-    cancel.add_argument("ticket")
+    cancel = sub.add_parser("cancel", help="cancel a scheduled message by its ticket",
+                            description="Cancel a scheduled message. Exits 1 if its delivery time has passed (the "
+                            "cancel is sent, but the message was most likely delivered already).")
+    _client_args(cancel, create=True)
+    cancel.add_argument("ticket", help="the ticket schedule printed (tw1.<partition>.<deliver_at>.<id>)")
+
+    resched = sub.add_parser("reschedule", help="cancel a message and schedule it again; prints the new ticket",
+                             description="Cancel the ticket's message and schedule the same record again at a new "
+                             "time, both in one append (one Kafka transaction with --kafka); prints the new ticket.")
+    _client_args(resched)
+    resched.add_argument("ticket", help="the ticket schedule printed")
+    _when_args(resched)
+    resched.add_argument("--id", dest="message_id", help="message id of the new timer (default: generated)")
 
     consume = sub.add_parser("consume", help="print a topic's records as JSON lines")
-    _config_args(consume)
-    consume.add_argument("--kafka")
-    consume.add_argument("--topic", required=True)
+    _client_args(consume, create=True)
+    consume.add_argument("--topic", required=True, help="topic to read from its start")
     consume.add_argument("--follow", action="store_true", help="keep waiting for new records")
 
     insp = sub.add_parser("inspect", help="per-shard W, R, pending, TimerLog size, load ahead (JSON)")
-    _config_args(insp)
+    insp.add_argument("--data-dir", help=f"data directory (default $TW_DATA_DIR or {_DEFAULTS.data_dir})")
+    insp.add_argument("--shards", type=int, help="show shards 0..N-1 (default: every shard-NNNN directory found)")
+
+    pend = sub.add_parser("pending", help="list scheduled, not yet delivered messages of a time range (JSON)",
+                          description="List the scheduled, not yet delivered messages due in [--from, --to): id, "
+                          "topic, delivery time, roll count, read from the shards' TimerLog slots; the count of "
+                          "all, the first --limit by delivery time. Times: epoch ms, now, now+5m, +1h, or ISO 8601.")
+    _client_args(pend)
+    pend.add_argument("--shards", type=int, help="read shards 0..N-1 (default: every shard-NNNN directory found)")
+    pend.add_argument("--from", dest="from_ms", type=_time, default=0, help="earliest delivery time (default: any)")
+    pend.add_argument("--to", dest="to_ms", type=_time, default=None, help="delivery time bound, exclusive (default: any)")
+    pend.add_argument("--topic", help="only messages for this destination topic")
+    pend.add_argument("--id", dest="message_id", help="only the message with this id")
+    pend.add_argument("--limit", type=int, default=100, help="list at most N (default 100; the count covers all)")
 
     demo = sub.add_parser("demo", help="schedule random timers in a temporary directory and watch them fire")
-    demo.add_argument("--count", type=int, default=3000)
-    demo.add_argument("--max-delay-s", type=float, default=8.0)
+    demo.add_argument("--count", type=int, default=3000, help="timers to schedule (default 3000)")
+    demo.add_argument("--max-delay-s", type=float, default=8.0, help="longest delay in seconds (default 8)")
 
-    stage = sub.add_parser("stage", help="run one stage as its own process (production mode, see README)")
-    stage.add_argument("name", choices=["enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put"])
+    stage = sub.add_parser("stage", help="run one stage as its own process (production mode, see README)",
+                           description="Run one stage as its own process, configured by TW_* variables only.")
+    stage.add_argument("name", choices=["enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put"],
+                       help="the stage to run")
     return parser
+
+
+def _data_dir(cfg: TimerConfig, args: argparse.Namespace) -> Path:
+    """The data directory a client command uses: it must exist (``--create-data-dir`` creates it)."""
+    d = Path(cfg.data_dir)
+    if d.exists() and not d.is_dir():
+        raise CliError(f"--data-dir: {d} is not a directory")
+    if not d.exists():
+        if not getattr(args, "create_data_dir", False):
+            raise CliError(f"--data-dir: {d} does not exist: no timerwheel service reads it (start one with "
+                           f"`timerwheel run --data-dir {d}`, or pass --create-data-dir)")
+        d.mkdir(parents=True)
+    return d
+
+
+def _self_command() -> str:
+    """How to call this very ``timerwheel`` from a new terminal: its name if PATH finds it, else its path."""
+    script = Path(sys.executable).parent / "timerwheel"
+    on_path = shutil.which("timerwheel")
+    if on_path and script.exists() and Path(on_path).resolve() == script.resolve():
+        return "timerwheel"
+    if script.exists():
+        return shlex.quote(str(script.absolute()))
+    return f"{shlex.quote(sys.executable)} -m timerwheel.cli"
 
 
 def _local_client(cfg: TimerConfig) -> TimerClient:
@@ -135,14 +253,15 @@ def _local_client(cfg: TimerConfig) -> TimerClient:
     return TimerClient(LocalCommitLog(log_dir, default_partitions=1, fsync=cfg.fsync), cfg)
 
 
-def _commit_log(cfg: TimerConfig, kafka: str | None) -> Any:
+def _commit_log(cfg: TimerConfig, kafka: str | None, args: argparse.Namespace | None = None) -> Any:
     if kafka:
         from timerwheel.transports.kafka import KafkaCommitLog
 
         return KafkaCommitLog(kafka, compression=cfg.kafka_compression)
     from timerwheel.transports.local import LocalCommitLog
 
-    return LocalCommitLog(Path(cfg.data_dir) / "log", default_partitions=1, fsync=cfg.fsync)
+    data = _data_dir(cfg, args) if args is not None else Path(cfg.data_dir)
+    return LocalCommitLog(data / "log", default_partitions=1, fsync=cfg.fsync)
 
 
 def _record_json(r: Record) -> str:
@@ -161,25 +280,42 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         return run_all_in_one(build_config(args, kafka_bootstrap=args.kafka, redis_url=args.redis))
     from timerwheel.embedded import EmbeddedTimerwheel
+    from timerwheel.health import HealthServer
 
     cfg = build_config(args)
+    data = Path(cfg.data_dir)
+    if data.exists() and not data.is_dir():
+        raise CliError(f"--data-dir: {data} is not a directory")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     log = stage_logger("cli")
     with EmbeddedTimerwheel(config=cfg) as tw:
         telemetry.configure_from_env(tw.metrics)
+        server = None
+        if cfg.http_port:
+            try:
+                server = HealthServer(cfg.http_port, tw.metrics, live=lambda: not stop.is_set(),
+                                      ready=lambda: not stop.is_set()).start()
+            except OSError as exc:
+                raise ConfigError("TW_HTTP_PORT", f"cannot serve on port {cfg.http_port}: {exc.strerror or exc}") from None
+        tw_cmd, where = _self_command(), shlex.quote(str(data.absolute()))
         sys.stderr.write(
-            f"timerwheel (embedded) is running with data in {cfg.data_dir}. From another terminal:\n"
-            f"  timerwheel schedule --data-dir {cfg.data_dir} --topic orders --delay-ms 5s --value hello\n"
-            f"  timerwheel consume  --data-dir {cfg.data_dir} --topic orders --follow\n"
-            f"  timerwheel inspect  --data-dir {cfg.data_dir}\n"
-            "Stop with Ctrl-C.\n")
-        while not stop.wait(10.0):
-            m = tw.metrics
-            log.info("progress", scheduled=m.counter("scheduled"), delivered=m.counter("delivered"),
-                     rolled=m.counter("rolled"), cancelled=m.counter("cancelled"),
-                     dead_lettered=m.counter("dead_lettered"))
+            f"timerwheel (embedded) is running with data in {where}. From another terminal:\n"
+            f"  {tw_cmd} schedule --data-dir {where} --topic orders --delay-ms 5s --value hello\n"
+            f"  {tw_cmd} consume  --data-dir {where} --topic orders --follow\n"
+            f"  {tw_cmd} inspect  --data-dir {where}\n"
+            + (f"Health and metrics: http://127.0.0.1:{server.port}/metrics (/healthz, /readyz).\n" if server else "")
+            + "Stop with Ctrl-C.\n")
+        try:
+            while not stop.wait(10.0):
+                m = tw.metrics
+                log.info("progress", scheduled=m.counter("scheduled"), delivered=m.counter("delivered"),
+                         rolled=m.counter("rolled"), cancelled=m.counter("cancelled"),
+                         dead_lettered=m.counter("dead_lettered"))
+        finally:
+            if server is not None:
+                server.close()
     return 0
 
 
@@ -191,30 +327,64 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             raise CliError(f"--header: expected K=V, got {h!r}")
         k, v = h.split("=", 1)
         headers.append((k, v.encode()))
-    client = TimerClient(_commit_log(cfg, args.kafka), cfg)
-    ticket = client.schedule(args.topic, args.value.encode(), key=args.key.encode() if args.key else None,
-                             headers=tuple(headers), delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at,
-                             delay_level=args.delay_level, message_id=args.message_id)
+    _check_level(cfg, args.delay_level)
+    client = TimerClient(_commit_log(cfg, args.kafka, args), cfg, validate=True)
+    try:
+        ticket = client.schedule(args.topic, args.value.encode(), key=args.key.encode() if args.key else None,
+                                 headers=tuple(headers), delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at,
+                                 delay_level=args.delay_level, message_id=args.message_id)
+    except (ValueError, InvalidTimerMessage) as exc:
+        raise CliError(f"schedule: {exc}") from None
     print(ticket)
     return 0
 
 
-def cmd_cancel(args: argparse.Namespace) -> int:
+def _check_level(cfg: TimerConfig, level: int | None) -> None:
+    if level is not None and not 1 <= level <= len(cfg.delay_levels_ms):
+        raise CliError(f"--delay-level: must be 1..{len(cfg.delay_levels_ms)} (TW_DELAY_LEVELS), got {level}")
+
+
+def _ticket(text: str) -> Any:
     from timerwheel.wire import Ticket
 
-    cfg = build_config(args)
     try:
-        ticket = Ticket.parse(args.ticket)
+        return Ticket.parse(text)
     except ValueError as exc:
         raise CliError(f"ticket: {exc}") from None
-    TimerClient(_commit_log(cfg, args.kafka), cfg).cancel(ticket)
+
+
+def cmd_reschedule(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    ticket = _ticket(args.ticket)
+    _check_level(cfg, args.delay_level)
+    client = TimerClient(_commit_log(cfg, args.kafka, args), cfg, validate=True)
+    try:
+        new = client.reschedule(ticket, delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at,
+                                delay_level=args.delay_level, message_id=args.message_id)
+    except (ValueError, InvalidTimerMessage) as exc:
+        raise CliError(f"reschedule: {exc}") from None
+    print(new)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    ticket = _ticket(args.ticket)
+    client = TimerClient(_commit_log(cfg, args.kafka, args), cfg)
+    client.cancel(ticket)
+    now = client.clock.now_ms()
+    if ticket.deliver_at_ms <= now:
+        sys.stderr.write(f"timerwheel: error: cancel sent for {ticket.message_id}, but its delivery time "
+                         f"{ticket.deliver_at_ms} passed {now - ticket.deliver_at_ms} ms ago: the message was most "
+                         "likely delivered already, and the cancel can no longer take effect\n")
+        return 1
     print(f"cancel sent for {ticket.message_id}")
     return 0
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
     cfg = build_config(args)
-    log = _commit_log(cfg, args.kafka)
+    log = _commit_log(cfg, args.kafka, args)
     consumer = log.consumer(args.topic, log.start_offsets(args.topic))
     try:
         while True:
@@ -231,17 +401,59 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from timerwheel.clock import SystemClock
-    from timerwheel.embedded import inspect_shards, open_shard, shard_dir
+    from timerwheel.embedded import inspect_shards
 
     cfg = build_config(args)
-    if not shard_dir(cfg.data_dir, 0).exists():
-        raise CliError(f"--data-dir: no timerwheel shards in {cfg.data_dir}")
-    shards = {s: open_shard(cfg, s, writer=False) for s in range(cfg.shards) if shard_dir(cfg.data_dir, s).exists()}
+    shards = _open_shards(cfg, args.shards)
     try:
         print(json.dumps(inspect_shards(cfg, shards, SystemClock().now_ms()), indent=2))
     finally:
         for shard in shards.values():
             shard.close()
+    return 0
+
+
+def _open_shards(cfg: TimerConfig, count: int | None) -> dict[int, Any]:
+    """Read-only views of shards 0..count-1, or of every ``shard-NNNN`` directory found."""
+    from timerwheel.embedded import found_shards, open_found_shard
+
+    found = found_shards(cfg.data_dir)
+    if not found:
+        raise CliError(f"--data-dir: no timerwheel shards in {cfg.data_dir}")
+    wanted = found if count is None else [s for s in range(count) if s in found]
+    shards: dict[int, Any] = {}
+    try:
+        for s in wanted:
+            shards[s] = open_found_shard(cfg.data_dir, s)
+    except BaseException:
+        for shard in shards.values():
+            shard.close()
+        raise
+    return shards
+
+
+def cmd_pending(args: argparse.Namespace) -> int:
+    from timerwheel.clock import SystemClock
+    from timerwheel.pending import pending_timers
+    from timerwheel.wire import MAX_EPOCH_MS
+
+    cfg = build_config(args)
+    if args.limit < 0:
+        raise CliError(f"--limit: must be >= 0, got {args.limit}")
+    _data_dir(cfg, args)
+    shards = _open_shards(cfg, args.shards)
+    log = _commit_log(cfg, args.kafka)
+    try:
+        found = pending_timers(log, shards, cfg, args.from_ms, MAX_EPOCH_MS + 1 if args.to_ms is None else args.to_ms,
+                               now_ms=SystemClock().now_ms(), topic=args.topic, message_id=args.message_id,
+                               limit=args.limit)
+    finally:
+        log.close()
+        for shard in shards.values():
+            shard.close()
+    print(json.dumps({"count": found.count, "shown": len(found.timers), "timers": [
+        {"id": t.message_id, "topic": t.topic, "deliver_at_ms": t.deliver_at_ms, "roll": t.roll, "shard": t.shard}
+        for t in found.timers]}, indent=2))
     return 0
 
 
@@ -253,6 +465,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.max_delay_s <= 0:
         raise CliError(f"--max-delay-s: must be > 0, got {args.max_delay_s}")
     rng = random.Random()
+    sys.stderr.write(
+        f"demo: an embedded timerwheel in a temporary directory (2 shards, 100 ms ticks) schedules {args.count} "
+        f"timers due in 0.2-{args.max_delay_s:g} s, cancels one in 20, and counts the deliveries as they come; "
+        "then prints how late they were (JSON).\n")
+    sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="timerwheel-demo-") as tmp, \
             EmbeddedTimerwheel(tmp, tick_ms=100, roll_window_ms=60_000, shards=2, fsync=False) as tw:
         now = tw.clock.now_ms()
@@ -305,14 +522,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     telemetry.configure_from_env(stage=args.name if args.command == "stage" else None)
-    handlers = {"run": cmd_run, "schedule": cmd_schedule, "cancel": cmd_cancel, "consume": cmd_consume,
-                "inspect": cmd_inspect, "demo": cmd_demo, "stage": cmd_stage}
+    handlers = {"run": cmd_run, "schedule": cmd_schedule, "cancel": cmd_cancel, "reschedule": cmd_reschedule,
+                "consume": cmd_consume, "inspect": cmd_inspect, "pending": cmd_pending, "demo": cmd_demo,
+                "stage": cmd_stage}
     try:
         return handlers[args.command](args)
     except (CliError, ConfigError, FormatMismatchError) as exc:
         sys.stderr.write(f"timerwheel: error: {exc}\n")
         return 2
-    except TimerwheelError as exc:
+    except (TimerwheelError, OSError) as exc:
         sys.stderr.write(f"timerwheel: error: {exc}\n")
         return 1
 

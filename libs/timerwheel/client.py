@@ -3,15 +3,28 @@
     client = TimerClient(commit_log)
     ticket = client.schedule("orders", b"value", key=b"k", delay_ms=5_000)
     client.cancel(ticket)
+    new_ticket = client.reschedule(ticket, deliver_at_ms=...)   # cancel + schedule again
 
 The client only sets the public ``tw-*`` headers (any Kafka producer can do the same). It
 picks the timer partition from the message id, and the ticket remembers it: a cancel must
 go to the same timer partition as its message, so that both land in the same shard.
+
+``TimerClient(log, validate=True)`` checks each timer with the service's own rules
+(``TimerRules``: destination allowed and legal, delay within ``max_delay_ms``, time in range)
+and raises ``InvalidTimerMessage`` with the reason instead of writing a record the service
+would only dead-letter; the ``timerwheel schedule`` command does.
+
+``reschedule`` finds the message's timer record (reading its timer partition back from the end),
+then appends the cancel and the new record together: in one Kafka transaction when the commit log
+has ``append_atomic`` (``KafkaCommitLog``), else in one ``append`` (the local log: one partition,
+as the new record goes to the ticket's timer partition, under that partition's lock).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
+import time
 import uuid
 import zlib
 from collections.abc import Sequence
@@ -22,7 +35,8 @@ from opentelemetry.trace import Span
 from timerwheel import telemetry
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
-from timerwheel.records import Headers, OutRecord
+from timerwheel.errors import InvalidTimerMessage, TimerwheelError
+from timerwheel.records import Headers, OutRecord, Record
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_CANCEL,
@@ -33,7 +47,15 @@ from timerwheel.wire import (
     H_PARTITION,
     H_TOPIC,
     Ticket,
+    TimerRules,
+    user_headers,
 )
+
+#: ``find`` reads a timer partition back from its end this many records at a time.
+FIND_CHUNK = 5_000
+#: ... and gives up when one chunk takes longer than this.
+FIND_TIMEOUT_S = 60.0
+_DEFAULT_ID = re.compile(r"(\d+)-(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +75,12 @@ class Timer:
 
 
 class TimerClient:
-    def __init__(self, commit_log: CommitLog, config: TimerConfig | None = None, clock: Clock | None = None) -> None:
+    def __init__(self, commit_log: CommitLog, config: TimerConfig | None = None, clock: Clock | None = None,
+                 *, validate: bool = False) -> None:
         self.log = commit_log
         self.config = config or TimerConfig()
         self.clock = clock or SystemClock()
+        self.rules = TimerRules(self.config) if validate else None
         self.partitions = commit_log.ensure_topic(self.config.timer_topic, self.config.timer_partitions)
         # Ids: a random 64-bit prefix per client and a counter (unique, and far cheaper than uuid4 each).
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -70,11 +94,21 @@ class TimerClient:
 
     def schedule_many(self, timers: Sequence[Timer]) -> list[Ticket]:
         """Schedule a batch in one append; returns a ticket per timer, in order."""
+        records, tickets, spans = self._timer_records(timers)
+        self.log.append(records)
+        for span in spans or ():
+            span.end()
+        return tickets
+
+    def _timer_records(self, timers: Sequence[Timer], timer_partition: int | None = None
+                       ) -> tuple[list[OutRecord], list[Ticket], list[Span] | None]:
         now = self.clock.now_ms()
         records: list[OutRecord] = []
         tickets: list[Ticket] = []
         spans: list[Span] | None = [] if telemetry.tracer() is not None else None
+        fixed_partition = timer_partition
         for t in timers:
+            timer_partition = fixed_partition
             given = sum(x is not None for x in (t.delay_ms, t.deliver_at_ms, t.delay_level))
             if given != 1:
                 raise ValueError(f"{t.topic}: give exactly one of delay_ms, deliver_at_ms, delay_level")
@@ -97,7 +131,14 @@ class TimerClient:
                 headers.append((H_DELAY_LEVEL, str(t.delay_level).encode()))
             if t.partition is not None:
                 headers.append((H_PARTITION, str(t.partition).encode()))
-            timer_partition = zlib.crc32(message_id.encode()) % self.partitions
+            if timer_partition is None:
+                timer_partition = zlib.crc32(message_id.encode()) % self.partitions
+            if self.rules is not None:
+                check = Record(self.config.timer_topic, timer_partition, 0, now, t.key, t.value, tuple(headers))
+                try:
+                    self.rules.parse(check, now)
+                except InvalidTimerMessage as exc:
+                    raise InvalidTimerMessage(f"{message_id}: refused, the service would dead-letter it: {exc}") from None
             if spans is not None:
                 sent = telemetry.send_span(self.config.timer_topic, message_id, timer_partition, t.topic)
                 if sent is not None:
@@ -106,15 +147,18 @@ class TimerClient:
             records.append(OutRecord(self.config.timer_topic, t.key, t.value, tuple(headers),
                                      partition=timer_partition, timestamp_ms=now))
             tickets.append(Ticket(timer_partition, deliver, message_id))
-        self.log.append(records)
-        for span in spans or ():
-            span.end()
-        return tickets
+        return records, tickets, spans
 
     def cancel(self, ticket: Ticket | str) -> None:
         self.cancel_many([ticket])
 
     def cancel_many(self, tickets: Sequence[Ticket | str]) -> None:
+        records, spans = self._cancel_records(tickets)
+        self.log.append(records)
+        for span in spans:
+            span.end()
+
+    def _cancel_records(self, tickets: Sequence[Ticket | str]) -> tuple[list[OutRecord], list[Span]]:
         now = self.clock.now_ms()
         records = []
         spans: list[Span] = []
@@ -132,6 +176,67 @@ class TimerClient:
             # Keyed by the target: Kafka's client refuses a record with neither key nor value.
             records.append(OutRecord(self.config.timer_topic, ticket.message_id.encode(), None, headers,
                                      partition=ticket.partition, timestamp_ms=now))
-        self.log.append(records)
-        for span in spans:
+        return records, spans
+
+    def find(self, ticket: Ticket | str, max_records: int = 10_000_000) -> Record | None:
+        """The newest timer record of the ticket's message (its first write or a rolled copy),
+        read back from the end of its timer partition (at most ``max_records``), or None."""
+        ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
+        topic, p = self.config.timer_topic, ticket.partition
+        want = ticket.message_id.encode()
+        default = _DEFAULT_ID.fullmatch(ticket.message_id)
+        if default and int(default.group(1)) == p:  # an id the service gave: its record's own position
+            rec = self.log.read(topic, [(p, int(default.group(2)))])[0]
+            if rec is not None and rec.header(H_ID) in (None, want) and rec.header(H_CANCEL) is None:
+                return rec
+        start = self.log.start_offsets(topic).get(p, 0)
+        hi = self.log.end_offsets(topic).get(p, 0)
+        while hi > start and max_records > 0:
+            lo = max(start, hi - FIND_CHUNK)
+            found: Record | None = None
+            consumer = self.log.consumer(topic, {p: lo})
+            deadline = time.monotonic() + FIND_TIMEOUT_S
+            try:
+                while consumer.position(p) < hi:
+                    if time.monotonic() > deadline:
+                        raise TimerwheelError(f"find: reading partition {p} of {topic!r} from offset {lo} "
+                                              f"did not reach {hi} within {FIND_TIMEOUT_S:g} s")
+                    for r in consumer.poll(FIND_CHUNK, 1.0):
+                        if r.offset < hi and r.header(H_ID) == want and r.header(H_CANCEL) is None:
+                            found = r
+            finally:
+                consumer.close()
+            if found is not None:
+                return found
+            max_records -= hi - lo
+            hi = lo
+        return None
+
+    def reschedule(self, ticket: Ticket | str, *, delay_ms: int | None = None, deliver_at_ms: int | None = None,
+                   delay_level: int | None = None, message_id: str | None = None) -> Ticket:
+        """Cancel the ticket's message and schedule it again (same destination, key, value and
+        headers) at the new time; returns the new ticket (a new message id unless ``message_id``).
+        The cancel and the new record are appended together (see the module header). Refused
+        once the old delivery time has passed (the message would be delivered twice)."""
+        ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
+        now = self.clock.now_ms()
+        if ticket.deliver_at_ms <= now:
+            # Its cancel could no longer take effect: the message would be delivered twice.
+            raise TimerwheelError(f"reschedule: the delivery time of {ticket.message_id!r} passed "
+                                  f"{now - ticket.deliver_at_ms} ms ago; the message was most likely delivered")
+        original = self.find(ticket)
+        if original is None:
+            raise TimerwheelError(f"reschedule: no timer record of {ticket.message_id!r} in partition "
+                                  f"{ticket.partition} of {self.config.timer_topic!r}")
+        topic = (original.header(H_TOPIC) or b"").decode("utf-8", "replace")
+        raw_partition = original.header(H_PARTITION)
+        timer = Timer(topic, original.value, original.key, tuple(user_headers(original.headers)), delay_ms,
+                      deliver_at_ms, delay_level, message_id,
+                      int(raw_partition) if raw_partition and raw_partition.isdigit() else None)
+        records, tickets, spans = self._timer_records([timer], timer_partition=ticket.partition)
+        cancels, cancel_spans = self._cancel_records([ticket])
+        append_atomic = getattr(self.log, "append_atomic", None)
+        (append_atomic or self.log.append)([*cancels, *records])
+        for span in [*cancel_spans, *(spans or ())]:
             span.end()
+        return tickets[0]

@@ -17,6 +17,7 @@ queues and ``max_in_flight``, which keep ``R`` close behind).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import time
 import uuid
@@ -30,6 +31,7 @@ from timerwheel.config import TimerConfig
 from timerwheel.errors import TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
+from timerwheel.pending import PendingTimers, pending_timers
 from timerwheel.records import Headers, Record
 from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges, tune_interpreter
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
@@ -39,7 +41,7 @@ from timerwheel.store import Shard
 from timerwheel.transports.base import CommitLog, LeaseStore, WorkQueue
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
-from timerwheel.wire import Ticket
+from timerwheel.wire import MAX_EPOCH_MS, Ticket
 
 #: How often the embedded runtime applies the local commit log's retention (seconds).
 RETENTION_EVERY_S = 60.0
@@ -92,6 +94,25 @@ def open_shard(config: TimerConfig, shard: int, writer: bool) -> Shard:
     """Open a shard: as its writer (creating it, running recovery) or as a read-only view."""
     return Shard.open(shard_dir(config.data_dir, shard), tick_ms=config.tick_ms, slots=config.wheel_slots,
                       segment_bytes=config.segment_bytes, fsync=config.fsync, writer=writer)
+
+
+def found_shards(data_dir: str | os.PathLike[str]) -> list[int]:
+    """The shard numbers of the ``shard-NNNN`` directories in ``data_dir``, in order."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        return []
+    return sorted(int(d.name[6:]) for d in root.glob("shard-[0-9][0-9][0-9][0-9]") if d.is_dir())
+
+
+def open_found_shard(data_dir: str | os.PathLike[str], shard: int) -> Shard:
+    """A read-only view of a shard with the settings it was written with (its meta.json)."""
+    directory = shard_dir(data_dir, shard)
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        tick_ms, slots, segment_bytes = int(meta["tick_ms"]), int(meta["slots"]), int(meta["segment_bytes"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TimerwheelError(f"shard {directory}: meta.json is missing or unreadable: {exc}") from None
+    return Shard.open(directory, tick_ms=tick_ms, slots=slots, segment_bytes=segment_bytes, fsync=False, writer=False)
 
 
 def open_reader_if_exists(config: TimerConfig, shard: int) -> Shard | None:
@@ -287,6 +308,20 @@ class EmbeddedTimerwheel:
         gauge thread calls this every second, with ``pending`` every PENDING_EVERY_S."""
         sample_gauges(self.metrics, self.config, self.queues, self.readers, pending)
 
+    def pending(self, from_ms: int = 0, to_ms: int = MAX_EPOCH_MS, *, topic: str | None = None,
+                message_id: str | None = None, limit: int = 100) -> PendingTimers:
+        """The scheduled, not yet delivered messages due in [from_ms, to_ms) (``timerwheel.pending``)."""
+        return pending_timers(self.commit_log, self.readers, self.config, from_ms, to_ms, now_ms=self.clock.now_ms(),
+                              topic=topic, message_id=message_id, limit=limit)
+
+    def reschedule(self, ticket: Ticket | str, *, delay_ms: int | None = None, deliver_at_ms: int | None = None,
+                   delay_level: int | None = None, message_id: str | None = None) -> Ticket:
+        """``TimerClient.reschedule``: cancel and schedule again; returns the new ticket."""
+        new = self.client.reschedule(ticket, delay_ms=delay_ms, deliver_at_ms=deliver_at_ms,
+                                     delay_level=delay_level, message_id=message_id)
+        self.ctx.wake("enqueue-get")
+        return new
+
     def inspect(self) -> dict[str, Any]:
         return inspect_shards(self.config, self.readers, self.clock.now_ms(),
                               {name: [q.depth(p) for p in range(q.partitions)] for name, q in self.queues.items()})
@@ -297,13 +332,14 @@ def inspect_shards(config: TimerConfig, shards: dict[int, Shard], now_ms: int,
     """Per shard: W, R, their lag behind now, pending messages, TimerLog size, load ahead."""
     out: dict[str, Any] = {"now_ms": now_ms, "tick_ms": config.tick_ms, "shards": []}
     for shard_id, shard in sorted(shards.items()):
+        out["tick_ms"] = shard.tick_ms  # the shard's own, as written
         enq = shard.load_enqueue_checkpoint()
         deq = shard.load_dequeue_checkpoint()
         if enq is not None:
             shard.refresh(enq)  # a reader on another node: what the volume holds, not its cache
         w = enq.write_ms if enq else None
         r = deq.read_ms if deq else None
-        span_end = (r or now_ms) + config.wheel_slots * config.tick_ms
+        span_end = (r or now_ms) + shard.wheel.slots * shard.tick_ms
         info: dict[str, Any] = {
             "shard": shard_id,
             "W": w,

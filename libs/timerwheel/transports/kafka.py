@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -769,6 +770,38 @@ class KafkaCommitLog:
                 self._producer = None
         _close_producer(producer, 0)
 
+    def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+        """Append ``records`` in one Kafka transaction: a ``read_committed`` reader (every stage)
+        sees all of them or none. A transactional producer of its own is made on first use; a
+        failed transaction is aborted and raises ``KafkaLogError`` (nothing was written)."""
+        if not records:
+            return []
+        with self._producer_lock:
+            producer = getattr(self, "_tx_producer", None)
+            if producer is None:
+                self._check_open()
+                with self._kafka_call("connect the transactional producer"):
+                    producer = KafkaProducer(
+                        client_id=f"{self._client_id}-tx-producer", acks="all", enable_idempotence=True,
+                        transactional_id=f"{self._client_id}-tx-{uuid.uuid4().hex}",
+                        compression_type=self._compression, max_request_size=self._max_request_size,
+                        delivery_timeout_ms=self._delivery_timeout_ms, max_block_ms=self._request_timeout_ms,
+                        **self._common())
+                    producer.init_transactions()
+                self._tx_producer = producer
+            try:
+                producer.begin_transaction()
+                futures = [producer.send(r.topic, value=r.value if r.value is not None or r.key is not None else b"",
+                                         key=r.key, headers=list(r.headers), partition=r.partition,
+                                         timestamp_ms=r.timestamp_ms) for r in records]
+                producer.commit_transaction()
+                written = [(md.partition, md.offset) for md in (f.get(timeout=self._stall_timeout_s) for f in futures)]
+            except kafka_errors.KafkaError as exc:
+                with suppress(kafka_errors.KafkaError):
+                    producer.abort_transaction()
+                raise KafkaLogError(f"append_atomic: transaction of {len(records)} records failed: {exc}") from None
+            return written
+
     # -- random reads ------------------------------------------------------------------------
 
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
@@ -920,6 +953,9 @@ class KafkaCommitLog:
             if self._producer is not None:
                 _close_producer(self._producer, 5)
                 self._producer = None
+            if getattr(self, "_tx_producer", None) is not None:
+                _close_producer(self._tx_producer, 5)
+                self._tx_producer = None
         with self._reader_lock:
             if self._reader is not None:
                 self._reader.close(autocommit=False)

@@ -608,8 +608,26 @@ class _Partition:
         _close_fds(self._lock_fd)
 
 
+def commit_log_dir(directory: str | os.PathLike[str]) -> Path:
+    """The commit log's directory for ``directory``: an embedded timerwheel's data directory
+    (it holds ``log/`` that is not a topic, or ``shard-NNNN/``) keeps its log in ``<dir>/log``, so
+    ``LocalCommitLog("./data")`` is the log the service in ./data reads; any other directory is
+    the log itself. (Taking the data directory as the log used to wait forever on its ``.lock``,
+    which the running service holds.)"""
+    path = Path(directory)
+    log_dir = path / "log"
+    if log_dir.is_dir() and not (log_dir / "topic.json").exists():
+        return log_dir
+    if path.is_dir() and any(path.glob("shard-[0-9][0-9][0-9][0-9]")):
+        return log_dir
+    return path
+
+
 class LocalCommitLog:
-    """The CommitLog of the embedded mode (see the module header for layout and guarantees)."""
+    """The CommitLog of the embedded mode (see the module header for layout and guarantees).
+
+    ``LocalCommitLog(data_dir)`` given an embedded timerwheel's data directory opens the log in
+    it, ``<data_dir>/log`` (``commit_log_dir``)."""
 
     def __init__(
         self,
@@ -626,7 +644,7 @@ class LocalCommitLog:
             raise ValueError(f"LocalCommitLog: default_partitions must be >= 1, got {default_partitions}")
         if segment_bytes < 1:
             raise ValueError(f"LocalCommitLog: segment_bytes must be >= 1, got {segment_bytes}")
-        self.directory = Path(directory)
+        self.directory = commit_log_dir(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.default_partitions = default_partitions
         self.fsync = fsync
