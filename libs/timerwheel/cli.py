@@ -137,9 +137,11 @@ def _local_client(cfg: TimerConfig) -> TimerClient:
 
 def _commit_log(cfg: TimerConfig, kafka: str | None) -> Any:
     if kafka:
+        from timerwheel.security import check_kafka_access
         from timerwheel.transports.kafka import KafkaCommitLog
 
-        return KafkaCommitLog(kafka, compression=cfg.kafka_compression)
+        check_kafka_access(cfg, kafka)
+        return KafkaCommitLog.from_config(cfg, kafka)
     from timerwheel.transports.local import LocalCommitLog
 
     return LocalCommitLog(Path(cfg.data_dir) / "log", default_partitions=1, fsync=cfg.fsync)
