@@ -13,6 +13,11 @@
 * ``production.compressed``: the throughput run three times in a row, with the timer topic's
   batches written uncompressed, lz4 and zstd (as producers in the field write them): messages/s of
   each and the ratio of each codec to uncompressed.
+* ``production.sasl_ssl``: the throughput run twice in a row on one broker started with a SASL_SSL
+  listener beside its plaintext one (``TW_KAFKA_INSTANCE=secure TW_KAFKA_SASL_SSL=true
+  scripts/kafka.sh up``): plaintext Kafka and Redis, then every connection secured (Kafka over
+  SASL_SSL with SCRAM-SHA-512, Redis over TLS with a password, ``TW_REDIS_TLS``): messages/s of
+  each and the ratio secured / plaintext.
 * ``production.slot_reads``: dequeue-getmsg's read pattern alone: a producer at the lateness rate
   with delays 1-5 s, and every 100 ms a ``KafkaCommitLog.read`` of the positions due in the slot
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
@@ -20,7 +25,7 @@
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, compressed, lateness, burst, slot_reads). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+list of throughput, compressed, sasl_ssl, lateness, burst, slot_reads). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
 else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
 """
 
@@ -54,11 +59,11 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, "") or default)
 
 
-def servers() -> tuple[str, str]:
+def servers(names: tuple[str, ...] = ("kafka", "redis")) -> tuple[str, str]:
     """(Kafka bootstrap, Redis URL): from the environment, else the script-managed servers."""
     kafka, redis_url = os.environ.get("TW_KAFKA_BOOTSTRAP", ""), os.environ.get("TW_REDIS_URL", "")
     for name, value in (("kafka", kafka), ("redis", redis_url)):
-        if not value:
+        if not value and name in names:
             subprocess.run([str(ROOT / "scripts" / f"{name}.sh"), "up"], check=True, cwd=ROOT, timeout=900)
     env: dict[str, str] = {}
     for name in ("kafka", "redis"):
@@ -67,17 +72,34 @@ def servers() -> tuple[str, str]:
             for line in path.read_text().splitlines():
                 key, _, value = line.partition("=")
                 env[key.strip()] = value.strip()
-    return kafka or env["TW_KAFKA_BOOTSTRAP"], redis_url or env["TW_REDIS_URL"]
+    return kafka or env.get("TW_KAFKA_BOOTSTRAP", ""), redis_url or env.get("TW_REDIS_URL", "")
 
 
-def _producer(kafka: str, compression: str | None = None) -> KafkaProducer:
+def secure_servers() -> tuple[dict[str, str], dict[str, str]]:
+    """The ``.env`` settings of the broker with a SASL_SSL listener and of the Redis requiring TLS
+    and a password, started by the scripts (as the tests' ``secure_kafka`` / ``secure_redis``)."""
+    out = []
+    for name, env in (("kafka", {"TW_KAFKA_INSTANCE": "secure", "TW_KAFKA_SASL_SSL": "true"}),
+                      ("redis", {"TW_REDIS_INSTANCE": "secure", "TW_REDIS_TLS": "true"})):
+        subprocess.run([str(ROOT / "scripts" / f"{name}.sh"), "up"], check=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, **env})
+        settings: dict[str, str] = {}
+        for line in (ROOT / ".run" / f"{name}-secure.env").read_text().splitlines():
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+        out.append(settings)
+    return out[0], out[1]
+
+
+def _producer(kafka: str, compression: str | None = None, options: dict[str, Any] | None = None) -> KafkaProducer:
     return KafkaProducer(bootstrap_servers=kafka, acks="all", linger_ms=5, batch_size=256 * 1024,
-                         compression_type=compression)
+                         compression_type=compression, **(options or {}))
 
 
-def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int, compression: str | None = None) -> float:
+def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int, compression: str | None = None,
+         options: dict[str, Any] | None = None) -> float:
     """Write n timer records due at ``deliver_at`` across the timer partitions; returns seconds."""
-    producer = _producer(kafka, compression)
+    producer = _producer(kafka, compression, options)
     t0 = time.perf_counter()
     due = str(deliver_at).encode()
     for i in range(n):
@@ -129,7 +151,7 @@ def pass_through(kafka: str, source: str, n: int) -> float:
     return n / elapsed
 
 
-def new_pipeline(kafka: str, redis_url: str, **settings: Any) -> Pipeline:
+def new_pipeline(kafka: str, redis_url: str, tw_env: dict[str, str] | None = None, **settings: Any) -> Pipeline:
     work = Path(tempfile.mkdtemp(prefix="tw-bench-prod-"))
     settings.setdefault("fsync", "true")
     settings.setdefault("roll_window_ms", 3_600_000)
@@ -138,7 +160,7 @@ def new_pipeline(kafka: str, redis_url: str, **settings: Any) -> Pipeline:
     settings.setdefault("max_in_flight", 20_000)
     settings.setdefault("lease_ttl_ms", 10_000)
     settings.setdefault("timer_partitions", PARTITIONS)
-    pipe = Pipeline(work, kafka, redis_url, **settings)
+    pipe = Pipeline(work, kafka, redis_url, tw_env=tw_env, **settings)
     pipe.env["TW_LOG_LEVEL"] = "WARNING"
     return pipe
 
@@ -148,16 +170,17 @@ def close(pipe: Pipeline) -> None:
     shutil.rmtree(pipe.workdir, ignore_errors=True)
 
 
-def throughput(kafka: str, redis_url: str, n: int, compression: str | None = None, baseline: bool = True) -> float:
+def throughput(kafka: str, redis_url: str, n: int, compression: str | None = None, baseline: bool = True,
+               tw_env: dict[str, str] | None = None) -> float:
     """The pipeline's messages/s for n due records (written with ``compression``); with ``baseline``
-    also the pass-through, and the figure emitted."""
-    pipe = new_pipeline(kafka, redis_url)
+    also the pass-through, and the figure emitted. ``tw_env``: security settings of every client."""
+    pipe = new_pipeline(kafka, redis_url, tw_env)
     dest = pipe.dest("tp")
-    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, **pipe.kafka_options)
     try:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
-        fill_s = fill(kafka, pipe.timer_topic, dest, n, now_ms(), compression)
+        fill_s = fill(kafka, pipe.timer_topic, dest, n, now_ms(), compression, pipe.kafka_options)
         say(f"throughput: {n:,} due records ({compression or 'uncompressed'}) written to the timer topic "
             f"in {fill_s:.1f} s")
         for name in ("enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put"):
@@ -194,6 +217,24 @@ def compressed(kafka: str, redis_url: str, n: int) -> None:
     emit("production.compressed", rates["lz4"], "messages/s", messages=n, uncompressed_per_s=round(rates["none"]),
          lz4_per_s=round(rates["lz4"]), zstd_per_s=round(rates["zstd"]),
          lz4_ratio=round(rates["lz4"] / rates["none"], 3), zstd_ratio=round(rates["zstd"] / rates["none"], 3))
+
+
+def sasl_ssl(redis_url: str, n: int) -> None:
+    """Throughput with plaintext connections, then with every connection secured, on one broker."""
+    kafka, redis = secure_servers()
+    plain = throughput(kafka["TW_KAFKA_BOOTSTRAP"], redis_url, n, baseline=False)
+    secured_env = {
+        "TW_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "TW_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "TW_KAFKA_SASL_USERNAME": kafka["TW_KAFKA_SASL_SSL_USERNAME"],
+        "TW_KAFKA_SASL_PASSWORD_FILE": kafka["TW_KAFKA_SASL_SSL_PASSWORD_FILE"],
+        "TW_KAFKA_SSL_CAFILE": kafka["TW_KAFKA_SASL_SSL_CAFILE"],
+        "TW_REDIS_PASSWORD_FILE": redis["TW_REDIS_PASSWORD_FILE"], "TW_REDIS_SSL_CAFILE": redis["TW_REDIS_SSL_CAFILE"],
+    }
+    secured = throughput(kafka["TW_KAFKA_SASL_SSL_BOOTSTRAP"], redis["TW_REDIS_URL"], n, baseline=False,
+                         tw_env=secured_env)
+    say(f"plaintext {plain:,.0f} msg/s; SASL_SSL (SCRAM-SHA-512) + Redis TLS {secured:,.0f} msg/s")
+    emit("production.sasl_ssl", secured, "messages/s", messages=n, plaintext_per_s=round(plain),
+         ratio=round(secured / plain, 3), kafka="SASL_SSL SCRAM-SHA-512", redis="rediss:// + password")
 
 
 class _Lateness:
@@ -397,13 +438,15 @@ def slot_reads(kafka: str, rate: int, seconds: float) -> None:
 
 
 def main() -> None:
-    kafka, redis_url = servers()
     only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY",
-                                           "throughput,compressed,lateness,burst,slot_reads").split(",")))
+                                           "throughput,compressed,sasl_ssl,lateness,burst,slot_reads").split(",")))
+    kafka, redis_url = servers(("redis",) if only == {"sasl_ssl"} else ("kafka", "redis"))
     if "throughput" in only:
         throughput(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "compressed" in only:
         compressed(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
+    if "sasl_ssl" in only:
+        sasl_ssl(redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "lateness" in only:
         lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
     if "burst" in only:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from harness import Collector, Pipeline, Scheduled, TimerProducer, make_report, now_ms
+from infra import sasl_ssl_env
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +46,24 @@ def bad_inputs(pipe: Pipeline) -> dict[str, tuple[list[tuple[str, bytes]], str]]
 def test_random_delays_cancels_rolls_and_bad_input_over_kafka_and_redis(
     tmp_path: Path, kafka_bootstrap: str, redis_url: str
 ) -> None:
-    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, roll_window_ms=ROLL_WINDOW_MS, max_record_bytes=4096)
+    check_random_delays_cancels_rolls_and_bad_input(
+        Pipeline(tmp_path, kafka_bootstrap, redis_url, roll_window_ms=ROLL_WINDOW_MS, max_record_bytes=4096))
+
+
+def test_the_same_over_sasl_ssl_and_redis_over_tls_with_a_password(
+    tmp_path: Path, secure_kafka: dict[str, str], secure_redis: dict[str, str]
+) -> None:
+    """Every connection over SASL_SSL (SCRAM-SHA-512, the locally made CA) and TLS to a Redis
+    that requires a password: the stages' and the harness's own producer and collector."""
+    kafka = sasl_ssl_env(secure_kafka)
+    redis_settings = {k: secure_redis[k] for k in ("TW_REDIS_PASSWORD_FILE", "TW_REDIS_SSL_CAFILE")}
+    pipe = Pipeline(tmp_path, kafka["TW_KAFKA_BOOTSTRAP"], secure_redis["TW_REDIS_URL"],
+                    tw_env={**kafka, **redis_settings}, roll_window_ms=ROLL_WINDOW_MS, max_record_bytes=4096)
+    assert pipe.kafka_options["security_protocol"] == "SASL_SSL" and pipe.redis_url.startswith("rediss://")
+    check_random_delays_cancels_rolls_and_bad_input(pipe)
+
+
+def check_random_delays_cancels_rolls_and_bad_input(pipe: Pipeline) -> None:
     dest_a, dest_b, dest_one = pipe.dest("a"), pipe.dest("b"), pipe.dest("one")
     pipe.create_topic(dest_a, 2)
     pipe.create_topic(dest_b, 3)
