@@ -137,19 +137,8 @@ def kafka_noauto_bootstrap() -> Iterator[str]:
     """``host:port`` of a second broker that never creates a topic on first use (the default of
     managed Kafka services): ``TW_KAFKA_INSTANCE=noauto TW_KAFKA_AUTO_CREATE=false
     scripts/kafka.sh up``, stopped at the end of the session like the first."""
-    was_running = _script("kafka", "status", timeout_s=60, env=NOAUTO_ENV).returncode == 0
-    done = _script("kafka", "up", timeout_s=_UP_TIMEOUT_S, env=NOAUTO_ENV)
-    env_file = RUN / "kafka-noauto.env"
-    if done.returncode != 0 or not env_file.exists():
-        pytest.fail(f"the broker without topic auto-creation could not be started by "
-                    f"TW_KAFKA_INSTANCE=noauto scripts/kafka.sh up (exit {done.returncode}):\n"
-                    f"{done.stderr.strip()[-3000:]}", pytrace=False)
-    address = _read_env("kafka-noauto").get("TW_KAFKA_BOOTSTRAP", "")
-    try:
-        yield address
-    finally:
-        if not was_running and os.environ.get("TW_KEEP_SERVERS", "") not in ("1", "true", "yes"):
-            _script("kafka", "down", timeout_s=120, env=NOAUTO_ENV)
+    for settings in _instance("kafka", NOAUTO_ENV, "kafka-noauto", ("TW_KAFKA_BOOTSTRAP",)):
+        yield settings["TW_KAFKA_BOOTSTRAP"]
 
 
 #: The broker with a SASL_SSL listener beside its plaintext one (``secure_kafka``).

@@ -66,6 +66,7 @@ def test_settings_of_another_protocol_are_refused(tmp_path: Path) -> None:
     assert refused({**SASL, "TW_KAFKA_SSL_KEYFILE": str(ca)}).field == "TW_KAFKA_SSL_KEYFILE"
     assert refused({"TW_REDIS_URL": "redis://r/0", "TW_REDIS_SSL_CAFILE": str(ca)}).field == "TW_REDIS_SSL_CAFILE"
     assert refused({"TW_REDIS_URL": "http://r/0"}).field == "TW_REDIS_URL"
+    assert refused({"TW_REDIS_URL": "rediss://:pw@r/0", "TW_REDIS_PASSWORD": "pw2"}).field == "TW_REDIS_PASSWORD"
 
 
 def test_secrets_are_neither_in_the_repr_nor_in_errors() -> None:

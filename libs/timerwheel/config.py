@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from timerwheel.errors import ConfigError
 
@@ -208,6 +209,8 @@ class TimerConfig:
              f"must start with {', '.join(REDIS_SCHEMES)}, got {url.split('://')[0]!r}://...")
         need(not (self.redis_password and self.redis_password_file), "redis_password_file",
              "set either it or redis_password, not both")
+        need(not ((self.redis_password or self.redis_password_file) and urlsplit(url).password), "redis_password",
+             "the URL holds a password too (redis-py would use the URL's): set it in one place")
         need(not self.redis_ssl_cafile or url.startswith("rediss://"), "redis_ssl_cafile",
              "is used only with a rediss:// URL (Redis over TLS)")
         for name in ("redis_password_file", "redis_ssl_cafile"):
