@@ -99,7 +99,7 @@ class TimerConfig:
     kafka_sasl_mechanism: str = ""
     kafka_sasl_username: str = ""
     kafka_sasl_password: str = field(default="", repr=False)
-    #: A file holding the SASL password (a mounted Kubernetes secret); read at every connect.
+    #: A file holding the SASL password (a mounted Kubernetes secret); read when the clients are made.
     kafka_sasl_password_file: str = ""
     kafka_ssl_cafile: str = ""
     #: Client certificate and key, for brokers that require mutual TLS.
@@ -220,8 +220,8 @@ class TimerConfig:
                  f"{self.redis_password_file} is empty")
 
     def kafka_password(self) -> str:
-        """The SASL password, from ``kafka_sasl_password_file`` when set (read now: a rotated
-        Kubernetes secret is picked up by the next connection)."""
+        """The SASL password, from ``kafka_sasl_password_file`` when set (read now: clients made later, e.g. after a
+        restart, use a rotated Kubernetes secret)."""
         if self.kafka_sasl_password_file:
             return read_secret(self.kafka_sasl_password_file)
         return self.kafka_sasl_password
@@ -338,7 +338,7 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "TW_KAFKA_SASL_USERNAME": ("kafka_sasl_username", "str", "SASL user name (with SASL_*)"),
     "TW_KAFKA_SASL_PASSWORD": ("kafka_sasl_password", "str", "SASL password (or TW_KAFKA_SASL_PASSWORD_FILE)"),
     "TW_KAFKA_SASL_PASSWORD_FILE": ("kafka_sasl_password_file", "str",
-                                    "file holding the SASL password (a mounted secret; read at each connect)"),
+                                    "file holding the SASL password (a mounted secret; read when the clients are made)"),
     "TW_KAFKA_SSL_CAFILE": ("kafka_ssl_cafile", "str",
                             "PEM CA bundle the brokers' certificates are checked against (default: the system's)"),
     "TW_KAFKA_SSL_CERTFILE": ("kafka_ssl_certfile", "str", "PEM client certificate (mutual TLS)"),
