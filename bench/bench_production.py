@@ -126,17 +126,17 @@ def wait_delivered(consumer: KafkaConsumer, topic: str, n: int, timeout_s: float
     return None
 
 
-def pass_through(kafka: str, source: str, n: int) -> float:
+def pass_through(kafka: str, source: str, n: int, options: dict[str, Any] | None = None) -> float:
     """Consume n records of ``source`` and produce each to a new topic, as the pipeline's clients do
     (kafka-python, acks=all, idempotent); messages/s from the first poll to the last ack."""
     dest = f"{source}-copy"
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, enable_auto_commit=False,
-                             auto_offset_reset="earliest", max_poll_records=2000)
+                             auto_offset_reset="earliest", max_poll_records=2000, **(options or {}))
     tps = [TopicPartition(source, p) for p in range(PARTITIONS)]
     consumer.assign(tps)
     consumer.seek_to_beginning(*tps)
     producer = KafkaProducer(bootstrap_servers=kafka, acks="all", enable_idempotence=True, linger_ms=5,
-                             batch_size=512 * 1024)
+                             batch_size=512 * 1024, **(options or {}))
     moved = 0
     t0 = time.perf_counter()
     while moved < n:
@@ -171,9 +171,10 @@ def close(pipe: Pipeline) -> None:
 
 
 def throughput(kafka: str, redis_url: str, n: int, compression: str | None = None, baseline: bool = True,
-               tw_env: dict[str, str] | None = None) -> float:
-    """The pipeline's messages/s for n due records (written with ``compression``); with ``baseline``
-    also the pass-through, and the figure emitted. ``tw_env``: security settings of every client."""
+               tw_env: dict[str, str] | None = None, figure: bool = True) -> tuple[float, float | None]:
+    """The pipeline's messages/s for n due records (written with ``compression``) and, with
+    ``baseline``, the pass-through's (its figure emitted unless ``figure`` is false). ``tw_env``:
+    security settings of every client."""
     pipe = new_pipeline(kafka, redis_url, tw_env)
     dest = pipe.dest("tp")
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, **pipe.kafka_options)
@@ -198,12 +199,14 @@ def throughput(kafka: str, redis_url: str, n: int, compression: str | None = Non
         rate = n / (t1 - t0)
         if not baseline:
             say(f"five-process pipeline, timer topic {compression or 'uncompressed'}: {rate:,.0f} msg/s")
-            return rate
-        base = pass_through(kafka, pipe.timer_topic, n)
+            return rate, None
+        base = pass_through(kafka, pipe.timer_topic, n, pipe.kafka_options)
         say(f"five-process pipeline {rate:,.0f} msg/s; kafka-python pass-through {base:,.0f} msg/s")
+        if not figure:
+            return rate, base
         emit("production.throughput", rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
              passthrough_per_s=round(base), ratio=round(rate / base, 3), shards=2, timer_partitions=PARTITIONS)
-        return rate
+        return rate, base
     finally:
         consumer.close()
         close(pipe)
@@ -211,7 +214,7 @@ def throughput(kafka: str, redis_url: str, n: int, compression: str | None = Non
 
 def compressed(kafka: str, redis_url: str, n: int) -> None:
     """Throughput with the timer topic uncompressed, lz4 and zstd, one after the other in this run."""
-    rates = {codec: throughput(kafka, redis_url, n, None if codec == "none" else codec, baseline=False)
+    rates = {codec: throughput(kafka, redis_url, n, None if codec == "none" else codec, baseline=False)[0]
              for codec in ("none", "lz4", "zstd")}
     say("timer topic compressed: " + ", ".join(f"{c} {r:,.0f} msg/s" for c, r in rates.items()))
     emit("production.compressed", rates["lz4"], "messages/s", messages=n, uncompressed_per_s=round(rates["none"]),
@@ -233,18 +236,30 @@ def sasl_ssl(redis_url: str, n: int) -> None:
         "TW_KAFKA_SSL_CAFILE": kafka["TW_KAFKA_SASL_SSL_CAFILE"],
         "TW_REDIS_PASSWORD_FILE": redis["TW_REDIS_PASSWORD_FILE"], "TW_REDIS_SSL_CAFILE": redis["TW_REDIS_SSL_CAFILE"],
     }
-    # Alternated, median of each: on a shared machine one run's noise exceeds the difference.
-    plains, secureds = [], []
+    # Alternated, median of each: on a shared machine one run's noise exceeds the difference. The
+    # kafka-python pass-through of each run (one process, no Redis) shows the clients' TLS cost alone.
+    runs: dict[str, list[tuple[float, float]]] = {"plaintext": [], "secured": []}
     for _ in range(SASL_SSL_ROUNDS):
-        plains.append(throughput(kafka["TW_KAFKA_BOOTSTRAP"], redis_url, n, baseline=False))
-        secureds.append(throughput(kafka["TW_KAFKA_SASL_SSL_BOOTSTRAP"], redis["TW_REDIS_URL"], n, baseline=False,
-                                   tw_env=secured_env))
-    plain, secured = sorted(plains)[len(plains) // 2], sorted(secureds)[len(secureds) // 2]
-    say(f"plaintext {plain:,.0f} msg/s; SASL_SSL (SCRAM-SHA-512) + Redis TLS {secured:,.0f} msg/s (medians of "
-        f"{SASL_SSL_ROUNDS} alternated runs each)")
+        for kind, bootstrap, url, env in (("plaintext", kafka["TW_KAFKA_BOOTSTRAP"], redis_url, None),
+                                          ("secured", kafka["TW_KAFKA_SASL_SSL_BOOTSTRAP"], redis["TW_REDIS_URL"],
+                                           secured_env)):
+            rate, base = throughput(bootstrap, url, n, tw_env=env, figure=False)
+            runs[kind].append((rate, base or 0.0))
+
+    def median(kind: str, i: int) -> float:
+        values = sorted(r[i] for r in runs[kind])
+        return values[len(values) // 2]
+
+    plain, secured = median("plaintext", 0), median("secured", 0)
+    say(f"pipeline: plaintext {plain:,.0f} msg/s, SASL_SSL (SCRAM-SHA-512) + Redis TLS {secured:,.0f} msg/s; "
+        f"pass-through: plaintext {median('plaintext', 1):,.0f}, SASL_SSL {median('secured', 1):,.0f} msg/s "
+        f"(medians of {SASL_SSL_ROUNDS} alternated runs each)")
     emit("production.sasl_ssl", secured, "messages/s", messages=n, plaintext_per_s=round(plain),
-         ratio=round(secured / plain, 3), rounds=SASL_SSL_ROUNDS, plaintext_runs=[round(r) for r in plains],
-         secured_runs=[round(r) for r in secureds], kafka="SASL_SSL SCRAM-SHA-512", redis="rediss:// + password")
+         ratio=round(secured / plain, 3), passthrough_plaintext_per_s=round(median("plaintext", 1)),
+         passthrough_sasl_ssl_per_s=round(median("secured", 1)),
+         passthrough_ratio=round(median("secured", 1) / median("plaintext", 1), 3), rounds=SASL_SSL_ROUNDS,
+         runs={k: [[round(a), round(b)] for a, b in v] for k, v in runs.items()},
+         kafka="SASL_SSL SCRAM-SHA-512", redis="rediss:// + password")
 
 
 class _Lateness:
