@@ -497,7 +497,7 @@ class KafkaCommitLog:
             yield
         except KafkaLogError:
             raise
-        except (kafka_errors.SaslAuthenticationFailedError, kafka_errors.AuthenticationFailedError) as exc:
+        except kafka_errors.SaslAuthenticationFailedError as exc:
             raise AccessError("TW_KAFKA_SASL_PASSWORD", f"{what}: Kafka refused the SASL credentials: {exc}") from None
         except kafka_errors.KafkaError as exc:
             raise KafkaLogError(f"{what} failed: {exc}") from exc
