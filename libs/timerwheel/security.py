@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 from timerwheel.config import TimerConfig
@@ -179,14 +180,18 @@ def check_kafka_access(cfg: TimerConfig, bootstrap: str | None = None, timeout_s
                     raise _tls_refusal("kafka", where, exc) from None
                 except OSError:
                     continue
-            if protocol.startswith("SASL_"):
-                try:
+            try:
+                if protocol.startswith("SASL_"):
                     _sasl_authenticate(sock, cfg, host)
-                except (OSError, EOFError, struct.error):
-                    continue
-                except _Refused as exc:
-                    raise AccessError(exc.setting, f"{where} refused SASL {cfg.kafka_sasl_mechanism} for user "
-                                                   f"{cfg.kafka_sasl_username!r}: {exc}") from None
+                else:  # TLS 1.3: a broker refuses a client certificate only after the handshake
+                    _call(sock, iter(range(1, 10)), 18, 0, b"")  # ApiVersions
+            except ssl.SSLError as exc:
+                raise _tls_refusal("kafka", where, exc) from None
+            except (OSError, EOFError, struct.error):
+                continue
+            except _Refused as exc:
+                raise AccessError(exc.setting, f"{where} refused SASL {cfg.kafka_sasl_mechanism} for user "
+                                               f"{cfg.kafka_sasl_username!r}: {exc}") from None
         return
 
 
@@ -204,16 +209,7 @@ def _sasl_authenticate(sock: socket.socket, cfg: TimerConfig, host: str) -> None
     correlation = iter(range(1, 1_000))
 
     def call(api_key: int, version: int, body: bytes) -> bytes:
-        cid = next(correlation)
-        client_id = b"timerwheel-access-check"
-        header = struct.pack(">hhih", api_key, version, cid, len(client_id)) + client_id
-        payload = header + body
-        sock.sendall(struct.pack(">i", len(payload)) + payload)
-        size = struct.unpack(">i", _recv(sock, 4))[0]
-        response = _recv(sock, size)
-        if struct.unpack(">i", response[:4])[0] != cid:
-            raise EOFError("unexpected correlation id")
-        return response[4:]
+        return _call(sock, correlation, api_key, version, body)
 
     mechanism_name = cfg.kafka_sasl_mechanism.encode()
     answer = call(17, 1, struct.pack(">h", len(mechanism_name)) + mechanism_name)
@@ -237,6 +233,20 @@ def _sasl_authenticate(sock: socket.socket, cfg: TimerConfig, host: str) -> None
         mechanism.receive(rest[4:4 + size] if size >= 0 else b"")
     if not mechanism.is_authenticated():
         raise _Refused("TW_KAFKA_SASL_PASSWORD", "the broker's final SCRAM message did not verify")
+
+
+def _call(sock: socket.socket, correlation: Iterator[int], api_key: int, version: int, body: bytes) -> bytes:
+    """One request with a v1 header (non-flexible), its response body."""
+    cid = next(correlation)
+    client_id = b"timerwheel-access-check"
+    header = struct.pack(">hhih", api_key, version, cid, len(client_id)) + client_id
+    payload = header + body
+    sock.sendall(struct.pack(">i", len(payload)) + payload)
+    size = struct.unpack(">i", _recv(sock, 4))[0]
+    response = _recv(sock, size)
+    if struct.unpack(">i", response[:4])[0] != cid:
+        raise EOFError("unexpected correlation id")
+    return response[4:]
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:
