@@ -45,6 +45,8 @@ redis-up:
 down:
 	-scripts/kafka.sh down
 	-scripts/redis.sh down
+	-TW_KAFKA_INSTANCE=secure scripts/kafka.sh down
+	-TW_REDIS_INSTANCE=secure scripts/redis.sh down
 
 clean: down
 	rm -rf $(VENV) .run

@@ -17,6 +17,11 @@
   ``TW_BENCH_SHARED_SECONDS`` (30), each with the data directory as a plain directory, through
   one ``bindfs -o auto_cache`` mount for every stage, and with the enqueue stages on one mount
   and the dequeue stages on another (two page caches: two nodes of an NFS volume), in one run.
+* ``production.sasl_ssl``: the throughput run twice in a row on one broker started with a SASL_SSL
+  listener beside its plaintext one (``TW_KAFKA_INSTANCE=secure TW_KAFKA_SASL_SSL=true
+  scripts/kafka.sh up``): plaintext Kafka and Redis, then every connection secured (Kafka over
+  SASL_SSL with SCRAM-SHA-512, Redis over TLS with a password, ``TW_REDIS_TLS``): messages/s of
+  each and the ratio secured / plaintext.
 * ``production.slot_reads``: dequeue-getmsg's read pattern alone: a producer at the lateness rate
   with delays 1-5 s, and every 100 ms a ``KafkaCommitLog.read`` of the positions due in the slot
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
@@ -24,7 +29,7 @@
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, compressed, lateness, burst, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+list of throughput, compressed, sasl_ssl, lateness, burst, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
 else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
 """
 
@@ -63,11 +68,11 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, "") or default)
 
 
-def servers() -> tuple[str, str]:
+def servers(names: tuple[str, ...] = ("kafka", "redis")) -> tuple[str, str]:
     """(Kafka bootstrap, Redis URL): from the environment, else the script-managed servers."""
     kafka, redis_url = os.environ.get("TW_KAFKA_BOOTSTRAP", ""), os.environ.get("TW_REDIS_URL", "")
     for name, value in (("kafka", kafka), ("redis", redis_url)):
-        if not value:
+        if not value and name in names:
             subprocess.run([str(ROOT / "scripts" / f"{name}.sh"), "up"], check=True, cwd=ROOT, timeout=900)
     env: dict[str, str] = {}
     for name in ("kafka", "redis"):
@@ -76,17 +81,34 @@ def servers() -> tuple[str, str]:
             for line in path.read_text().splitlines():
                 key, _, value = line.partition("=")
                 env[key.strip()] = value.strip()
-    return kafka or env["TW_KAFKA_BOOTSTRAP"], redis_url or env["TW_REDIS_URL"]
+    return kafka or env.get("TW_KAFKA_BOOTSTRAP", ""), redis_url or env.get("TW_REDIS_URL", "")
 
 
-def _producer(kafka: str, compression: str | None = None) -> KafkaProducer:
+def secure_servers() -> tuple[dict[str, str], dict[str, str]]:
+    """The ``.env`` settings of the broker with a SASL_SSL listener and of the Redis requiring TLS
+    and a password, started by the scripts (as the tests' ``secure_kafka`` / ``secure_redis``)."""
+    out = []
+    for name, env in (("kafka", {"TW_KAFKA_INSTANCE": "secure", "TW_KAFKA_SASL_SSL": "true"}),
+                      ("redis", {"TW_REDIS_INSTANCE": "secure", "TW_REDIS_TLS": "true"})):
+        subprocess.run([str(ROOT / "scripts" / f"{name}.sh"), "up"], check=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, **env})
+        settings: dict[str, str] = {}
+        for line in (ROOT / ".run" / f"{name}-secure.env").read_text().splitlines():
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+        out.append(settings)
+    return out[0], out[1]
+
+
+def _producer(kafka: str, compression: str | None = None, options: dict[str, Any] | None = None) -> KafkaProducer:
     return KafkaProducer(bootstrap_servers=kafka, acks="all", linger_ms=5, batch_size=256 * 1024,
-                         compression_type=compression)
+                         compression_type=compression, **(options or {}))
 
 
-def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int, compression: str | None = None) -> float:
+def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int, compression: str | None = None,
+         options: dict[str, Any] | None = None) -> float:
     """Write n timer records due at ``deliver_at`` across the timer partitions; returns seconds."""
-    producer = _producer(kafka, compression)
+    producer = _producer(kafka, compression, options)
     t0 = time.perf_counter()
     due = str(deliver_at).encode()
     for i in range(n):
@@ -113,17 +135,17 @@ def wait_delivered(consumer: KafkaConsumer, topic: str, n: int, timeout_s: float
     return None
 
 
-def pass_through(kafka: str, source: str, n: int) -> float:
+def pass_through(kafka: str, source: str, n: int, options: dict[str, Any] | None = None) -> float:
     """Consume n records of ``source`` and produce each to a new topic, as the pipeline's clients do
     (kafka-python, acks=all, idempotent); messages/s from the first poll to the last ack."""
     dest = f"{source}-copy"
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, enable_auto_commit=False,
-                             auto_offset_reset="earliest", max_poll_records=2000)
+                             auto_offset_reset="earliest", max_poll_records=2000, **(options or {}))
     tps = [TopicPartition(source, p) for p in range(PARTITIONS)]
     consumer.assign(tps)
     consumer.seek_to_beginning(*tps)
     producer = KafkaProducer(bootstrap_servers=kafka, acks="all", enable_idempotence=True, linger_ms=5,
-                             batch_size=512 * 1024)
+                             batch_size=512 * 1024, **(options or {}))
     moved = 0
     t0 = time.perf_counter()
     while moved < n:
@@ -138,7 +160,8 @@ def pass_through(kafka: str, source: str, n: int) -> float:
     return n / elapsed
 
 
-def new_pipeline(kafka: str, redis_url: str, mounts: TwoMounts | None = None, **settings: Any) -> Pipeline:
+def new_pipeline(kafka: str, redis_url: str, mounts: TwoMounts | None = None,
+                 tw_env: dict[str, str] | None = None, **settings: Any) -> Pipeline:
     work = Path(tempfile.mkdtemp(prefix="tw-bench-prod-")) if mounts is None else mounts.base.parent.parent
     settings.setdefault("fsync", "true")
     settings.setdefault("roll_window_ms", 3_600_000)
@@ -147,7 +170,7 @@ def new_pipeline(kafka: str, redis_url: str, mounts: TwoMounts | None = None, **
     settings.setdefault("max_in_flight", 20_000)
     settings.setdefault("lease_ttl_ms", 10_000)
     settings.setdefault("timer_partitions", PARTITIONS)
-    pipe = Pipeline(work, kafka, redis_url, mounts=mounts, **settings)
+    pipe = Pipeline(work, kafka, redis_url, mounts=mounts, tw_env=tw_env, **settings)
     pipe.env["TW_LOG_LEVEL"] = "WARNING"
     return pipe
 
@@ -177,16 +200,17 @@ def layout(name: str) -> Iterator[TwoMounts | None]:
 
 def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = None,
                bench_name: str = "production.throughput", compression: str | None = None, baseline: bool = True,
-               **labels: Any) -> float:
-    """The pipeline's messages/s for n due records (written with ``compression``); with ``baseline``
-    also the pass-through, and the figure emitted."""
-    pipe = new_pipeline(kafka, redis_url, mounts)
+               tw_env: dict[str, str] | None = None, figure: bool = True, **labels: Any) -> tuple[float, float | None]:
+    """The pipeline's messages/s for n due records (written with ``compression``) and, with
+    ``baseline``, the pass-through's (its figure emitted unless ``figure`` is false). ``mounts``:
+    the data directory's layout; ``tw_env``: security settings of every client."""
+    pipe = new_pipeline(kafka, redis_url, mounts, tw_env)
     dest = pipe.dest("tp")
-    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, **pipe.kafka_options)
     try:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
-        fill_s = fill(kafka, pipe.timer_topic, dest, n, now_ms(), compression)
+        fill_s = fill(kafka, pipe.timer_topic, dest, n, now_ms(), compression, pipe.kafka_options)
         say(f"throughput: {n:,} due records ({compression or 'uncompressed'}) written to the timer topic "
             f"in {fill_s:.1f} s")
         for name in ("enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put"):
@@ -204,13 +228,15 @@ def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = No
         rate = n / (t1 - t0)
         if not baseline:
             say(f"five-process pipeline, timer topic {compression or 'uncompressed'}: {rate:,.0f} msg/s")
-            return rate
-        base = pass_through(kafka, pipe.timer_topic, n)
+            return rate, None
+        base = pass_through(kafka, pipe.timer_topic, n, pipe.kafka_options)
         say(f"five-process pipeline {rate:,.0f} msg/s; kafka-python pass-through {base:,.0f} msg/s")
+        if not figure:
+            return rate, base
         emit(bench_name, rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
              passthrough_per_s=round(base), ratio=round(rate / base, 3), shards=2, timer_partitions=PARTITIONS,
              **labels)
-        return rate
+        return rate, base
     finally:
         consumer.close()
         close(pipe)
@@ -218,12 +244,52 @@ def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = No
 
 def compressed(kafka: str, redis_url: str, n: int) -> None:
     """Throughput with the timer topic uncompressed, lz4 and zstd, one after the other in this run."""
-    rates = {codec: throughput(kafka, redis_url, n, compression=None if codec == "none" else codec, baseline=False)
+    rates = {codec: throughput(kafka, redis_url, n, compression=None if codec == "none" else codec, baseline=False)[0]
              for codec in ("none", "lz4", "zstd")}
     say("timer topic compressed: " + ", ".join(f"{c} {r:,.0f} msg/s" for c, r in rates.items()))
     emit("production.compressed", rates["lz4"], "messages/s", messages=n, uncompressed_per_s=round(rates["none"]),
          lz4_per_s=round(rates["lz4"]), zstd_per_s=round(rates["zstd"]),
          lz4_ratio=round(rates["lz4"] / rates["none"], 3), zstd_ratio=round(rates["zstd"] / rates["none"], 3))
+
+
+#: Runs of each kind in ``production.sasl_ssl``.
+SASL_SSL_ROUNDS = 3
+
+
+def sasl_ssl(redis_url: str, n: int) -> None:
+    """Throughput with plaintext connections, then with every connection secured, on one broker."""
+    kafka, redis = secure_servers()
+    secured_env = {
+        "TW_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "TW_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "TW_KAFKA_SASL_USERNAME": kafka["TW_KAFKA_SASL_SSL_USERNAME"],
+        "TW_KAFKA_SASL_PASSWORD_FILE": kafka["TW_KAFKA_SASL_SSL_PASSWORD_FILE"],
+        "TW_KAFKA_SSL_CAFILE": kafka["TW_KAFKA_SASL_SSL_CAFILE"],
+        "TW_REDIS_PASSWORD_FILE": redis["TW_REDIS_PASSWORD_FILE"], "TW_REDIS_SSL_CAFILE": redis["TW_REDIS_SSL_CAFILE"],
+    }
+    # Alternated, median of each: on a shared machine one run's noise exceeds the difference. The
+    # kafka-python pass-through of each run (one process, no Redis) shows the clients' TLS cost alone.
+    runs: dict[str, list[tuple[float, float]]] = {"plaintext": [], "secured": []}
+    for _ in range(SASL_SSL_ROUNDS):
+        for kind, bootstrap, url, env in (("plaintext", kafka["TW_KAFKA_BOOTSTRAP"], redis_url, None),
+                                          ("secured", kafka["TW_KAFKA_SASL_SSL_BOOTSTRAP"], redis["TW_REDIS_URL"],
+                                           secured_env)):
+            rate, base = throughput(bootstrap, url, n, tw_env=env, figure=False)
+            runs[kind].append((rate, base or 0.0))
+
+    def median(kind: str, i: int) -> float:
+        values = sorted(r[i] for r in runs[kind])
+        return values[len(values) // 2]
+
+    plain, secured = median("plaintext", 0), median("secured", 0)
+    say(f"pipeline: plaintext {plain:,.0f} msg/s, SASL_SSL (SCRAM-SHA-512) + Redis TLS {secured:,.0f} msg/s; "
+        f"pass-through: plaintext {median('plaintext', 1):,.0f}, SASL_SSL {median('secured', 1):,.0f} msg/s "
+        f"(medians of {SASL_SSL_ROUNDS} alternated runs each)")
+    emit("production.sasl_ssl", secured, "messages/s", messages=n, plaintext_per_s=round(plain),
+         ratio=round(secured / plain, 3), passthrough_plaintext_per_s=round(median("plaintext", 1)),
+         passthrough_sasl_ssl_per_s=round(median("secured", 1)),
+         passthrough_ratio=round(median("secured", 1) / median("plaintext", 1), 3), rounds=SASL_SSL_ROUNDS,
+         runs={k: [[round(a), round(b)] for a, b in v] for k, v in runs.items()},
+         kafka="SASL_SSL SCRAM-SHA-512", redis="rediss:// + password")
 
 
 class _Lateness:
@@ -445,13 +511,16 @@ def shared_volume(kafka: str, redis_url: str, n: int, rate: int, seconds: float)
 
 
 def main() -> None:
-    kafka, redis_url = servers()
     only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY",
-                                           "throughput,compressed,lateness,burst,slot_reads,shared_volume").split(",")))
+                                           "throughput,compressed,sasl_ssl,lateness,burst,slot_reads,shared_volume"
+                                           ).split(",")))
+    kafka, redis_url = servers(("redis",) if only == {"sasl_ssl"} else ("kafka", "redis"))
     if "throughput" in only:
         throughput(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "compressed" in only:
         compressed(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
+    if "sasl_ssl" in only:
+        sasl_ssl(redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "lateness" in only:
         lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
     if "burst" in only:

@@ -1,6 +1,9 @@
 """End-to-end harness: the five stages as separate processes on real Kafka and Redis.
 
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=2)   # TW_* settings as keywords
+    # Secured servers: tw_env holds TW_KAFKA_SECURITY_PROTOCOL, TW_REDIS_PASSWORD_FILE, ...; the
+    # stages get them, and the harness's own producer, collector, admin and Redis use them too.
+    pipe = Pipeline(tmp_path, sasl_bootstrap, rediss_url, tw_env=security_settings)
     dest = pipe.new_dest("a", 2)                                         # named for this test, created
     with pipe.running(), TimerProducer(pipe) as producer, Collector(pipe, [dest]) as collector:
         # five `timerwheel stage NAME` processes, ready on /readyz; the producer writes with plain
@@ -48,6 +51,8 @@ from typing import IO, Any
 import redis
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
+from timerwheel.config import TimerConfig
+from timerwheel.security import kafka_client_options, redis_client
 from timerwheel.store.checkpoint import published_file
 from two_mounts import TwoMounts
 
@@ -59,6 +64,9 @@ DEQUEUE_SIDE = ("dequeue-get", "dequeue-getmsg", "dequeue-put")
 ROOT = Path(__file__).resolve().parents[1]
 
 _redis_dbs = itertools.count(1)
+#: The settings the harness's own Kafka and Redis clients take from the stages' environment.
+_SECURITY_VARS = ("TW_KAFKA_SECURITY_", "TW_KAFKA_SASL_", "TW_KAFKA_SSL_", "TW_REDIS_URL", "TW_REDIS_PASSWORD",
+                  "TW_REDIS_SSL_")
 
 
 def now_ms() -> int:
@@ -130,10 +138,12 @@ class Pipeline:
     """The five stage processes of one test, sharing a data directory, topics and a Redis DB."""
 
     def __init__(self, workdir: Path, kafka: str, redis_url: str, *, mounts: TwoMounts | None = None,
-                 **settings: object) -> None:
+                 tw_env: dict[str, str] | None = None, **settings: object) -> None:
         """``mounts``: the two-node layout — the data directory is ``mounts.base``, the enqueue
         stages use it through ``mounts.a`` and the dequeue stages through ``mounts.b`` (two
-        ``bindfs -o auto_cache`` mounts: two page caches, as on two nodes of an NFS volume)."""
+        ``bindfs -o auto_cache`` mounts: two page caches, as on two nodes of an NFS volume).
+        ``tw_env``: security settings (``TW_KAFKA_SASL_*``, ...) of the stages and of the
+        harness's own clients."""
         uid = uuid.uuid4().hex[:8]
         self.uid = uid
         self.kafka = kafka
@@ -173,8 +183,13 @@ class Pipeline:
         })
         for key, value in defaults.items():
             self.env[f"TW_{key.upper()}"] = str(value)
+        self.env.update(tw_env or {})
+        # The harness's own clients connect as the stages do (TLS, SASL, Redis password).
+        client_cfg = TimerConfig.from_env({k: v for k, v in self.env.items() if k.startswith(_SECURITY_VARS)})
+        #: kafka-python options of every Kafka client the harness makes.
+        self.kafka_options = kafka_client_options(client_cfg)
         self.procs: dict[str, StageProcess] = {}
-        self.redis = redis.Redis.from_url(self.redis_url)
+        self.redis: redis.Redis = redis_client(client_cfg, self.redis_url)
         self.redis.flushdb()
         self._admin: KafkaAdminClient | None = None
 
@@ -193,7 +208,8 @@ class Pipeline:
     @property
     def admin(self) -> KafkaAdminClient:
         if self._admin is None:
-            self._admin = KafkaAdminClient(bootstrap_servers=self.kafka, client_id=f"e2e-admin-{self.uid}")
+            self._admin = KafkaAdminClient(bootstrap_servers=self.kafka, client_id=f"e2e-admin-{self.uid}",
+                                           **self.kafka_options)
         return self._admin
 
     def create_topic(self, topic: str, partitions: int, configs: dict[str, str] | None = None) -> None:
@@ -403,7 +419,7 @@ class TimerProducer:
         self.partitions = int(str(pipe.settings["timer_partitions"]))
         self.rng = random.Random(seed)
         self.producer = KafkaProducer(bootstrap_servers=pipe.kafka, client_id=f"e2e-producer-{pipe.uid}",
-                                      acks="all", linger_ms=5, delivery_timeout_ms=120_000)
+                                      acks="all", linger_ms=5, delivery_timeout_ms=120_000, **pipe.kafka_options)
         self.messages: dict[str, Scheduled] = {}
         self.cancelled: dict[str, Scheduled] = {}
         self._lock = threading.Lock()
@@ -547,7 +563,7 @@ class Collector:
         self._stop = threading.Event()
         self.consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
                                       auto_offset_reset="earliest", client_id=f"e2e-collector-{pipe.uid}",
-                                      fetch_max_wait_ms=100)
+                                      fetch_max_wait_ms=100, **pipe.kafka_options)
         tps = []
         for topic in self.topics:
             parts = None

@@ -69,3 +69,30 @@ pid_matching() {
     tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "$1" || return 1
     echo "$pid"
 }
+
+# A CA and a server certificate for 127.0.0.1 / localhost, made with openssl into directory $1
+# (once: kept across restarts): ca.pem (what clients trust), ca.key, server.key, server.pem.
+make_tls() {
+    local dir="$1"
+    [[ -f "$dir/server.pem" ]] && return 0
+    command -v openssl >/dev/null || die "openssl is missing: install it (apt-get install openssl)"
+    mkdir -p "$dir"
+    (
+        umask 077
+        cd "$dir"
+        openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=timerwheel test CA $NAME" \
+            -keyout ca.key -out ca.pem >/dev/null 2>&1
+        openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key -out server.csr >/dev/null 2>&1
+        printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n' >server.ext
+        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 3650 \
+            -extfile server.ext -out server.pem >/dev/null 2>&1
+        rm -f server.csr server.ext
+    ) || die "openssl could not make the test CA and certificate in ${dir#"$ROOT"/}"
+    chmod 644 "$dir/ca.pem"
+}
+
+# A random password in file $1 (mode 600), made once.
+make_password() {
+    [[ -s "$1" ]] && return 0
+    (umask 077; openssl rand -hex 16 >"$1") || die "could not write a password to $1"
+}

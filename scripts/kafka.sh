@@ -20,7 +20,13 @@
 # PYTHON (used for the health check; default .venv/bin/python, else python3),
 # TW_KAFKA_INSTANCE (a second, independent broker: state in .run/kafka-<instance>/, address in
 # .run/kafka-<instance>.env), TW_KAFKA_AUTO_CREATE (true|false, default true: whether the broker
-# creates a topic on first use; read when the instance is first made, as managed services set it).
+# creates a topic on first use; read when the instance is first made, as managed services set it),
+# TW_KAFKA_SASL_SSL (true|false, default false; read when the instance is first made): a SASL_SSL
+# listener beside the plaintext one, its certificate signed by a CA made locally with openssl
+# (.run/<instance>/tls/ca.pem), user "timerwheel" for SCRAM-SHA-512, SCRAM-SHA-256 (made by Kafka's
+# storage tool at format time) and PLAIN; .env then also holds TW_KAFKA_SASL_SSL_BOOTSTRAP,
+# TW_KAFKA_SASL_SSL_CAFILE, TW_KAFKA_SASL_SSL_USERNAME, TW_KAFKA_SASL_SSL_PASSWORD_FILE.
+# E.g. TW_KAFKA_INSTANCE=secure TW_KAFKA_SASL_SSL=true scripts/kafka.sh up (what the tests run).
 set -euo pipefail
 
 NAME=kafka${TW_KAFKA_INSTANCE:+-$TW_KAFKA_INSTANCE}
@@ -29,6 +35,10 @@ AUTO_CREATE="${TW_KAFKA_AUTO_CREATE:-true}"
 [[ "$AUTO_CREATE" == true || "$AUTO_CREATE" == false ]] || { echo "kafka.sh: TW_KAFKA_AUTO_CREATE must be true or false, got '$AUTO_CREATE'" >&2; exit 1; }
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+SASL_SSL="${TW_KAFKA_SASL_SSL:-false}"
+[[ "$SASL_SSL" == true || "$SASL_SSL" == false ]] || die "TW_KAFKA_SASL_SSL must be true or false, got '$SASL_SSL'"
+SASL_USER=timerwheel
 
 POM="$ROOT/scripts/kafka/pom.xml"
 HEAP="${TW_KAFKA_HEAP:--Xmx512m -Xms512m}"
@@ -156,9 +166,59 @@ logger.request.level = warn
 EOF
 }
 
+# The SASL_SSL listener (TW_KAFKA_SASL_SSL=true) on port $1: added to the generated config, so
+# the plaintext listener and everything else stay as write_config made them.
+add_sasl_ssl_listener() {
+    local sport="$1" tls="$STATE/tls" password
+    make_tls "$tls"
+    make_password "$tls/$SASL_USER.password"
+    make_password "$tls/keystore.password"
+    password="$(cat "$tls/$SASL_USER.password")"
+    openssl pkcs12 -export -in "$tls/server.pem" -inkey "$tls/server.key" -name broker \
+        -passout "file:$tls/keystore.password" -out "$tls/broker.p12" >/dev/null 2>&1 \
+        || die "openssl could not make the broker's keystore ${tls#"$ROOT"/}/broker.p12"
+    echo "$sport" >"$STATE/sasl-ssl-port"
+    sed -i -e "s|^listeners=\(.*\)|listeners=\1,SASL_SSL://127.0.0.1:$sport|" \
+        -e "s|^advertised.listeners=\(.*\)|advertised.listeners=\1,SASL_SSL://127.0.0.1:$sport|" \
+        -e "s|^listener.security.protocol.map=\(.*\)|listener.security.protocol.map=\1,SASL_SSL:SASL_SSL|" \
+        "$STATE/server.properties"
+    cat >>"$STATE/server.properties" <<EOF2
+# SASL_SSL listener (TW_KAFKA_SASL_SSL=true): SCRAM users are made at format time, PLAIN users here.
+sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
+listener.name.sasl_ssl.ssl.keystore.type=PKCS12
+listener.name.sasl_ssl.ssl.keystore.location=$tls/broker.p12
+listener.name.sasl_ssl.ssl.keystore.password=$(cat "$tls/keystore.password")
+listener.name.sasl_ssl.ssl.key.password=$(cat "$tls/keystore.password")
+listener.name.sasl_ssl.ssl.client.auth=none
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$SASL_USER="$password";
+listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+EOF2
+    chmod 600 "$STATE/server.properties"
+}
+
+# Format-time arguments that create the SCRAM users (none without a SASL_SSL listener).
+scram_args() {
+    [[ -f "$STATE/sasl-ssl-port" ]] || return 0
+    local password
+    password="$(cat "$STATE/tls/$SASL_USER.password")"
+    printf '%s\n' --add-scram "SCRAM-SHA-512=[name=$SASL_USER,password=$password]" \
+        --add-scram "SCRAM-SHA-256=[name=$SASL_USER,password=$password]"
+}
+
+# The SASL_SSL settings for .env, after TW_KAFKA_BOOTSTRAP (nothing without the listener).
+sasl_ssl_env() {
+    [[ -f "$STATE/sasl-ssl-port" ]] || return 0
+    echo "TW_KAFKA_SASL_SSL_BOOTSTRAP=127.0.0.1:$(cat "$STATE/sasl-ssl-port")"
+    echo "TW_KAFKA_SASL_SSL_CAFILE=$STATE/tls/ca.pem"
+    echo "TW_KAFKA_SASL_SSL_USERNAME=$SASL_USER"
+    echo "TW_KAFKA_SASL_SSL_PASSWORD_FILE=$STATE/tls/$SASL_USER.password"
+}
+
 format_storage() {
-    local libs="$1" cluster_id
+    local libs="$1" cluster_id scram=()
     [[ -f "$STATE/data/meta.properties" ]] && return 0
+    mapfile -t scram < <(scram_args)
     # As Kafka's own Uuid.randomUuid: never an id that starts with "-", which the format tool's
     # argument parser takes for an option (1 id in 64; it failed a fresh CI run once).
     cluster_id="$("$PYTHON" -c '
@@ -170,7 +230,7 @@ print(cid)')"
     [[ -n "$cluster_id" ]] || die "could not make a cluster id with $PYTHON"
     java -Xmx256m -cp "$libs/*" -Dlog4j2.configurationFile="$STATE/log4j2.properties" \
         -Dkafka.logs.dir="$STATE/logs" kafka.tools.StorageTool format \
-        --cluster-id "$cluster_id" --config "$STATE/server.properties" >"$STATE/logs/format.log" 2>&1 \
+        --cluster-id "$cluster_id" --config "$STATE/server.properties" "${scram[@]}" >"$STATE/logs/format.log" 2>&1 \
         || { cat "$STATE/logs/format.log" >&2; die "formatting the KRaft log dir failed"; }
 }
 
@@ -179,6 +239,8 @@ launch() {
     libs="$(libs_dir)"
     port_free "$(port)" || die "port $(port) is taken by another process; run 'scripts/kafka.sh down' and 'up' to pick new ports"
     port_free "$(cat "$STATE/controller-port")" || die "controller port $(cat "$STATE/controller-port") is taken; run 'scripts/kafka.sh down' and 'up'"
+    [[ ! -f "$STATE/sasl-ssl-port" ]] || port_free "$(cat "$STATE/sasl-ssl-port")" \
+        || die "SASL_SSL port $(cat "$STATE/sasl-ssl-port") is taken; run 'scripts/kafka.sh down' and 'up'"
     format_storage "$libs"
     # shellcheck disable=SC2086  # HEAP holds several JVM flags
     setsid nohup java $HEAP -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
@@ -201,6 +263,7 @@ launch() {
         sleep 0.5
     done
     echo "TW_KAFKA_BOOTSTRAP=$(bootstrap)" >"$ENV_FILE"
+    sasl_ssl_env >>"$ENV_FILE"
     log "broker up on $(bootstrap) (pid $pid)"
 }
 
@@ -231,6 +294,7 @@ cmd_up() {
         done
         if running_pid >/dev/null && healthy; then
             echo "TW_KAFKA_BOOTSTRAP=$(bootstrap)" >"$ENV_FILE"
+            sasl_ssl_env >>"$ENV_FILE"
             return 0
         fi
         log "the broker (pid $(cat "$PID_FILE" 2>/dev/null)) does not answer: restarting it"
@@ -249,6 +313,12 @@ cmd_up() {
         cport="$(free_port)"
         while [[ "$cport" == "$port" ]]; do cport="$(free_port)"; done
         write_config "$port" "$cport"
+        if [[ "$SASL_SSL" == true ]]; then
+            local sport
+            sport="$(free_port)"
+            while [[ "$sport" == "$port" || "$sport" == "$cport" ]]; do sport="$(free_port)"; done
+            add_sasl_ssl_listener "$sport"
+        fi
     fi
     launch
 }

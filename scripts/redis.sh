@@ -13,13 +13,46 @@
 # No persistence: Redis is a transport in timerwheel, never a store (ARCHITECTURE.md, section 4).
 # State lives in .run/redis/ (port, pid, log); .run/redis.env holds the URL. The port is chosen
 # free at the first start. `up` on a running, healthy server does nothing.
+#
+# Environment: TW_REDIS_START_TIMEOUT (s, default 30), TW_REDIS_INSTANCE (a second, independent
+# server: state in .run/redis-<instance>/, URL in .run/redis-<instance>.env), TW_REDIS_TLS
+# (true|false, default false; read when the instance is first made): the server then listens
+# on TLS only (certificate signed by a CA made locally with openssl) and requires a password;
+# .env holds TW_REDIS_URL=rediss://..., TW_REDIS_PASSWORD_FILE and TW_REDIS_SSL_CAFILE.
+# E.g. TW_REDIS_INSTANCE=secure TW_REDIS_TLS=true scripts/redis.sh up (what the tests run).
 set -euo pipefail
 
-NAME=redis
+NAME=redis${TW_REDIS_INSTANCE:+-$TW_REDIS_INSTANCE}
+[[ "${TW_REDIS_INSTANCE:-}" =~ ^[a-z0-9-]*$ ]] || { echo "redis.sh: TW_REDIS_INSTANCE must be [a-z0-9-]*, got '$TW_REDIS_INSTANCE'" >&2; exit 1; }
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 START_TIMEOUT="${TW_REDIS_START_TIMEOUT:-30}"
+TLS="${TW_REDIS_TLS:-false}"
+[[ "$TLS" == true || "$TLS" == false ]] || die "TW_REDIS_TLS must be true or false, got '$TLS'"
+
+# TLS and a password (TW_REDIS_TLS=true at the first start): made once, kept in STATE/tls.
+make_tls_state() {
+    make_tls "$STATE/tls"
+    make_password "$STATE/tls/redis.password"
+    (umask 077; echo "requirepass $(cat "$STATE/tls/redis.password")" >"$STATE/tls/auth.conf")
+}
+
+# The server's options for TLS (empty without): its config file (the password) comes first.
+tls_conf() { [[ -d "$STATE/tls" ]] && echo "$STATE/tls/auth.conf"; return 0; }
+tls_args() {
+    [[ -d "$STATE/tls" ]] || return 0
+    printf '%s\n' --port 0 --tls-port "$(port)" --tls-cert-file "$STATE/tls/server.pem" \
+        --tls-key-file "$STATE/tls/server.key" --tls-ca-cert-file "$STATE/tls/ca.pem" --tls-auth-clients no
+}
+
+# With TLS, .env names rediss:// and the password and CA files.
+tls_env() {
+    [[ -d "$STATE/tls" ]] || return 0
+    sed -i 's|^TW_REDIS_URL=redis://|TW_REDIS_URL=rediss://|' "$ENV_FILE"
+    echo "TW_REDIS_PASSWORD_FILE=$STATE/tls/redis.password" >>"$ENV_FILE"
+    echo "TW_REDIS_SSL_CAFILE=$STATE/tls/ca.pem" >>"$ENV_FILE"
+}
 
 server_bin() {
     command -v redis-server 2>/dev/null || { [[ -x /usr/bin/redis-server ]] && echo /usr/bin/redis-server; }
@@ -35,8 +68,9 @@ need_server() {
 # Only our server: a redis-server on our port (redis rewrites its argv to "host:port").
 running_pid() { pid_matching "redis-server.*127.0.0.1:$(port)"; }
 
-# PING over a raw socket: needs neither redis-cli nor redis-py.
+# PING over a raw socket: needs neither redis-cli nor redis-py (with TLS: AUTH, then PING).
 healthy() {
+    [[ -d "$STATE/tls" ]] && { healthy_tls; return; }
     "$PYTHON" - "$(port)" <<'EOF' >/dev/null 2>&1
 import socket, sys
 with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1) as s:
@@ -45,11 +79,31 @@ with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1) as s:
 EOF
 }
 
+healthy_tls() {
+    "$PYTHON" - "$(port)" "$STATE/tls/ca.pem" "$STATE/tls/redis.password" <<'EOF' >/dev/null 2>&1
+import socket, ssl, sys
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+password = open(sys.argv[3]).read().strip()
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1) as raw:
+    with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+        answer = b""
+        while b"PONG" not in answer and len(answer) < 64:
+            chunk = s.recv(64)
+            if not chunk:
+                break
+            answer += chunk
+        sys.exit(0 if answer.startswith(b"+OK") and b"+PONG" in answer else 1)
+EOF
+}
+
 launch() {
-    local pid deadline
+    local pid deadline conf=() extra=()
+    mapfile -t conf < <(tls_conf)
+    mapfile -t extra < <(tls_args)
     port_free "$(port)" || die "port $(port) is taken by another process; run 'scripts/redis.sh down' and 'up' to pick a new one"
-    setsid nohup "$(server_bin)" --bind 127.0.0.1 --port "$(port)" --protected-mode yes \
-        --save "" --appendonly no --daemonize no --dir "$STATE" --logfile "$STATE/redis.log" \
+    setsid nohup "$(server_bin)" "${conf[@]}" --bind 127.0.0.1 --port "$(port)" --protected-mode yes \
+        --save "" --appendonly no --daemonize no --dir "$STATE" --logfile "$STATE/redis.log" "${extra[@]}" \
         >>"$STATE/stdout.log" 2>&1 </dev/null 9>&- &
     pid=$!
     echo "$pid" >"$PID_FILE"
@@ -64,6 +118,7 @@ launch() {
         sleep 0.1
     done
     echo "TW_REDIS_URL=redis://127.0.0.1:$(port)/0" >"$ENV_FILE"
+    tls_env
     log "redis up on 127.0.0.1:$(port) (pid $pid)"
 }
 
@@ -86,6 +141,7 @@ cmd_up() {
         for ((i = 0; i < 50; i++)); do # a busy server gets 5 s to answer before it is replaced
             if healthy; then
                 echo "TW_REDIS_URL=redis://127.0.0.1:$(port)/0" >"$ENV_FILE"
+                tls_env
                 return 0
             fi
             sleep 0.1
@@ -101,6 +157,7 @@ cmd_up() {
     if [[ ! -f "$STATE/port" ]]; then
         mkdir -p "$STATE"
         free_port >"$STATE/port"
+        [[ "$TLS" == true ]] && make_tls_state
     fi
     launch
 }
@@ -122,7 +179,7 @@ main() {
     up | down | start | stop | restart) ;;
     *) die "usage: scripts/redis.sh up|down|start|stop|restart|status|env" ;;
     esac
-    exec 9>"$RUN/redis.lock"
+    exec 9>"$RUN/$NAME.lock"
     flock 9
     case "$verb" in
     up) cmd_up ;;

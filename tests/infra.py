@@ -137,16 +137,64 @@ def kafka_noauto_bootstrap() -> Iterator[str]:
     """``host:port`` of a second broker that never creates a topic on first use (the default of
     managed Kafka services): ``TW_KAFKA_INSTANCE=noauto TW_KAFKA_AUTO_CREATE=false
     scripts/kafka.sh up``, stopped at the end of the session like the first."""
-    was_running = _script("kafka", "status", timeout_s=60, env=NOAUTO_ENV).returncode == 0
-    done = _script("kafka", "up", timeout_s=_UP_TIMEOUT_S, env=NOAUTO_ENV)
-    env_file = RUN / "kafka-noauto.env"
-    if done.returncode != 0 or not env_file.exists():
-        pytest.fail(f"the broker without topic auto-creation could not be started by "
-                    f"TW_KAFKA_INSTANCE=noauto scripts/kafka.sh up (exit {done.returncode}):\n"
-                    f"{done.stderr.strip()[-3000:]}", pytrace=False)
-    address = _read_env("kafka-noauto").get("TW_KAFKA_BOOTSTRAP", "")
+    for settings in _instance("kafka", NOAUTO_ENV, "kafka-noauto", ("TW_KAFKA_BOOTSTRAP",)):
+        yield settings["TW_KAFKA_BOOTSTRAP"]
+
+
+#: The broker with a SASL_SSL listener beside its plaintext one (``secure_kafka``).
+SECURE_KAFKA_ENV = {"TW_KAFKA_INSTANCE": "secure", "TW_KAFKA_SASL_SSL": "true"}
+#: The redis-server that accepts only TLS and requires a password (``secure_redis``).
+SECURE_REDIS_ENV = {"TW_REDIS_INSTANCE": "secure", "TW_REDIS_TLS": "true"}
+
+
+def _instance(script: str, env: dict[str, str], env_name: str, keys: tuple[str, ...]) -> Iterator[dict[str, str]]:
+    """A second, script-managed server started with ``env`` (session scope): the settings its
+    ``.env`` holds. FAILS, saying what is missing, when it cannot be started."""
+    command = " ".join(f"{k}={v}" for k, v in env.items()) + f" scripts/{script}.sh up"
+    was_running = _script(script, "status", timeout_s=60, env=env).returncode == 0
     try:
-        yield address
+        done = _script(script, "up", timeout_s=_UP_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command} did not finish within {_UP_TIMEOUT_S}s", pytrace=False)
+    env_file = RUN / f"{env_name}.env"
+    if done.returncode != 0 or not env_file.exists():
+        pytest.fail(f"{command} failed (exit {done.returncode}):\n{done.stderr.strip()[-3000:]}", pytrace=False)
+    settings = _read_env(env_name)
+    missing = [k for k in keys if not settings.get(k)]
+    if missing:
+        pytest.fail(f"{command} wrote no {', '.join(missing)} into {env_file}", pytrace=False)
+    try:
+        yield settings
     finally:
         if not was_running and os.environ.get("TW_KEEP_SERVERS", "") not in ("1", "true", "yes"):
-            _script("kafka", "down", timeout_s=120, env=NOAUTO_ENV)
+            _script(script, "down", timeout_s=120, env=env)
+
+
+@pytest.fixture(scope="session")
+def secure_kafka() -> Iterator[dict[str, str]]:
+    """A broker with a plaintext listener (``TW_KAFKA_BOOTSTRAP``) and a SASL_SSL one
+    (``TW_KAFKA_SASL_SSL_BOOTSTRAP``, CA file, user, password file): scripts/kafka.sh with
+    ``SECURE_KAFKA_ENV``."""
+    yield from _instance("kafka", SECURE_KAFKA_ENV, "kafka-secure",
+                         ("TW_KAFKA_BOOTSTRAP", "TW_KAFKA_SASL_SSL_BOOTSTRAP", "TW_KAFKA_SASL_SSL_CAFILE",
+                          "TW_KAFKA_SASL_SSL_USERNAME", "TW_KAFKA_SASL_SSL_PASSWORD_FILE"))
+
+
+@pytest.fixture(scope="session")
+def secure_redis() -> Iterator[dict[str, str]]:
+    """A redis-server requiring TLS and a password: ``TW_REDIS_URL`` (rediss://),
+    ``TW_REDIS_PASSWORD_FILE``, ``TW_REDIS_SSL_CAFILE``."""
+    yield from _instance("redis", SECURE_REDIS_ENV, "redis-secure",
+                         ("TW_REDIS_URL", "TW_REDIS_PASSWORD_FILE", "TW_REDIS_SSL_CAFILE"))
+
+
+def sasl_ssl_env(kafka: dict[str, str], mechanism: str = "SCRAM-SHA-512") -> dict[str, str]:
+    """The ``TW_*`` settings of a client of ``secure_kafka``'s SASL_SSL listener."""
+    return {
+        "TW_KAFKA_BOOTSTRAP": kafka["TW_KAFKA_SASL_SSL_BOOTSTRAP"],
+        "TW_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "TW_KAFKA_SASL_MECHANISM": mechanism,
+        "TW_KAFKA_SASL_USERNAME": kafka["TW_KAFKA_SASL_SSL_USERNAME"],
+        "TW_KAFKA_SASL_PASSWORD_FILE": kafka["TW_KAFKA_SASL_SSL_PASSWORD_FILE"],
+        "TW_KAFKA_SSL_CAFILE": kafka["TW_KAFKA_SASL_SSL_CAFILE"],
+    }

@@ -255,9 +255,11 @@ def _local_client(cfg: TimerConfig) -> TimerClient:
 
 def _commit_log(cfg: TimerConfig, kafka: str | None, args: argparse.Namespace | None = None) -> Any:
     if kafka:
+        from timerwheel.security import check_kafka_access
         from timerwheel.transports.kafka import KafkaCommitLog
 
-        return KafkaCommitLog(kafka, compression=cfg.kafka_compression)
+        check_kafka_access(cfg, kafka)
+        return KafkaCommitLog.from_config(cfg, kafka)
     from timerwheel.transports.local import LocalCommitLog
 
     data = _data_dir(cfg, args) if args is not None else Path(cfg.data_dir)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from timerwheel.errors import ConfigError
 
@@ -29,6 +31,12 @@ DEFAULT_ALLOW_TOPICS = (r"(?!__).+",)
 KAFKA_COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
 #: What enqueue-get does with a message for a destination that does not exist (TW_MISSING_TOPIC).
 MISSING_TOPIC_POLICIES = ("hold", "dlq")
+
+#: Kafka's security protocols (TW_KAFKA_SECURITY_PROTOCOL), and which of them use TLS / SASL.
+KAFKA_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+KAFKA_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+#: URL schemes redis-py understands; ``rediss`` is Redis over TLS.
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": DAY_MS}
 
@@ -85,7 +93,24 @@ class TimerConfig:
     missing_topic: str = "hold"
     #: A due message whose destination does not exist is held (re-tried) this long, then dead-lettered.
     missing_topic_hold_ms: int = 600_000
+    #: Kafka security (see README, "Secured connections"): every Kafka client timerwheel makes
+    #: takes these through ``timerwheel.security.kafka_client_options``.
+    kafka_security_protocol: str = "PLAINTEXT"
+    kafka_sasl_mechanism: str = ""
+    kafka_sasl_username: str = ""
+    kafka_sasl_password: str = field(default="", repr=False)
+    #: A file holding the SASL password (a mounted Kubernetes secret); read when the clients are made.
+    kafka_sasl_password_file: str = ""
+    kafka_ssl_cafile: str = ""
+    #: Client certificate and key, for brokers that require mutual TLS.
+    kafka_ssl_certfile: str = ""
+    kafka_ssl_keyfile: str = ""
+    kafka_ssl_check_hostname: bool = True
     redis_url: str = ""
+    redis_password: str = field(default="", repr=False)
+    redis_password_file: str = ""
+    #: CA bundle that signed the Redis server's certificate (with a ``rediss://`` URL).
+    redis_ssl_cafile: str = ""
     http_port: int = 0
     #: Embedded mode: the local commit log deletes segments older than this; 0 means
     #: max(7 days, 1.5 x the roll window). At least 1.5 x the roll window (rolled messages are
@@ -151,6 +176,67 @@ class TimerConfig:
         need(self.missing_topic in MISSING_TOPIC_POLICIES, "missing_topic",
              f"must be one of {', '.join(MISSING_TOPIC_POLICIES)}, got {self.missing_topic!r}")
         need(self.missing_topic_hold_ms >= 0, "missing_topic_hold_ms", f"must be >= 0, got {self.missing_topic_hold_ms}")
+        self._check_kafka_security(need)
+        self._check_redis_security(need)
+
+    def _check_kafka_security(self, need: Any) -> None:
+        protocol = self.kafka_security_protocol
+        need(protocol in KAFKA_SECURITY_PROTOCOLS, "kafka_security_protocol",
+             f"must be one of {', '.join(KAFKA_SECURITY_PROTOCOLS)}, got {protocol!r}")
+        if protocol.startswith("SASL_"):
+            need(self.kafka_sasl_mechanism in KAFKA_SASL_MECHANISMS, "kafka_sasl_mechanism",
+                 f"must be one of {', '.join(KAFKA_SASL_MECHANISMS)} with {protocol}, "
+                 f"got {self.kafka_sasl_mechanism!r}")
+            need(bool(self.kafka_sasl_username), "kafka_sasl_username", f"must be set with {protocol}")
+            need(bool(self.kafka_sasl_password) or bool(self.kafka_sasl_password_file), "kafka_sasl_password",
+                 f"must be set with {protocol} (or kafka_sasl_password_file)")
+        else:
+            for name in ("kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password",
+                         "kafka_sasl_password_file"):
+                need(not getattr(self, name), name,
+                     f"is used only with SASL_PLAINTEXT or SASL_SSL, but kafka_security_protocol is {protocol}")
+        need(not (self.kafka_sasl_password and self.kafka_sasl_password_file), "kafka_sasl_password_file",
+             "set either it or kafka_sasl_password, not both")
+        tls = protocol in ("SSL", "SASL_SSL")
+        for name in ("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile"):
+            need(tls or not getattr(self, name), name,
+                 f"is used only with SSL or SASL_SSL, but kafka_security_protocol is {protocol}")
+        need(not self.kafka_ssl_keyfile or bool(self.kafka_ssl_certfile), "kafka_ssl_keyfile",
+             "needs kafka_ssl_certfile (the client certificate)")
+        for name in ("kafka_sasl_password_file", "kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile"):
+            _readable(need, name, getattr(self, name))
+        if self.kafka_sasl_password_file:
+            need(bool(read_secret(self.kafka_sasl_password_file)), "kafka_sasl_password_file",
+                 f"{self.kafka_sasl_password_file} is empty")
+
+    def _check_redis_security(self, need: Any) -> None:
+        url = self.redis_url
+        need(not url or url.startswith(REDIS_SCHEMES), "redis_url",
+             f"must start with {', '.join(REDIS_SCHEMES)}, got {url.split('://')[0]!r}://...")
+        need(not (self.redis_password and self.redis_password_file), "redis_password_file",
+             "set either it or redis_password, not both")
+        need(not ((self.redis_password or self.redis_password_file) and urlsplit(url).password), "redis_password",
+             "the URL holds a password too (redis-py would use the URL's): set it in one place")
+        need(not self.redis_ssl_cafile or url.startswith("rediss://"), "redis_ssl_cafile",
+             "is used only with a rediss:// URL (Redis over TLS)")
+        for name in ("redis_password_file", "redis_ssl_cafile"):
+            _readable(need, name, getattr(self, name))
+        if self.redis_password_file:
+            need(bool(read_secret(self.redis_password_file)), "redis_password_file",
+                 f"{self.redis_password_file} is empty")
+
+    def kafka_password(self) -> str:
+        """The SASL password, from ``kafka_sasl_password_file`` when set (read now: clients made later, e.g. after a
+        restart, use a rotated Kubernetes secret)."""
+        if self.kafka_sasl_password_file:
+            return read_secret(self.kafka_sasl_password_file)
+        return self.kafka_sasl_password
+
+    def redis_secret(self) -> str:
+        """The Redis password (``redis_password_file`` read now), or "" for none."""
+        if self.redis_password_file:
+            return read_secret(self.redis_password_file)
+        return self.redis_password
 
     @property
     def effective_log_retention_ms(self) -> int:
@@ -189,6 +275,18 @@ class TimerConfig:
                 raise  # the caller names its own flag
             var = next((v for v, (a, _k, _d) in ENV_VARS.items() if a == exc.field), exc.field)
             raise ConfigError(var, str(exc).split(": ", 1)[1]) from None
+
+
+def read_secret(path: str) -> str:
+    """A secret from a file, as Kubernetes mounts them: the whole file but a trailing newline."""
+    with open(path, encoding="utf-8") as f:
+        return f.read().rstrip("\r\n")
+
+
+def _readable(need: Any, name: str, path: str) -> None:
+    """Refuse a file setting that names a file this process cannot read (never its content)."""
+    if path:
+        need(os.path.isfile(path) and os.access(path, os.R_OK), name, f"cannot read the file {path!r}")
 
 
 def _convert(kind: str, raw: str) -> Any:
@@ -243,7 +341,24 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                          "destination missing when scheduled: hold (schedule; default) or dlq (dead-letter at once)"),
     "TW_MISSING_TOPIC_HOLD_MS": ("missing_topic_hold_ms", "duration",
                                  "a due message's missing destination is waited for this long, then DLQ (default 10m)"),
+    "TW_KAFKA_SECURITY_PROTOCOL": ("kafka_security_protocol", "str",
+                                   "PLAINTEXT (default), SSL, SASL_PLAINTEXT or SASL_SSL"),
+    "TW_KAFKA_SASL_MECHANISM": ("kafka_sasl_mechanism", "str",
+                                "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (with SASL_*)"),
+    "TW_KAFKA_SASL_USERNAME": ("kafka_sasl_username", "str", "SASL user name (with SASL_*)"),
+    "TW_KAFKA_SASL_PASSWORD": ("kafka_sasl_password", "str", "SASL password (or TW_KAFKA_SASL_PASSWORD_FILE)"),
+    "TW_KAFKA_SASL_PASSWORD_FILE": ("kafka_sasl_password_file", "str",
+                                    "file holding the SASL password (a mounted secret; read when the clients are made)"),
+    "TW_KAFKA_SSL_CAFILE": ("kafka_ssl_cafile", "str",
+                            "PEM CA bundle the brokers' certificates are checked against (default: the system's)"),
+    "TW_KAFKA_SSL_CERTFILE": ("kafka_ssl_certfile", "str", "PEM client certificate (mutual TLS)"),
+    "TW_KAFKA_SSL_KEYFILE": ("kafka_ssl_keyfile", "str", "PEM private key of the client certificate (mutual TLS)"),
+    "TW_KAFKA_SSL_CHECK_HOSTNAME": ("kafka_ssl_check_hostname", "bool",
+                                    "check that the broker's certificate names the host connected to (default true)"),
     "TW_REDIS_URL": ("redis_url", "str", "Redis URL for the work queues and leases (production mode)"),
+    "TW_REDIS_PASSWORD": ("redis_password", "str", "Redis password (AUTH; or TW_REDIS_PASSWORD_FILE)"),
+    "TW_REDIS_PASSWORD_FILE": ("redis_password_file", "str", "file holding the Redis password (a mounted secret)"),
+    "TW_REDIS_SSL_CAFILE": ("redis_ssl_cafile", "str", "PEM CA bundle of the Redis server's certificate (rediss://)"),
     "TW_HTTP_PORT": ("http_port", "int", "port for /healthz, /readyz and /metrics (0: off)"),
     "TW_LOG_RETENTION_MS": ("log_retention_ms", "duration",
                             "embedded: the local log keeps records this long (default max(7d, 1.5 x roll window))"),
@@ -263,6 +378,13 @@ TOOLING_ENV_VARS = {
     "TW_KAFKA_INSTANCE": "scripts/kafka.sh: a second, independent broker (.run/kafka-<instance>/)",
     "TW_KAFKA_AUTO_CREATE": "scripts/kafka.sh: whether the broker creates topics on first use (default true)",
     "TW_REDIS_START_TIMEOUT": "scripts/redis.sh: seconds to wait for redis-server",
+    "TW_KAFKA_SASL_SSL": "scripts/kafka.sh: add a SASL_SSL listener (locally made CA, SCRAM and PLAIN users)",
+    "TW_KAFKA_SASL_SSL_BOOTSTRAP": "scripts/kafka.sh: (written to its .env) the SASL_SSL listener's address",
+    "TW_KAFKA_SASL_SSL_CAFILE": "scripts/kafka.sh: (written to its .env) the CA that signed the broker",
+    "TW_KAFKA_SASL_SSL_USERNAME": "scripts/kafka.sh: (written to its .env) the SCRAM and PLAIN user",
+    "TW_KAFKA_SASL_SSL_PASSWORD_FILE": "scripts/kafka.sh: (written to its .env) that user's password file",
+    "TW_REDIS_INSTANCE": "scripts/redis.sh: a second, independent server (.run/redis-<instance>/)",
+    "TW_REDIS_TLS": "scripts/redis.sh: the server requires TLS and a password (rediss://)",
 }
 #: Prefix of the benchmarks' own variables (bench/).
 TOOLING_PREFIX = "TW_BENCH_"

@@ -41,3 +41,12 @@ class InvalidTimerMessage(TimerwheelError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class AccessError(TimerwheelError):
+    """Kafka or Redis refused this process's credentials or TLS settings (a wrong password, a
+    certificate not trusted). Not retried: it names the setting to fix (``setting``)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting

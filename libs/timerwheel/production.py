@@ -39,10 +39,10 @@ RETENTION_FACTOR = 1.5
 
 
 def production_transports(cfg: TimerConfig) -> Any:
-    """Kafka commit log, Redis work queues and Redis leases for ``cfg``."""
-    import redis
-
+    """Kafka commit log, Redis work queues and Redis leases for ``cfg`` (with its TLS, SASL and
+    Redis password settings, see ``timerwheel.security``)."""
     from timerwheel.embedded import Transports
+    from timerwheel.security import redis_client
     from timerwheel.transports.kafka import KafkaCommitLog
     from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 
@@ -50,10 +50,10 @@ def production_transports(cfg: TimerConfig) -> Any:
         raise ConfigError("TW_KAFKA_BOOTSTRAP", "must be set in production mode")
     if not cfg.redis_url:
         raise ConfigError("TW_REDIS_URL", "must be set in production mode")
-    client = redis.Redis.from_url(cfg.redis_url)
+    client = redis_client(cfg)
     queues: dict[str, WorkQueue] = {name: RedisWorkQueue(client, name, cfg.shards, cfg.queue_bound)
               for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)}
-    return Transports(KafkaCommitLog(cfg.kafka_bootstrap, compression=cfg.kafka_compression), queues,
+    return Transports(KafkaCommitLog.from_config(cfg), queues,
                       RedisLeaseStore(client))
 
 
@@ -183,13 +183,17 @@ class _StopBeforeStart(BaseException):  # noqa: N818 - not an error: SIGTERM whi
 
 
 def _build_when_reachable(name: str, cfg: TimerConfig, ctx: StageContext) -> tuple[Any, Any] | None:
-    """Transports and the stage, retried while Kafka or Redis is unreachable; None if stopped meanwhile."""
+    """Transports and the stage, retried while Kafka or Redis is unreachable; None if stopped meanwhile.
+    Refused credentials or an untrusted certificate are not retried: ``AccessError`` names the setting."""
+    from timerwheel.security import check_kafka_access, check_redis_access
     from timerwheel.transports.kafka import KafkaLogError
     from timerwheel.transports.redisq import RedisTransportError
 
     log = stage_logger(name)
     attempts = 0
     while not ctx.stop.is_set():
+        check_kafka_access(cfg)
+        check_redis_access(cfg)
         transports = production_transports(cfg)
         try:
             return transports, build_stage(name, cfg, ctx, transports)
@@ -240,9 +244,12 @@ def _owns(stage: Any) -> bool:
 def run_all_in_one(cfg: TimerConfig) -> int:
     """All five stages in one process over Kafka and Redis (``timerwheel run --kafka --redis``)."""
     from timerwheel.embedded import EmbeddedTimerwheel
+    from timerwheel.security import check_kafka_access, check_redis_access
 
     stop = threading.Event()
     _stop_on_signals(stop)
+    check_kafka_access(cfg)
+    check_redis_access(cfg)
     transports = production_transports(cfg)
     check_timer_topic(cfg, transports.commit_log)
     log = stage_logger("all-in-one")

@@ -67,7 +67,8 @@ from kafka.admin import ConfigResource, ConfigResourceType
 
 from timerwheel.clock import Clock
 from timerwheel.config import KAFKA_COMPRESSIONS as COMPRESSIONS
-from timerwheel.errors import TimerwheelError
+from timerwheel.config import TimerConfig
+from timerwheel.errors import AccessError, TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 
@@ -361,6 +362,7 @@ class KafkaCommitLog:
         metadata_wait_s: float = 0.5,
         creating_wait_s: float = 15.0,
         missing_topic_recheck_s: float = 5.0,
+        security: Mapping[str, Any] | None = None,
     ) -> None:
         if not bootstrap:
             raise ValueError("KafkaCommitLog: bootstrap must name at least one broker, got ''")
@@ -368,6 +370,8 @@ class KafkaCommitLog:
             raise ValueError(f"KafkaCommitLog: compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
         check_codecs()
         self.bootstrap = bootstrap
+        #: kafka-python's TLS and SASL options (``timerwheel.security.kafka_client_options``).
+        self._security = dict(security or {})
         self._compression = None if compression == "none" else compression
         #: ``append`` waits this long, once per batch, for the metadata of topics it has not written yet.
         self._metadata_wait_s = metadata_wait_s
@@ -418,7 +422,17 @@ class KafkaCommitLog:
             "reconnect_backoff_max_ms": 2000,
             "retry_backoff_ms": 100,
             "bootstrap_timeout_ms": self._request_timeout_ms,
+            **self._security,
         }
+
+    @classmethod
+    def from_config(cls, cfg: TimerConfig, bootstrap: str | None = None, **options: Any) -> KafkaCommitLog:
+        """The commit log on ``cfg.kafka_bootstrap`` (or ``bootstrap``) with ``cfg``'s compression
+        and security settings: how every part of timerwheel connects to Kafka."""
+        from timerwheel.security import kafka_client_options
+
+        options.setdefault("compression", cfg.kafka_compression)
+        return cls(bootstrap or cfg.kafka_bootstrap, security=kafka_client_options(cfg), **options)
 
     def _get_producer(self) -> Any:
         with self._producer_lock:
@@ -490,6 +504,8 @@ class KafkaCommitLog:
             yield
         except KafkaLogError:
             raise
+        except kafka_errors.SaslAuthenticationFailedError as exc:
+            raise AccessError("TW_KAFKA_SASL_PASSWORD", f"{what}: Kafka refused the SASL credentials: {exc}") from None
         except kafka_errors.KafkaError as exc:
             raise KafkaLogError(f"{what} failed: {exc}") from exc
 
