@@ -46,6 +46,11 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
             assert time.monotonic() < deadline, pipe.tails(["enqueue-put", "enqueue-put#2"])
             time.sleep(0.2)
         assert not pipe.ready("enqueue-put"), "the fenced owner still reports ready"
+        # Ready means owning a shard: the successor may still be recovering the other one.
+        deadline = time.monotonic() + 30
+        while len({e["shard"] for e in events(pipe, "enqueue-put#2", "recovered")}) < SHARDS:
+            assert time.monotonic() < deadline, pipe.tails(["enqueue-put", "enqueue-put#2"])
+            time.sleep(0.2)
         second_epochs = {int(str(e["shard"])): int(str(e["epoch"])) for e in events(pipe, "enqueue-put#2", "recovered")}
         assert set(second_epochs) == set(range(SHARDS)), pipe.tails(["enqueue-put#2"])
         assert all(second_epochs[s] > first_epochs[s] for s in range(SHARDS)), (first_epochs, second_epochs)
