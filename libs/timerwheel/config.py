@@ -141,7 +141,7 @@ class TimerConfig:
         """Build from ``TW_*`` variables (see ENV_VARS). A bad value names its variable, and so
         does a ``TW_*`` variable nobody reads: a typo (``TW_SHARD=4``) must not pass unseen."""
         for var in sorted(environ):
-            if var.startswith("TW_") and not known_env_var(var):
+            if var.startswith("TW_") and not known_env_var(var) and not kubernetes_service_var(var, environ[var]):
                 close = difflib.get_close_matches(var, [*ENV_VARS, *OTHER_ENV_VARS], 1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ConfigError(var, f"unknown variable{hint}; the README lists every TW_* variable")
@@ -233,3 +233,28 @@ TOOLING_PREFIX = "TW_BENCH_"
 
 def known_env_var(var: str) -> bool:
     return var in ENV_VARS or var in OTHER_ENV_VARS or var in TOOLING_ENV_VARS or var.startswith(TOOLING_PREFIX)
+
+
+# Kubernetes' service links: for a Service "tw-x" with port 8080/TCP named "http", kubelet gives
+# every pod of the namespace TW_X_SERVICE_HOST=10.0.0.1, TW_X_SERVICE_PORT=8080,
+# TW_X_SERVICE_PORT_HTTP=8080, TW_X_PORT=tcp://10.0.0.1:8080, TW_X_PORT_8080_TCP=tcp://10.0.0.1:8080,
+# and TW_X_PORT_8080_TCP_PROTO=tcp / _PORT=8080 / _ADDR=10.0.0.1. The chart names no Service
+# tw-* and turns links off, but a user's own Service may still be named so. Each form is
+# recognised by its name AND the shape of its value, so a misspelt setting that happens to end
+# in _PORT (TW_HTPP_PORT=8080) is still refused.
+_IP = r"[0-9.]+|[0-9A-Fa-f:.]+"
+_PROTO = r"TCP|UDP|SCTP"
+_SERVICE_VAR_FORMS = (
+    (re.compile(r"TW_\w+_SERVICE_HOST"), re.compile(_IP)),
+    (re.compile(r"TW_\w+_SERVICE_PORT(_\w+)?"), re.compile(r"\d+")),
+    (re.compile(r"TW_\w+_PORT"), re.compile(rf"(tcp|udp|sctp)://(\[?({_IP})\]?):\d+")),
+    (re.compile(rf"TW_\w+_PORT_\d+_({_PROTO})"), re.compile(rf"(tcp|udp|sctp)://(\[?({_IP})\]?):\d+")),
+    (re.compile(rf"TW_\w+_PORT_\d+_({_PROTO})_PROTO"), re.compile(r"tcp|udp|sctp")),
+    (re.compile(rf"TW_\w+_PORT_\d+_({_PROTO})_PORT"), re.compile(r"\d+")),
+    (re.compile(rf"TW_\w+_PORT_\d+_({_PROTO})_ADDR"), re.compile(_IP)),
+)
+
+
+def kubernetes_service_var(var: str, value: str) -> bool:
+    """``var=value`` is one of the service-link variables kubelet injects (see above)."""
+    return any(name.fullmatch(var) and shape.fullmatch(value) for name, shape in _SERVICE_VAR_FORMS)
