@@ -51,8 +51,16 @@ EOF
         # get the package (not only the module), so go.sum covers its whole import graph
         "$go" get "helm.sh/helm/v3/cmd/helm@$VERSION" >/dev/null 2>&1 \
             || die "go get helm.sh/helm/v3/cmd/helm@$VERSION failed (is the Go module proxy reachable?)"
-        CGO_ENABLED=0 "$go" build -trimpath \
-            -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$VERSION" \
+        # As helm's Makefile: the default Kubernetes version of `helm template` and `helm lint`
+        # follows the client-go it is built with (else it is v1.20, and kubeVersion checks fail).
+        local kv major minor
+        kv="$("$go" list -f '{{.Version}}' -m k8s.io/client-go)"   # v0.MINOR.PATCH
+        major=$(( $(cut -d. -f1 <<<"${kv#v}") + 1 ))
+        minor="$(cut -d. -f2 <<<"$kv")"
+        local pkg=helm.sh/helm/v3
+        CGO_ENABLED=0 "$go" build -trimpath -ldflags "-s -w -X $pkg/internal/version.version=$VERSION \
+            -X $pkg/pkg/lint/rules.k8sVersionMajor=$major -X $pkg/pkg/lint/rules.k8sVersionMinor=$minor \
+            -X $pkg/pkg/chartutil.k8sVersionMajor=$major -X $pkg/pkg/chartutil.k8sVersionMinor=$minor" \
             -o "$work/helm" helm.sh/helm/v3/cmd/helm
     )
     local tmp="$HELM.tmp.$$"
