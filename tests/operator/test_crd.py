@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from operator_helpers import api_server_errors, crd_schema, structural_errors
+from k8s_helpers import api_server_errors, crd_schema, structural_errors
 from timerwheel.config import ALLOWED_TICKS_MS, ENV_VARS, TimerConfig
 from timerwheel_operator.crd import MAX_NAME, crd, spec_schema
 from timerwheel_operator.spec import SPEC_ENV

@@ -8,7 +8,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from operator_helpers import wheel_body
+from k8s_helpers import wheel_body
 from timerwheel.config import TimerConfig, kubernetes_service_var
 from timerwheel_operator.crd import STAGES
 from timerwheel_operator.manifests import build_all, settings_hash

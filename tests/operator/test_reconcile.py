@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 import pytest
-from operator_helpers import wheel_body
+from k8s_helpers import wheel_body
 from timerwheel.metrics import Metrics
 from timerwheel_operator import reconcile as rec
 from timerwheel_operator import runtime
