@@ -226,6 +226,8 @@ TOOLING_ENV_VARS = {
     "TW_KAFKA_START_TIMEOUT": "scripts/kafka.sh: seconds to wait for the broker",
     "TW_KAFKA_HEAP": "scripts/kafka.sh: the broker's JVM heap",
     "TW_REDIS_START_TIMEOUT": "scripts/redis.sh: seconds to wait for redis-server",
+    "TW_CACHE_DIR": "scripts/helm.sh: where built tools are cached (default ~/.cache/timerwheel)",
+    "TW_HELM_VERSION": "scripts/helm.sh: the helm version to build (default v3.22.0)",
 }
 #: Prefix of the benchmarks' own variables (bench/).
 TOOLING_PREFIX = "TW_BENCH_"
