@@ -46,6 +46,10 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
     return Settings(image=image, pull_policy=policy)
 
 
+def watch_namespaces(env: Mapping[str, str]) -> list[str]:
+    return [n.strip() for n in (env.get("TIMERWHEEL_WATCH_NAMESPACE") or "").split(",") if n.strip()]
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
     """All of kopf's settings, in one place."""
@@ -58,6 +62,9 @@ def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="timerwheel.io", key="last-handled-configuration")
     settings.peering.standalone = True  # one replica, Recreate: no peering objects needed
+    # Watching given namespaces: take them as they are, without listing namespaces or watching
+    # CRDs cluster-wide, so the operator needs no cluster-scoped role (the CRD comes first).
+    settings.scanning.disabled = bool(watch_namespaces(os.environ))
     settings.posting.level = logging.WARNING  # Events for warnings (bad spec), not every step
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -103,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = (os.environ.get("TIMERWHEEL_LOG_LEVEL") or "INFO").upper()
     kopf.configure(verbose=level == "DEBUG", log_format=kopf.LogFormat.JSON, log_prefix=False)
     logging.getLogger().setLevel(level)
-    namespaces = [n.strip() for n in (os.environ.get("TIMERWHEEL_WATCH_NAMESPACE") or "").split(",") if n.strip()]
+    namespaces = watch_namespaces(os.environ)
     asyncio.run(kopf.operator(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
                               liveness_endpoint=f"http://0.0.0.0:{HEALTH_PORT}/healthz"))
     return 0

@@ -116,7 +116,8 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 
 def container(wheel: Wheel, stage: str) -> dict[str, Any]:
-    env: list[dict[str, Any]] = []
+    # The root file system is read-only: Python must not try to write bytecode caches there.
+    env: list[dict[str, Any]] = [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
     if wheel.redis_secret is not None:
         env.append({"name": "TW_REDIS_URL", "valueFrom": {"secretKeyRef": {
             "name": wheel.redis_secret["name"], "key": wheel.redis_secret["key"]}}})
@@ -149,8 +150,7 @@ def container(wheel: Wheel, stage: str) -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    if env:
-        out["env"] = env
+    out["env"] = env
     if spec.resources:
         out["resources"] = dict(spec.resources)
     return out

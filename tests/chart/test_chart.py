@@ -118,6 +118,7 @@ def test_the_operator_runs_once_with_the_chosen_image(helm: str) -> None:
 def test_rbac_is_namespaced_unless_cluster_wide(helm: str) -> None:
     kinds = {d["kind"] for d in template(helm)}
     assert {"Role", "RoleBinding"} <= kinds
+    assert not {"ClusterRole", "ClusterRoleBinding"} & kinds  # one namespace: nothing cluster-scoped
     full = template(helm, *VALUE_SETS["full"])
     roles = [d for d in full if d["kind"] == "ClusterRole"]
     main = next(r for r in roles if r["metadata"]["name"] == "timerwheel-full-operator")
