@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from timerwheel_operator import manifests
-from timerwheel_operator.crd import STAGES
+from timerwheel_operator.crd import SHARD_OWNERS, STAGES
 from timerwheel_operator.kube import Cluster
 from timerwheel_operator.metrics import MetricsParseError, Sample, parse_prometheus, shard_status
 from timerwheel_operator.spec import HTTP_PORT, SpecError, Wheel, read, workload_name
@@ -55,7 +55,7 @@ def ensure(body: Mapping[str, Any], cluster: Cluster, settings: Settings) -> App
 def _stage_states(wheel: Wheel, cluster: Cluster) -> dict[str, StageState]:
     out = {}
     for stage in STAGES:
-        kind = "StatefulSet" if stage in ("enqueue-put", "dequeue-get") else "Deployment"
+        kind = "StatefulSet" if stage in SHARD_OWNERS else "Deployment"
         workload = cluster.get("apps/v1", kind, wheel.namespace, workload_name(wheel.name, stage))
         out[stage] = StageState.of(wheel.stage(stage).replicas, workload)
     return out
@@ -65,7 +65,7 @@ def scrape_all(wheel: Wheel, cluster: Cluster) -> tuple[dict[str, list[Sample]],
     """``/metrics`` of every running pod of the shard-owning stages: (pod -> samples, pod -> error)."""
     samples: dict[str, list[Sample]] = {}
     errors: dict[str, str] = {}
-    for stage in ("enqueue-put", "dequeue-get"):
+    for stage in SHARD_OWNERS:
         for pod in cluster.pods(wheel.namespace, manifests.selector(wheel.name, stage)):
             name = str(pod.get("metadata", {}).get("name"))
             status = pod.get("status") or {}

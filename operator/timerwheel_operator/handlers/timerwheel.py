@@ -16,7 +16,7 @@ from timerwheel_operator import GROUP, PLURAL, VERSION
 from timerwheel_operator import reconcile as rec
 from timerwheel_operator.runtime import cluster, settings
 
-RECONCILE_INTERVAL_S = 15.0
+RECONCILE_INTERVAL_S = 10.0
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
