@@ -22,7 +22,7 @@ log() { echo "helm.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
 
 go_bin() {
-    if [[ -n "${GO:-}" ]]; then echo "$GO"; return; fi
+    if [[ -n "${GO:-}" ]]; then [[ -x "$GO" ]] && echo "$GO"; return; fi
     command -v go 2>/dev/null && return
     [[ -x /usr/local/go/bin/go ]] && { echo /usr/local/go/bin/go; return; }
     return 1

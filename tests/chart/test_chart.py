@@ -196,3 +196,12 @@ def test_notes_say_how_to_schedule_a_first_message() -> None:
     notes = (CHART / "templates" / "NOTES.txt").read_text()
     assert "tw-topic" in notes and "tw-delay-ms" in notes and "timerwheel schedule" in notes
     assert "--for=condition=Ready" in notes and "helm test" in notes
+
+
+def test_helm_sh_says_what_is_missing_when_it_cannot_build(tmp_path: Path) -> None:
+    out = subprocess.run([str(ROOT / "scripts" / "helm.sh"), "path"], capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TW_CACHE_DIR": str(tmp_path / "cache"),
+                              "GO": str(tmp_path / "no-go")})
+    assert out.returncode != 0 and out.stdout == ""
+    assert "Go is missing" in out.stderr and "helm v3.22.0" in out.stderr
+    assert not (tmp_path / "cache" / "bin").exists() or not any((tmp_path / "cache" / "bin").iterdir())
