@@ -205,3 +205,9 @@ def test_helm_sh_says_what_is_missing_when_it_cannot_build(tmp_path: Path) -> No
     assert out.returncode != 0 and out.stdout == ""
     assert "Go is missing" in out.stderr and "helm v3.22.0" in out.stderr
     assert not (tmp_path / "cache" / "bin").exists() or not any((tmp_path / "cache" / "bin").iterdir())
+
+
+def test_the_image_carries_the_operator() -> None:
+    # The chart runs `timerwheel-operator` from the stages' image: the package must be in it.
+    dockerfile = (ROOT / "services" / "Dockerfile").read_text()
+    assert "COPY operator ./operator" in dockerfile
