@@ -17,7 +17,13 @@ from timerwheel_operator.crd import SHARD_OWNERS, STAGES
 from timerwheel_operator.kube import Cluster
 from timerwheel_operator.metrics import MetricsParseError, Sample, parse_prometheus, shard_status
 from timerwheel_operator.spec import HTTP_PORT, SpecError, Wheel, read, workload_name
-from timerwheel_operator.status import StageState, compute, invalid_spec_status, now_rfc3339
+from timerwheel_operator.status import (
+    StageState,
+    compute,
+    invalid_spec_status,
+    now_rfc3339,
+    unobserved_status,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +93,10 @@ def observe(body: Mapping[str, Any], applied: Applied, cluster: Cluster) -> dict
     if applied.error is not None or applied.wheel is None:
         return invalid_spec_status(generation, str(applied.error), previous, now)
     wheel = applied.wheel
-    stages = _stage_states(wheel, cluster)
-    samples, errors = scrape_all(wheel, cluster)
+    try:
+        stages = _stage_states(wheel, cluster)
+        samples, errors = scrape_all(wheel, cluster)
+    except Exception as exc:  # the API server refused a read: say so, keep the last figures
+        return unobserved_status(generation, f"cannot read the stage workloads or pods: {exc}"[:300], previous, now)
     shards = shard_status(samples, wheel.config.shards)
     return compute(generation, stages, shards, previous, now, errors, applied.failures)

@@ -79,6 +79,15 @@ def invalid_spec_status(generation: int, error: str, previous: Sequence[Mapping[
     }
 
 
+def unobserved_status(generation: int, error: str, previous: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+    """What the operator could not read is Unknown, not False: the stages may be fine."""
+    return {
+        "observedGeneration": generation,
+        "conditions": [condition(kind, None, "ObserveFailed", error, generation, previous, now)
+                       for kind in ("Ready", "Progressing", "Degraded")],
+    }
+
+
 def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[ShardStatus],
             previous: Sequence[Mapping[str, Any]], now: str, scrape_errors: Mapping[str, str] | None = None,
             apply_failures: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -98,6 +98,18 @@ def test_a_refused_object_is_reported_and_the_rest_applied() -> None:
     assert degraded["reason"] == "ApplyFailed"
 
 
+def test_a_refused_read_makes_the_status_unknown_not_a_crash() -> None:
+    class NoPods(FakeCluster):
+        def pods(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+            raise RuntimeError("pods is forbidden")
+
+    cluster = NoPods()
+    applied = rec.ensure(wheel_body(), cluster, SETTINGS)
+    status = rec.observe(wheel_body(), applied, cluster)
+    assert {c["status"] for c in status["conditions"]} == {"Unknown"}
+    assert all(c["reason"] == "ObserveFailed" and "pods is forbidden" in c["message"] for c in status["conditions"])
+
+
 def test_status_is_read_from_the_stage_pods_metrics() -> None:
     cluster = FakeCluster()
     body = wheel_body()
