@@ -241,8 +241,7 @@ stop_broker() {
 
 # TW_LISTEN_HOST asks for an external listener this broker's config lacks: note it (new port).
 want_external() {
-    local host
-    host="$(listen_host)"
+    local host="$1"
     [[ -n "$host" ]] || return 1
     [[ "$(cat "$STATE/external-host" 2>/dev/null)" == "$host" ]] && return 1
     echo "$host" >"$STATE/external-host.new"
@@ -250,9 +249,10 @@ want_external() {
 }
 
 cmd_up() {
-    local deadline
+    local deadline host
+    host="$(listen_host)"
     mkdir -p "$STATE"
-    if want_external; then
+    if want_external "$host"; then
         if running_pid >/dev/null; then
             log "adding a listener on $(cat "$STATE/external-host.new") (TW_LISTEN_HOST): restarting the broker"
             stop_broker
