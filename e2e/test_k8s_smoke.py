@@ -143,6 +143,28 @@ python3 -c 'import importlib.metadata as m, json; print("DISTS " + json.dumps(so
     assert "pytest" not in dists  # the dev extra stays out
 
 
+def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(k8s: Cluster) -> None:
+    """What the operator does in-cluster: the ServiceAccount token, the CA, KUBERNETES_SERVICE_HOST
+    (the ClusterIP, routed by kube-proxy)."""
+    script = r"""python3 - <<'PY'
+import json, os, ssl, urllib.request
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+ctx = ssl.create_default_context(cafile=f"{sa}/ca.crt")
+host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
+req = urllib.request.Request(f"https://{host}:{port}/version",
+                             headers={"Authorization": "Bearer " + open(f"{sa}/token").read()})
+print("VERSION " + json.load(urllib.request.urlopen(req, context=ctx, timeout=20))["gitVersion"])
+print("HOST " + host)
+PY
+"""
+    k8s.apply(pod(k8s, "tw-api", script))
+    phases = k8s.wait_pods_done("tw-api")
+    out = k8s.logs("tw-api")
+    assert phases["tw-api"] == "Succeeded", out
+    assert f"VERSION {KUBE_VERSION}" in out.splitlines()
+    assert "HOST 10.96.0.1" in out.splitlines()
+
+
 def test_two_pods_share_a_volume_claim(k8s: Cluster) -> None:
     name = f"tw-shared-{uuid.uuid4().hex[:8]}"
     host_dir = ROOT / ".run" / "k8s" / "volumes" / name
