@@ -513,12 +513,12 @@ write_env() {
     } >"$ENV_FILE"
 }
 
-# Stop $1 (recorded pid, command line still naming $2): TERM, then KILL after 15 s.
+# Stop $1 (recorded pid, command line still naming $2): TERM, then KILL after ${3:-15} s.
 stop_comp() {
     local pid i
     pid="$(comp_pid "$1" "$2")" || { rm -f "$STATE/pids/$1.pid"; return 0; }
     kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 150; i++)); do
+    for ((i = 0; i < ${3:-15} * 10; i++)); do
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.1
     done
@@ -545,9 +545,11 @@ cmd_down() {
             sleep 1
         done
     fi
+    # all at once: each takes a second or two to shut down gracefully
     for c in kube-proxy kubelet kube-scheduler kube-controller-manager kube-apiserver; do
-        stop_comp "$c" "$STATE/"
+        stop_comp "$c" "$STATE/" &
     done
+    wait
     # 2) what is left of the containers: tasks through our containerd, then its shims (they carry
     #    our socket's path on their command line), then containerd and etcd
     if [[ -S "$SOCK" ]]; then
@@ -555,7 +557,8 @@ cmd_down() {
         sleep 1
         for t in $(ctr -a "$SOCK" -n k8s.io tasks ls -q 2>/dev/null); do ctr -a "$SOCK" -n k8s.io tasks delete -f "$t" >/dev/null 2>&1 || true; done
     fi
-    stop_comp containerd "$STATE/containerd/config.toml"
+    # its containers are gone; containerd 1.6 can sit on a TERM for long (CRI shutdown)
+    stop_comp containerd "$STATE/containerd/config.toml" 3
     for s in /proc/[0-9]*; do
         [[ -r "$s/cmdline" ]] && tr '\0' ' ' <"$s/cmdline" 2>/dev/null | grep -q "^/usr/bin/containerd-shim-runc-v2 .*-address $SOCK " &&
             kill -KILL "${s#/proc/}" 2>/dev/null || true
@@ -631,8 +634,11 @@ main() {
         exec 8>"$CACHE/k8s-build.lock"
         flock 8
     fi
-    exec 9>"$RUN/k8s.lock"
-    flock 9
+    # the cluster of this checkout: one up / down / load-image at a time (build does not touch it)
+    if [[ "$verb" != build ]]; then
+        exec 9>"$RUN/k8s.lock"
+        flock 9
+    fi
     case "$verb" in
     build) cmd_build ;;
     up) cmd_up ;;
