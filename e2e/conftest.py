@@ -1,4 +1,5 @@
-"""End-to-end fixtures: the real Kafka and Redis servers, shared with tests/ (tests/infra.py)."""
+"""End-to-end fixtures: the real Kafka and Redis servers, shared with tests/ (tests/infra.py), and
+the real local Kubernetes cluster (k8s_cluster.py)."""
 
 import sys
 from pathlib import Path
@@ -6,5 +7,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from infra import kafka_bootstrap, kafka_control, redis_control, redis_url  # noqa: E402
+from k8s_cluster import k8s  # noqa: E402
 
-__all__ = ["kafka_bootstrap", "kafka_control", "redis_control", "redis_url"]
+__all__ = ["k8s", "kafka_bootstrap", "kafka_control", "redis_control", "redis_url"]

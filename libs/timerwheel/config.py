@@ -226,8 +226,18 @@ TOOLING_ENV_VARS = {
     "TW_KAFKA_START_TIMEOUT": "scripts/kafka.sh: seconds to wait for the broker",
     "TW_KAFKA_HEAP": "scripts/kafka.sh: the broker's JVM heap",
     "TW_REDIS_START_TIMEOUT": "scripts/redis.sh: seconds to wait for redis-server",
-    "TW_CACHE_DIR": "scripts/helm.sh: where built tools are cached (default ~/.cache/timerwheel)",
+    "TW_CACHE_DIR": "scripts/k8s.sh, helm.sh, image.py: build cache (default ~/.cache/timerwheel)",
     "TW_HELM_VERSION": "scripts/helm.sh: the helm version to build (default v3.22.0)",
+    "TW_LISTEN_HOST": "scripts/kafka.sh, redis.sh: an address of this machine to listen on too",
+    "TW_KAFKA_EXTERNAL_BOOTSTRAP": "scripts/kafka.sh env: the listener on TW_LISTEN_HOST",
+    "TW_REDIS_EXTERNAL_URL": "scripts/redis.sh env: the server on TW_LISTEN_HOST",
+    "TW_K8S_START_TIMEOUT": "scripts/k8s.sh: seconds to wait for each component",
+    "TW_K8S_GO": "scripts/k8s.sh: the go binary that builds Kubernetes",
+    "TW_K8S_NICE": "scripts/k8s.sh: nice level of the builds",
+    "TW_K8S_UP_TIMEOUT": "e2e k8s fixture: seconds for scripts/k8s.sh up (a cold build)",
+    "TW_KUBECTL": "scripts/k8s.sh env: the cached kubectl",
+    "TW_K8S_HOST_IP": "scripts/k8s.sh env: the node's address pods reach the host on",
+    "TW_K8S_IMAGE": "scripts/k8s.sh env: the image loaded into the cluster",
 }
 #: Prefix of the benchmarks' own variables (bench/).
 TOOLING_PREFIX = "TW_BENCH_"
