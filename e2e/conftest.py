@@ -4,9 +4,17 @@ the real local Kubernetes cluster (k8s_cluster.py)."""
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from infra import kafka_bootstrap, kafka_control, redis_control, redis_url  # noqa: E402
 from k8s_cluster import k8s  # noqa: E402
 
 __all__ = ["k8s", "kafka_bootstrap", "kafka_control", "redis_control", "redis_url"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the Kubernetes cluster run last: the cluster's first start builds it (half an
+    hour on a fresh machine) and loads the machine, and it is torn down at the session's end."""
+    items.sort(key=lambda item: item.get_closest_marker("k8s") is not None)
