@@ -170,6 +170,10 @@ def release(k8s: Cluster, kafka_control: Any, redis_control: Any, kafka_bootstra
     finally:
         if rel.helm("status", RELEASE, "-n", NAMESPACE).returncode == 0:
             rel.helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s")
+        # A TimerWheel a failed test left behind must not hold the namespace (no operator runs now).
+        for name in k8s.kubectl("-n", NAMESPACE, "get", "timerwheel", "-o", "name", check=False).stdout.split():
+            k8s.kubectl("-n", NAMESPACE, "patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
+                        check=False)
         k8s.kubectl("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=120s", check=False, timeout=180)
         k8s.kubectl("delete", "pv", storage_class, "--wait=false", check=False)
         receiver.close()

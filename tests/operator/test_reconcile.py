@@ -135,6 +135,17 @@ def test_the_handlers_and_the_startup_hook_are_registered() -> None:
     assert any("configure" in h.id for h in registry._activities.get_all_handlers())
 
 
+def test_no_handler_puts_a_finalizer_on_a_timerwheel() -> None:
+    """Else `helm uninstall`, which deletes the operator with the TimerWheel, leaves the
+    TimerWheel (and its namespace) Terminating forever."""
+    import timerwheel_operator.main  # noqa: F401 - registers
+
+    registry = kopf.get_default_registry()
+    handlers = [*registry._spawning.get_all_handlers(), *registry._changing.get_all_handlers()]
+    assert any(h.id.endswith("level") for h in handlers)
+    assert [h.id for h in handlers if h.requires_finalizer] == []
+
+
 def test_the_spec_handler_writes_the_status_through_kopf_s_patch() -> None:
     from timerwheel_operator.handlers.timerwheel import spec_changed
 

@@ -4,10 +4,16 @@ An edge (create, resume after a restart, a spec change) applies the spec at once
 bad one as an Event; the timer reconciles the level every ``interval`` seconds, so a deleted
 Deployment or a hand-edited ConfigMap comes back, and writes the status from what it observes.
 Both only call ``reconcile``; running either twice is harmless (kopf replays events).
+
+No handler puts a finalizer on a TimerWheel. kopf gives every timer one (to stop it before the
+object goes), but `helm uninstall` deletes the operator together with the TimerWheel, which
+then stays Terminating forever, and its namespace with it. The timer needs none: kopf stops it
+on the deletion event, and the owner references delete what the TimerWheel made.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import kopf
@@ -36,3 +42,14 @@ def spec_changed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: A
 def level(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     applied = rec.ensure(body, cluster(), settings())
     patch.status.update(rec.observe(body, applied, cluster()))
+
+
+def _without_finalizer(registry: kopf.OperatorRegistry, fn: Any) -> None:
+    """The handlers of ``fn`` in ``registry``, made not to require kopf's finalizer (which
+    ``kopf.timer`` always asks for); kopf removes it from objects that already have it."""
+    spawning = registry._spawning
+    spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) if getattr(h, "fn", None) is fn else h
+                          for h in spawning._handlers]
+
+
+_without_finalizer(kopf.get_default_registry(), level)
