@@ -227,17 +227,25 @@ def _traceparent(rng: random.Random) -> tuple[int, int, str]:
 
 def rolled_trace(m: Scheduled, send: SpanRec, delivered_tp: str, consumer: SpanRec, spans: list[SpanRec],
                  timer_topic: str, dest: str) -> list[str]:
-    """What is missing in the trace of a rolled message, hop by hop. Each hop is enqueue-get,
-    enqueue-put, dequeue-getmsg and dequeue-put spans linking the previous hop's context (the
-    send span first); a hop that rolls ends in dequeue-put's ``send <timer topic>`` span, whose
-    context rides in the rolled record; the last ends in the delivery span the delivered
+    """What is missing in the trace of a rolled message, hop by hop. A hop is the enqueue-get,
+    enqueue-put, dequeue-getmsg and dequeue-put spans linking the previous hop's context for this
+    message (the send span first; then dequeue-put's batch span that rolled it, whose links are
+    told apart by the message's id, or by its delivery time for enqueue-put). A hop that rolls
+    ends in dequeue-put's ``send <timer topic>``; the last in the delivery span the delivered
     record's traceparent names, which the consumer continues."""
     p: list[str] = []
     _v, trace_hex, span_hex, _f = delivered_tp.split("-")
     delivered = (int(trace_hex, 16), int(span_hex, 16))
+
+    def of_this_message(s: SpanRec, at: SpanRec) -> bool:
+        return any(li.attributes.get("messaging.message.id") == m.message_id
+                   or (s.resource.get("timerwheel.stage") == "enqueue-put"
+                       and li.attributes.get("timerwheel.deliver_at") == m.deliver_at_ms)
+                   for li in s.links_to(at.trace_id, at.span_id))
+
     at: SpanRec = send
     for hop in range(1, 6):
-        linking = [s for s in spans if s.links_to(at.trace_id, at.span_id)]
+        linking = [s for s in spans if of_this_message(s, at)]
         stages = sorted(str(s.resource.get("timerwheel.stage")) for s in linking if s.resource.get(
             "timerwheel.stage") != "dequeue-put")
         if stages != ["dequeue-getmsg", "enqueue-get", "enqueue-put"]:
@@ -249,12 +257,11 @@ def rolled_trace(m: Scheduled, send: SpanRec, delivered_tp: str, consumer: SpanR
             if (consumer.trace_id, consumer.parent_span_id) != delivered:
                 p.append(f"{m.message_id}: the consumer does not continue the delivery span")
             return p
-        rolls = [s for s in ends if s.name == f"send {timer_topic}"]
-        if len(rolls) != 1:
+        if [s.name for s in ends] != [f"send {timer_topic}"]:
             p.append(f"{m.message_id} hop {hop}: dequeue-put spans {[s.name for s in ends]} link {at.name}, "
                      f"neither one roll nor the delivery to {dest}")
             return p
-        at = rolls[0]
+        at = ends[0]
     p.append(f"{m.message_id}: more than 5 hops")
     return p
 

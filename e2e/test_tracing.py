@@ -104,8 +104,9 @@ def message_trace(t: Ticket, send: SpanRec, delivered_tp: str, consumer: SpanRec
         expect(p, f"{mid} receive link slot_time", link.attributes.get("timerwheel.slot_time"), slot_time)
         gets = {(s.trace_id, s.span_id): s for s in spans if s.resource.get("timerwheel.stage") == "dequeue-get"}
         get = one([gets[(li.trace_id, li.span_id)] for li in receive.links if (li.trace_id, li.span_id) in gets
-                   and gets[(li.trace_id, li.span_id)].attributes.get("timerwheel.slot_time") == slot_time],
-                  f"{mid} dequeue-get span of slot {slot_time} linked from receive")
+                   and gets[(li.trace_id, li.span_id)].attributes.get("timerwheel.slot_time") == slot_time
+                   and gets[(li.trace_id, li.span_id)].attributes.get("timerwheel.shard") == shard],
+                  f"{mid} dequeue-get span of shard {shard}, slot {slot_time} linked from receive")
         if isinstance(get, str):
             p.append(get)
         else:
