@@ -227,42 +227,38 @@ def _traceparent(rng: random.Random) -> tuple[int, int, str]:
 
 def rolled_trace(m: Scheduled, send: SpanRec, delivered_tp: str, consumer: SpanRec, spans: list[SpanRec],
                  timer_topic: str, dest: str) -> list[str]:
-    """What is missing in the trace of a rolled message, hop by hop. A hop is the enqueue-get,
-    enqueue-put, dequeue-getmsg and dequeue-put spans linking the previous hop's context for this
-    message (the send span first; then dequeue-put's batch span that rolled it, whose links are
-    told apart by the message's id, or by its delivery time for enqueue-put). A hop that rolls
-    ends in dequeue-put's ``send <timer topic>``; the last in the delivery span the delivered
-    record's traceparent names, which the consumer continues."""
+    """What is missing in the trace of a rolled message, hop by hop. The first hop is the
+    enqueue-get, enqueue-put, dequeue-getmsg and dequeue-put spans linking the send span; its
+    dequeue-put span is the roll, ``send <timer topic>``, a batch span whose context rides in
+    every record it rolled. The next hop's spans link that context (one link per context: the
+    messages rolled together share their later spans), and so on until a dequeue-put span that
+    links the previous hop is the delivery span the delivered record's traceparent names, which
+    the consumer continues: one trace from the send to the consumer through the five pods."""
     p: list[str] = []
     _v, trace_hex, span_hex, _f = delivered_tp.split("-")
     delivered = (int(trace_hex, 16), int(span_hex, 16))
-
-    def of_this_message(s: SpanRec, at: SpanRec) -> bool:
-        return any(li.attributes.get("messaging.message.id") == m.message_id
-                   or (s.resource.get("timerwheel.stage") == "enqueue-put"
-                       and li.attributes.get("timerwheel.deliver_at") == m.deliver_at_ms)
-                   for li in s.links_to(at.trace_id, at.span_id))
-
-    at: SpanRec = send
+    frontier: list[SpanRec] = [send]
     for hop in range(1, 6):
-        linking = [s for s in spans if of_this_message(s, at)]
-        stages = sorted(str(s.resource.get("timerwheel.stage")) for s in linking if s.resource.get(
-            "timerwheel.stage") != "dequeue-put")
-        if stages != ["dequeue-getmsg", "enqueue-get", "enqueue-put"]:
-            p.append(f"{m.message_id} hop {hop}: stages {stages} link {at.name}")
+        linking = [s for s in spans if any(s.links_to(at.trace_id, at.span_id) for at in frontier)]
+        stages = sorted(str(s.resource.get("timerwheel.stage")) for s in linking)
+        if hop == 1 and stages != ["dequeue-getmsg", "dequeue-put", "enqueue-get", "enqueue-put"]:
+            p.append(f"{m.message_id}: stages {stages} link the send span")
+        if not {"enqueue-get", "enqueue-put", "dequeue-getmsg", "dequeue-put"} <= set(stages):
+            p.append(f"{m.message_id} hop {hop}: only stages {sorted(set(stages))} link the previous hop")
+            return p
         ends = [s for s in linking if s.resource.get("timerwheel.stage") == "dequeue-put"]
-        if [(s.trace_id, s.span_id) for s in ends] == [delivered]:
+        if delivered in {(s.trace_id, s.span_id) for s in ends}:
             if hop == 1:
                 p.append(f"{m.message_id}: delivered without a roll")
             if (consumer.trace_id, consumer.parent_span_id) != delivered:
                 p.append(f"{m.message_id}: the consumer does not continue the delivery span")
             return p
-        if [s.name for s in ends] != [f"send {timer_topic}"]:
-            p.append(f"{m.message_id} hop {hop}: dequeue-put spans {[s.name for s in ends]} link {at.name}, "
-                     f"neither one roll nor the delivery to {dest}")
+        frontier = [s for s in ends if s.name == f"send {timer_topic}"]
+        if not frontier:
+            p.append(f"{m.message_id} hop {hop}: dequeue-put spans {[s.name for s in ends]}: neither a roll nor "
+                     f"the delivery to {dest}")
             return p
-        at = ends[0]
-    p.append(f"{m.message_id}: more than 5 hops")
+    p.append(f"{m.message_id}: not delivered within 5 hops")
     return p
 
 
