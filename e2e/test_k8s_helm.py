@@ -253,7 +253,8 @@ def rolled_trace(m: Scheduled, send: SpanRec, delivered_tp: str, consumer: SpanR
             if (consumer.trace_id, consumer.parent_span_id) != delivered:
                 p.append(f"{m.message_id}: the consumer does not continue the delivery span")
             return p
-        frontier = [s for s in ends if s.name == f"send {timer_topic}"]
+        # the roll: `send <timer topic>`, or plain `send` when the batch also delivered
+        frontier = [s for s in ends if s.name in (f"send {timer_topic}", "send")]
         if not frontier:
             p.append(f"{m.message_id} hop {hop}: dequeue-put spans {[s.name for s in ends]}: neither a roll nor "
                      f"the delivery to {dest}")
