@@ -108,13 +108,13 @@ make_wrapper() {
 
 build_binaries() {
     local missing=() c ld p out minor
+    # what interrupted builds left (we hold the build lock: no other build runs)
+    rm -rf "$KCACHE"/*.tmp.*
     for c in "${COMPONENTS[@]}"; do [[ -x "$BIN/$c" ]] || missing+=("$c"); done
     [[ -x "$BIN/pause" ]] || missing+=(pause)
     ((${#missing[@]} == 0)) && return 0
     find_go
     go_env
-    # what interrupted builds left (we hold the build lock: no other build runs)
-    rm -rf "$KCACHE"/*.tmp.* "$KCACHE"/*.tmp.*.log
     make_wrapper
     mkdir -p "$BIN"
     minor="$(echo "$KUBE_VERSION" | cut -d. -f2)"
@@ -602,7 +602,14 @@ cmd_load_image() {
     healthy || die "no cluster running: run 'scripts/k8s.sh up' first"
     need_debs
     archive="$("$PYTHON_HOST" "$ROOT/scripts/image.py" build --tag "$IMAGE")" || die "building the $IMAGE image failed (message above)"
+    # the archive's name is keyed on its content: the same one is imported once per cluster
+    if [[ "$(cat "$STATE/image-loaded" 2>/dev/null)" == "$archive" ]] &&
+        ctr -a "$SOCK" -n k8s.io images ls -q | grep -qx "docker.io/library/$IMAGE"; then
+        log "$IMAGE is loaded and up to date"
+        return 0
+    fi
     ctr -a "$SOCK" -n k8s.io images import "$archive" >/dev/null || die "ctr could not import $archive"
+    echo "$archive" >"$STATE/image-loaded"
     log "$IMAGE loaded in $((SECONDS - t0))s (pods use image: $IMAGE, imagePullPolicy: Never)"
 }
 
