@@ -173,7 +173,8 @@ cmd_build() {
 
 IMAGE=timerwheel:dev
 PYTHON_HOST=python3 # image.py and the helpers need only the standard library
-NODE="$(hostname | tr '[:upper:]' '[:lower:]')"
+# the node's name: the host name as a DNS label (lower case, [a-z0-9-])
+NODE="$(hostname | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9.\n-' '-' | cut -c1-63)"
 # The runtime directory (sockets, containerd state, CNI IPAM): short and per checkout.
 RUNDIR="/run/tw-k8s-$(echo -n "$ROOT" | sha256sum | cut -c1-8)"
 SOCK="$RUNDIR/containerd.sock"
