@@ -89,9 +89,8 @@ make_wrapper() {
     {
         printf 'module timerwheel.local/kwrap\n\ngo 1.24.0\n\nrequire k8s.io/kubernetes v%s\n\nreplace (\n' "$KUBE_VERSION"
         # sample-cli-plugin / sample-controller are not served by the proxy and nothing needs them
-        for m in $(grep -oE '^\s*k8s.io/\S+ => ./staging' "$gomod" | awk '{print $1}' | grep -v sample-); do
-            printf '\t%s => %s v%s\n' "$m" "$m" "$STAGING_VERSION"
-        done
+        grep -oE '^\s*k8s.io/\S+ => ./staging' "$gomod" | awk '{print $1}' | grep -v sample- |
+            while read -r m; do printf '\t%s => %s v%s\n' "$m" "$m" "$STAGING_VERSION"; done
         printf ')\n'
     } >"$tmp/go.mod"
     {
@@ -109,13 +108,13 @@ make_wrapper() {
 
 build_binaries() {
     local missing=() c ld p out minor
+    # what interrupted builds left (we hold the build lock: no other build runs)
+    rm -rf "$KCACHE"/*.tmp.*
     for c in "${COMPONENTS[@]}"; do [[ -x "$BIN/$c" ]] || missing+=("$c"); done
     [[ -x "$BIN/pause" ]] || missing+=(pause)
     ((${#missing[@]} == 0)) && return 0
     find_go
     go_env
-    # what interrupted builds left (we hold the build lock: no other build runs)
-    rm -rf "$KCACHE"/*.tmp.* "$KCACHE"/*.tmp.*.log
     make_wrapper
     mkdir -p "$BIN"
     minor="$(echo "$KUBE_VERSION" | cut -d. -f2)"
@@ -174,7 +173,8 @@ cmd_build() {
 
 IMAGE=timerwheel:dev
 PYTHON_HOST=python3 # image.py and the helpers need only the standard library
-NODE="$(hostname | tr '[:upper:]' '[:lower:]')"
+# the node's name: the host name as a DNS label (lower case, [a-z0-9-])
+NODE="$(hostname | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9.\n-' '-' | cut -c1-63)"
 # The runtime directory (sockets, containerd state, CNI IPAM): short and per checkout.
 RUNDIR="/run/tw-k8s-$(echo -n "$ROOT" | sha256sum | cut -c1-8)"
 SOCK="$RUNDIR/containerd.sock"
@@ -468,10 +468,11 @@ healthy() {
 }
 
 check_ports() {
-    local p holder
+    local p pid
     for p in "${PORTS[@]}"; do
-        holder="$(ss -Hltnp "sport = :$p" 2>/dev/null | grep -oE 'users:\(\("[^"]+",pid=[0-9]+' | head -1 | sed 's/users:((//')" || true
-        [[ -z "$holder" ]] || die "port $p is taken by $holder: another Kubernetes cluster (or etcd) runs on this machine; stop it first"
+        pid="$(ss -Hltnp "sport = :$p" 2>/dev/null | grep -oE 'pid=[0-9]+' | head -1 | cut -d= -f2)" || true
+        [[ -z "$pid" ]] && continue
+        die "port $p is taken by pid $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-160)): another Kubernetes cluster (or etcd) runs on this machine; one at a time: stop it first"
     done
 }
 
@@ -501,7 +502,7 @@ cmd_up() {
     wait_for "default ServiceAccount" kube-controller-manager "$STATE/controller-manager.kubeconfig" \
         kubectl_ get serviceaccount default -n default
     write_env
-    log "cluster up in $((SECONDS - t0))s: node $NODE ($ip), Kubernetes v$KUBE_VERSION; $(cat "$ENV_FILE" | head -1)"
+    log "cluster up in $((SECONDS - t0))s: node $NODE ($ip), Kubernetes v$KUBE_VERSION; $(head -1 "$ENV_FILE")"
 }
 
 write_env() {
@@ -560,8 +561,9 @@ cmd_down() {
     # its containers are gone; containerd 1.6 can sit on a TERM for long (CRI shutdown)
     stop_comp containerd "$STATE/containerd/config.toml" 3
     for s in /proc/[0-9]*; do
-        [[ -r "$s/cmdline" ]] && tr '\0' ' ' <"$s/cmdline" 2>/dev/null | grep -q "^/usr/bin/containerd-shim-runc-v2 .*-address $SOCK " &&
+        if [[ -r "$s/cmdline" ]] && tr '\0' ' ' <"$s/cmdline" 2>/dev/null | grep -q "^/usr/bin/containerd-shim-runc-v2 .*-address $SOCK "; then
             kill -KILL "${s#/proc/}" 2>/dev/null || true
+        fi
     done
     stop_comp etcd "$STATE/etcd-data"
     # 3) mounts under our state and runtime dirs, our pods' network namespaces, the bridge
@@ -601,7 +603,14 @@ cmd_load_image() {
     healthy || die "no cluster running: run 'scripts/k8s.sh up' first"
     need_debs
     archive="$("$PYTHON_HOST" "$ROOT/scripts/image.py" build --tag "$IMAGE")" || die "building the $IMAGE image failed (message above)"
+    # the archive's name is keyed on its content: the same one is imported once per cluster
+    if [[ "$(cat "$STATE/image-loaded" 2>/dev/null)" == "$archive" ]] &&
+        ctr -a "$SOCK" -n k8s.io images ls -q | grep -qx "docker.io/library/$IMAGE"; then
+        log "$IMAGE is loaded and up to date"
+        return 0
+    fi
     ctr -a "$SOCK" -n k8s.io images import "$archive" >/dev/null || die "ctr could not import $archive"
+    echo "$archive" >"$STATE/image-loaded"
     log "$IMAGE loaded in $((SECONDS - t0))s (pods use image: $IMAGE, imagePullPolicy: Never)"
 }
 

@@ -118,8 +118,8 @@ cmd_up() {
         mkdir -p "$STATE"
         if [[ -f "$STATE/port" ]] && running_pid >/dev/null && healthy; then
             port_free_on "$(port)" "$host" || die "port $(port) on $host is taken by another process"
-            command_ok CONFIG SET bind "127.0.0.1 $host" && command_ok CONFIG SET protected-mode no ||
-                die "redis-server did not accept CONFIG SET bind '127.0.0.1 $host'"
+            command_ok CONFIG SET bind "127.0.0.1 $host" || die "redis-server did not accept CONFIG SET bind '127.0.0.1 $host'"
+            command_ok CONFIG SET protected-mode no || die "redis-server did not accept CONFIG SET protected-mode no"
             log "now also listening on $host:$(port) (TW_LISTEN_HOST)"
         fi
         echo "$host" >"$STATE/external-host"
