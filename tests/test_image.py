@@ -102,3 +102,18 @@ def test_servers_refuse_a_listen_host_of_another_machine() -> None:
                               check=False, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "TW_LISTEN_HOST": "192.0.2.254"})
         assert done.returncode != 0
         assert "TW_LISTEN_HOST=192.0.2.254 is not an address of this machine" in done.stderr
+
+
+def test_k8s_script_without_a_cluster_says_so(tmp_path: Path) -> None:
+    """status and env of a checkout with no cluster: exit 1, one line (no state is created)."""
+    copy = tmp_path / "scripts"
+    copy.mkdir()
+    for name in ("k8s.sh", "common.sh"):
+        (copy / name).write_text((ROOT / "scripts" / name).read_text())
+        (copy / name).chmod(0o755)
+    status = subprocess.run([str(copy / "k8s.sh"), "status"], capture_output=True, text=True, timeout=30, check=False)
+    assert status.returncode == 1 and status.stdout.strip() == "not running"
+    env = subprocess.run([str(copy / "k8s.sh"), "env"], capture_output=True, text=True, timeout=30, check=False)
+    assert env.returncode == 1
+    assert env.stderr.strip() == "k8s.sh: no cluster started: run 'scripts/k8s.sh up'"
+    assert not (tmp_path / ".run" / "k8s").exists()
