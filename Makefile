@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= ./data
 
-.PHONY: setup run demo test test-fast lint bench kafka-up redis-up down clean
+.PHONY: setup run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image down clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ test: setup
 test-fast: setup
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
+## The tests on the real local Kubernetes cluster only (the first run builds it: ~30 min).
+test-k8s: setup
+	$(BIN)/pytest -q -p no:cacheprovider -m k8s e2e
+
 lint: setup
 	$(BIN)/ruff check $(wildcard libs tests e2e bench services operator)
 	$(BIN)/mypy
@@ -42,7 +46,21 @@ kafka-up:
 redis-up:
 	scripts/redis.sh up
 
+## A single-node Kubernetes v1.34 cluster on this machine (scripts/k8s.sh; builds cached in
+## ~/.cache/timerwheel or $$TW_CACHE_DIR), with the timerwheel:dev image loaded.
+k8s-up:
+	scripts/k8s.sh up
+	scripts/k8s.sh load-image
+	@scripts/k8s.sh env
+
+k8s-image:
+	scripts/k8s.sh load-image
+
+k8s-down:
+	scripts/k8s.sh down
+
 down:
+	-scripts/k8s.sh down
 	-scripts/kafka.sh down
 	-scripts/redis.sh down
 	-TW_KAFKA_INSTANCE=secure scripts/kafka.sh down

@@ -1,7 +1,10 @@
-"""End-to-end fixtures: the real Kafka and Redis servers, shared with tests/ (tests/infra.py)."""
+"""End-to-end fixtures: the real Kafka and Redis servers, shared with tests/ (tests/infra.py), and
+the real local Kubernetes cluster (k8s_cluster.py)."""
 
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -14,6 +17,13 @@ from infra import (  # noqa: E402
     secure_kafka,
     secure_redis,
 )
+from k8s_cluster import k8s  # noqa: E402
 
-__all__ = ["kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "redis_control", "redis_url", "secure_kafka",
-           "secure_redis"]
+__all__ = ["k8s", "kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "redis_control", "redis_url",
+           "secure_kafka", "secure_redis"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the Kubernetes cluster run last: the cluster's first start builds it (half an
+    hour on a fresh machine) and loads the machine, and it is torn down at the session's end."""
+    items.sort(key=lambda item: item.get_closest_marker("k8s") is not None)

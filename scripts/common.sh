@@ -96,3 +96,30 @@ make_password() {
     [[ -s "$1" ]] && return 0
     (umask 077; openssl rand -hex 16 >"$1") || die "could not write a password to $1"
 }
+
+# TW_LISTEN_HOST: an address of this machine the server should listen on besides 127.0.0.1 (for
+# pods of the local Kubernetes cluster: scripts/k8s.sh env prints it as TW_K8S_HOST_IP). Empty:
+# 127.0.0.1 only. Refused unless some interface of this machine has it.
+listen_host() {
+    local h="${TW_LISTEN_HOST:-}"
+    [[ -z "$h" || "$h" == 127.0.0.1 ]] && return 0
+    [[ "$h" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "TW_LISTEN_HOST=$h is not an IPv4 address"
+    ip -4 -o addr show 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | grep -qx "$h" \
+        || die "TW_LISTEN_HOST=$h is not an address of this machine (ip -4 addr)"
+    echo "$h"
+}
+
+# The port is free on address $2 (default 127.0.0.1).
+port_free_on() {
+    "$PYTHON" - "$1" "${2:-127.0.0.1}" <<'EOF'
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind((sys.argv[2], int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+finally:
+    s.close()
+EOF
+}

@@ -8,7 +8,8 @@
 #   scripts/redis.sh restart   stop + start: the server comes back EMPTY (no persistence), which is
 #                              what "Redis lost everything" tests want
 #   scripts/redis.sh status    exit 0 when running and answering PING
-#   scripts/redis.sh env       print TW_REDIS_URL=redis://127.0.0.1:PORT/0
+#   scripts/redis.sh env       print TW_REDIS_URL=redis://127.0.0.1:PORT/0 (and, when it also
+#                              listens on TW_LISTEN_HOST, TW_REDIS_EXTERNAL_URL=redis://HOST:PORT/0)
 #
 # No persistence: Redis is a transport in timerwheel, never a store (ARCHITECTURE.md, section 4).
 # State lives in .run/redis/ (port, pid, log); .run/redis.env holds the URL. The port is chosen
@@ -20,6 +21,9 @@
 # on TLS only (certificate signed by a CA made locally with openssl) and requires a password;
 # .env holds TW_REDIS_URL=rediss://..., TW_REDIS_PASSWORD_FILE and TW_REDIS_SSL_CAFILE.
 # E.g. TW_REDIS_INSTANCE=secure TW_REDIS_TLS=true scripts/redis.sh up (what the tests run).
+# TW_LISTEN_HOST=<an address of this machine> (e.g. the node address `scripts/k8s.sh env` prints)
+# makes it listen on that address too, on the same port, for pods of the local cluster; a running
+# server is rebound live (CONFIG SET bind: no restart, no data lost). It stays until `down`.
 set -euo pipefail
 
 NAME=redis${TW_REDIS_INSTANCE:+-$TW_REDIS_INSTANCE}
@@ -97,12 +101,40 @@ with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1) as raw
 EOF
 }
 
+external_host() { cat "$STATE/external-host" 2>/dev/null; }
+
+write_env() {
+    echo "TW_REDIS_URL=redis://127.0.0.1:$(port)/0" >"$ENV_FILE"
+    if [[ -n "$(external_host)" ]]; then echo "TW_REDIS_EXTERNAL_URL=redis://$(external_host):$(port)/0" >>"$ENV_FILE"; fi
+    tls_env
+}
+
+# Send one command (its words) over a raw socket; exit 0 on a +OK reply.
+command_ok() {
+    "$PYTHON" - "$(port)" "$@" <<'EOF' >/dev/null 2>&1
+import socket, sys
+words = [w.encode() for w in sys.argv[2:]]
+msg = b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2) as s:
+    s.sendall(msg)
+    sys.exit(0 if s.recv(64).startswith(b"+OK") else 1)
+EOF
+}
+
 launch() {
-    local pid deadline conf=() extra=()
+    local pid deadline bind="127.0.0.1" protected=yes conf=() extra=()
     mapfile -t conf < <(tls_conf)
     mapfile -t extra < <(tls_args)
     port_free "$(port)" || die "port $(port) is taken by another process; run 'scripts/redis.sh down' and 'up' to pick a new one"
-    setsid nohup "$(server_bin)" "${conf[@]}" --bind 127.0.0.1 --port "$(port)" --protected-mode yes \
+    if [[ -n "$(external_host)" ]]; then
+        port_free_on "$(port)" "$(external_host)" || die "port $(port) on $(external_host) is taken by another process; run 'scripts/redis.sh down' and 'up'"
+        # bound to two addresses of this machine only; no password, so protected mode would
+        # refuse the pods' connections
+        bind="127.0.0.1 $(external_host)"
+        protected=no
+    fi
+    # shellcheck disable=SC2086  # bind holds one or two addresses
+    setsid nohup "$(server_bin)" "${conf[@]}" --bind $bind --port "$(port)" --protected-mode $protected \
         --save "" --appendonly no --daemonize no --dir "$STATE" --logfile "$STATE/redis.log" "${extra[@]}" \
         >>"$STATE/stdout.log" 2>&1 </dev/null 9>&- &
     pid=$!
@@ -117,9 +149,8 @@ launch() {
         ((SECONDS < deadline)) || die "redis-server did not answer PING on port $(port) within ${START_TIMEOUT}s"
         sleep 0.1
     done
-    echo "TW_REDIS_URL=redis://127.0.0.1:$(port)/0" >"$ENV_FILE"
-    tls_env
-    log "redis up on 127.0.0.1:$(port) (pid $pid)"
+    write_env
+    log "redis up on 127.0.0.1:$(port)$([[ -n "$(external_host)" ]] && echo " and $(external_host):$(port)") (pid $pid)"
 }
 
 stop_server() {
@@ -136,12 +167,22 @@ stop_server() {
 }
 
 cmd_up() {
-    local i
+    local i host
+    host="$(listen_host)"
+    if [[ -n "$host" && "$host" != "$(external_host)" ]]; then
+        mkdir -p "$STATE"
+        if [[ -f "$STATE/port" ]] && running_pid >/dev/null && healthy; then
+            port_free_on "$(port)" "$host" || die "port $(port) on $host is taken by another process"
+            command_ok CONFIG SET bind "127.0.0.1 $host" || die "redis-server did not accept CONFIG SET bind '127.0.0.1 $host'"
+            command_ok CONFIG SET protected-mode no || die "redis-server did not accept CONFIG SET protected-mode no"
+            log "now also listening on $host:$(port) (TW_LISTEN_HOST)"
+        fi
+        echo "$host" >"$STATE/external-host"
+    fi
     if [[ -f "$STATE/port" ]] && running_pid >/dev/null; then
         for ((i = 0; i < 50; i++)); do # a busy server gets 5 s to answer before it is replaced
             if healthy; then
-                echo "TW_REDIS_URL=redis://127.0.0.1:$(port)/0" >"$ENV_FILE"
-                tls_env
+                write_env
                 return 0
             fi
             sleep 0.1
@@ -152,7 +193,7 @@ cmd_up() {
     [[ -f "$STATE/port" ]] && stop_server
     if [[ -f "$STATE/port" ]] && ! port_free "$(port)"; then
         log "the port of the stopped server is taken by another process: choosing a new one"
-        rm -rf "$STATE"
+        rm -f "$STATE/port"
     fi
     if [[ ! -f "$STATE/port" ]]; then
         mkdir -p "$STATE"

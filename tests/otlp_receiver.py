@@ -125,7 +125,9 @@ def _span(s: Span, resource: dict[str, Any]) -> SpanRec:
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    """``host``: the address to listen on (``127.0.0.1``; a pod reaches the node's address)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.trace_requests: list[ExportTraceServiceRequest] = []
         self.metric_requests: list[ExportMetricsServiceRequest] = []
         self.bad_requests: list[str] = []
@@ -154,7 +156,8 @@ class OtlpReceiver:
             def log_message(self, *_args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = host
+        self.server = ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, name="otlp-receiver", daemon=True)
 
@@ -164,7 +167,7 @@ class OtlpReceiver:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return f"http://{self.host}:{self.server.server_address[1]}"
 
     def _take(self, path: str, body: bytes) -> bytes | None:
         if path == "/v1/traces":

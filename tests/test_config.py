@@ -64,3 +64,40 @@ def test_durations() -> None:
     assert parse_duration_ms("250ms") == 250 and parse_duration_ms("2h") == 7_200_000 and parse_duration_ms("15") == 15
     with pytest.raises(ValueError):
         parse_duration_ms("soon")
+
+
+#: What kubelet injects for a Service "tw-queue" (ClusterIP 10.96.4.7) with ports 8080/TCP "http"
+#: and 9090/UDP, and for an IPv6 Service "tw-six": pkg/kubelet/envvars's forms.
+KUBELET_SERVICE_LINKS = {
+    "TW_QUEUE_SERVICE_HOST": "10.96.4.7",
+    "TW_QUEUE_SERVICE_PORT": "8080",
+    "TW_QUEUE_SERVICE_PORT_HTTP": "8080",
+    "TW_QUEUE_PORT": "tcp://10.96.4.7:8080",
+    "TW_QUEUE_PORT_8080_TCP": "tcp://10.96.4.7:8080",
+    "TW_QUEUE_PORT_8080_TCP_PROTO": "tcp",
+    "TW_QUEUE_PORT_8080_TCP_PORT": "8080",
+    "TW_QUEUE_PORT_8080_TCP_ADDR": "10.96.4.7",
+    "TW_QUEUE_PORT_9090_UDP": "udp://10.96.4.7:9090",
+    "TW_QUEUE_PORT_9090_UDP_PROTO": "udp",
+    "TW_QUEUE_PORT_9090_UDP_PORT": "9090",
+    "TW_QUEUE_PORT_9090_UDP_ADDR": "10.96.4.7",
+    "TW_SIX_SERVICE_HOST": "fd00:10:96::4",
+    "TW_SIX_PORT": "tcp://[fd00:10:96::4]:8080",
+}
+
+
+def test_kubernetes_service_link_variables_are_not_settings() -> None:
+    cfg = TimerConfig.from_env({**KUBELET_SERVICE_LINKS, "TW_SHARDS": "3"})
+    assert cfg.shards == 3
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("TW_HTPP_PORT", "8080"),           # a misspelt TW_HTTP_PORT: ends like a link, is not one
+    ("TW_SHARD", "4"),
+    ("TW_QUEUE_SERVICE_HOST", "four"),  # a link's name with a value kubelet never writes
+    ("TW_QUEUE_PORT", "8080"),
+    ("TW_QUEUE_PORT_8080_TCP_PROTO", "http"),
+])
+def test_a_misspelt_setting_is_still_refused_beside_service_links(var: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{var}: unknown variable"):
+        TimerConfig.from_env({**KUBELET_SERVICE_LINKS, var: value})

@@ -28,3 +28,12 @@ def test_batches_add_up() -> None:
     hist = m.histograms["lateness"][()]
     assert hist.count == 102 and hist.maximum == 70_000 and hist.total == 500 + 6 + 70_000
     assert hist.counts[0] == 100 and hist.counts[1] == 1 and hist.counts[-1] == 1
+
+
+def test_prometheus_values_are_exact() -> None:
+    m = Metrics()
+    m.set("write_ms", 1_700_000_000_123, shard=0)
+    m.set("ratio", 0.125)
+    text = m.render_prometheus()
+    assert 'timerwheel_write_ms{shard="0"} 1700000000123\n' in text
+    assert "timerwheel_ratio 0.125\n" in text

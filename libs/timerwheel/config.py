@@ -254,7 +254,7 @@ class TimerConfig:
         """Build from ``TW_*`` variables (see ENV_VARS). A bad value names its variable, and so
         does a ``TW_*`` variable nobody reads: a typo (``TW_SHARD=4``) must not pass unseen."""
         for var in sorted(environ):
-            if var.startswith("TW_") and not known_env_var(var):
+            if var.startswith("TW_") and not known_env_var(var) and not kubernetes_service_var(var, environ[var]):
                 close = difflib.get_close_matches(var, [*ENV_VARS, *OTHER_ENV_VARS], 1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ConfigError(var, f"unknown variable{hint}; the README lists every TW_* variable")
@@ -385,6 +385,18 @@ TOOLING_ENV_VARS = {
     "TW_KAFKA_SASL_SSL_PASSWORD_FILE": "scripts/kafka.sh: (written to its .env) that user's password file",
     "TW_REDIS_INSTANCE": "scripts/redis.sh: a second, independent server (.run/redis-<instance>/)",
     "TW_REDIS_TLS": "scripts/redis.sh: the server requires TLS and a password (rediss://)",
+    "TW_CACHE_DIR": "scripts/k8s.sh, helm.sh, image.py: build cache (default ~/.cache/timerwheel)",
+    "TW_HELM_VERSION": "scripts/helm.sh: the helm version to build (default v3.22.0)",
+    "TW_LISTEN_HOST": "scripts/kafka.sh, redis.sh: an address of this machine to listen on too",
+    "TW_KAFKA_EXTERNAL_BOOTSTRAP": "scripts/kafka.sh env: the listener on TW_LISTEN_HOST",
+    "TW_REDIS_EXTERNAL_URL": "scripts/redis.sh env: the server on TW_LISTEN_HOST",
+    "TW_K8S_START_TIMEOUT": "scripts/k8s.sh: seconds to wait for each component",
+    "TW_K8S_GO": "scripts/k8s.sh: the go binary that builds Kubernetes",
+    "TW_K8S_NICE": "scripts/k8s.sh: nice level of the builds",
+    "TW_K8S_UP_TIMEOUT": "e2e k8s fixture: seconds for scripts/k8s.sh up (a cold build)",
+    "TW_KUBECTL": "scripts/k8s.sh env: the cached kubectl",
+    "TW_K8S_HOST_IP": "scripts/k8s.sh env: the node's address pods reach the host on",
+    "TW_K8S_IMAGE": "scripts/k8s.sh env: the image loaded into the cluster",
 }
 #: Prefix of the benchmarks' own variables (bench/).
 TOOLING_PREFIX = "TW_BENCH_"
@@ -392,3 +404,28 @@ TOOLING_PREFIX = "TW_BENCH_"
 
 def known_env_var(var: str) -> bool:
     return var in ENV_VARS or var in OTHER_ENV_VARS or var in TOOLING_ENV_VARS or var.startswith(TOOLING_PREFIX)
+
+
+# Kubernetes' service links: for a Service "tw-x" with port 8080/TCP named "http", kubelet gives
+# every pod of the namespace TW_X_SERVICE_HOST=10.0.0.1, TW_X_SERVICE_PORT=8080,
+# TW_X_SERVICE_PORT_HTTP=8080, TW_X_PORT=tcp://10.0.0.1:8080, TW_X_PORT_8080_TCP=tcp://10.0.0.1:8080,
+# and TW_X_PORT_8080_TCP_PROTO=tcp / _PORT=8080 / _ADDR=10.0.0.1. The chart names no Service
+# tw-* and turns links off, but a user's own Service may still be named so. Each form is
+# recognised by its name AND the shape of its value, so a misspelt setting that happens to end
+# in _PORT (TW_HTPP_PORT=8080) is still refused.
+_IP = r"[0-9.]+|[0-9A-Fa-f:.]+"
+_PROTO = r"TCP|UDP|SCTP"
+_SERVICE_VAR_FORMS = (
+    (re.compile(r"TW_\w+_SERVICE_HOST"), re.compile(_IP)),
+    (re.compile(r"TW_\w+_SERVICE_PORT(_\w+)?"), re.compile(r"\d+")),
+    (re.compile(r"TW_\w+_PORT"), re.compile(rf"(tcp|udp|sctp)://(\[?({_IP})\]?):\d+")),
+    (re.compile(rf"TW_\w+_PORT_\d+_({_PROTO})"), re.compile(rf"(tcp|udp|sctp)://(\[?({_IP})\]?):\d+")),
+    (re.compile(rf"TW_\w+_PORT_\d+_({_PROTO})_PROTO"), re.compile(r"tcp|udp|sctp")),
+    (re.compile(rf"TW_\w+_PORT_\d+_({_PROTO})_PORT"), re.compile(r"\d+")),
+    (re.compile(rf"TW_\w+_PORT_\d+_({_PROTO})_ADDR"), re.compile(_IP)),
+)
+
+
+def kubernetes_service_var(var: str, value: str) -> bool:
+    """``var=value`` is one of the service-link variables kubelet injects (see above)."""
+    return any(name.fullmatch(var) and shape.fullmatch(value) for name, shape in _SERVICE_VAR_FORMS)

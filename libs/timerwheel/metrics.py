@@ -25,6 +25,13 @@ def _key(labels: Mapping[str, object]) -> LabelKey:
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
 
 
+def _number(value: float) -> str:
+    """A sample value exactly: ``:g`` would keep 6 digits (W = 1.7e+12 ms, off by minutes)."""
+    if float(value).is_integer() and abs(value) < 2**63:
+        return str(int(value))
+    return repr(float(value))
+
+
 class Histogram:
     __slots__ = ("bounds", "counts", "total", "count", "maximum")
 
@@ -124,11 +131,11 @@ class Metrics:
             for name, series in sorted(self.counters.items()):
                 lines.append(f"# TYPE timerwheel_{name}_total counter")
                 for labels, value in sorted(series.items()):
-                    lines.append(f"timerwheel_{name}_total{fmt(labels)} {value:g}")
+                    lines.append(f"timerwheel_{name}_total{fmt(labels)} {_number(value)}")
             for name, series in sorted(self.gauges.items()):
                 lines.append(f"# TYPE timerwheel_{name} gauge")
                 for labels, value in sorted(series.items()):
-                    lines.append(f"timerwheel_{name}{fmt(labels)} {value:g}")
+                    lines.append(f"timerwheel_{name}{fmt(labels)} {_number(value)}")
             for name, hseries in sorted(self.histograms.items()):
                 lines.append(f"# TYPE timerwheel_{name} histogram")
                 for labels, hist in sorted(hseries.items()):
@@ -138,6 +145,6 @@ class Metrics:
                         lines.append(f"timerwheel_{name}_bucket{fmt(labels, (('le', f'{bound:g}'),))} {running}")
                     running += hist.counts[-1]
                     lines.append(f"timerwheel_{name}_bucket{fmt(labels, (('le', '+Inf'),))} {running}")
-                    lines.append(f"timerwheel_{name}_sum{fmt(labels)} {hist.total:g}")
+                    lines.append(f"timerwheel_{name}_sum{fmt(labels)} {_number(hist.total)}")
                     lines.append(f"timerwheel_{name}_count{fmt(labels)} {hist.count}")
         return "\n".join(lines) + "\n"

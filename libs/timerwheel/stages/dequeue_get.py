@@ -330,6 +330,8 @@ class DequeueGet:
         now = self.ctx.clock.now_ms()
         self.ctx.metrics.set("read_lag_ms", max(0, now - st.read_ms), shard=st.shard_id)
         self.ctx.metrics.set("in_flight", sum(st.pending.values()), shard=st.shard_id)
+        self.ctx.metrics.set("read_ms", st.read_ms, shard=st.shard_id)
+        self.ctx.metrics.set("owner_epoch", st.epoch, shard=st.shard_id, stage=STAGE)
         return moved
 
     def _lose(self, shard_id: int, why: str) -> None:

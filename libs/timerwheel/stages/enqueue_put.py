@@ -265,6 +265,8 @@ class EnqueuePut:
         now = self.ctx.clock.now_ms()
         self.ctx.metrics.set("write_lag_ms", max(0, now - st.write_ms), shard=st.shard_id)
         self.ctx.metrics.set("timerlog_bytes", flushed - st.shard.log.start_pos, shard=st.shard_id)
+        self.ctx.metrics.set("write_ms", st.write_ms, shard=st.shard_id)
+        self.ctx.metrics.set("owner_epoch", st.epoch, shard=st.shard_id, stage=STAGE)
 
     def _lose(self, shard_id: int, why: str) -> None:
         st = self.owned.pop(shard_id, None)

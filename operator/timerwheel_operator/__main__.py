@@ -1,0 +1,5 @@
+import sys
+
+from timerwheel_operator.main import main
+
+sys.exit(main())

@@ -1,0 +1,349 @@
+"""The ``TimerWheel`` CustomResourceDefinition, built from the same limits as ``config.py``.
+
+The chart ships the rendered form (``charts/timerwheel/crds/``); ``python -m timerwheel_operator
+crd`` prints it and a test keeps the two equal. Each spec field maps to one ``TW_*`` variable
+(``spec.SPEC_ENV``); the API server refuses what ``TimerConfig`` would refuse, with a message
+naming the field: the schema's types, ranges and enums, plus CEL rules for what spans fields
+(the shard count is immutable, the roll window is whole ticks, the wheel spans two windows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from timerwheel.config import ALLOWED_TICKS_MS, DAY_MS, DEFAULT_ALLOW_TOPICS, DEFAULT_DELAY_LEVELS
+
+from timerwheel_operator import GROUP, KIND, PLURAL, VERSION
+
+Schema = dict[str, Any]
+
+#: The stages, in pipeline order, with their spec key.
+STAGES = ("enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put")
+#: The stages that own shards: StatefulSets, one owner per shard through leases.
+SHARD_OWNERS = ("enqueue-put", "dequeue-get")
+#: Longest TimerWheel name: the StatefulSet "timerwheel-NAME-enqueue-put" must leave room for
+#: the controller-revision-hash label (63 characters at most).
+MAX_NAME = 28
+MAX_MS = 10_000 * DAY_MS
+KAFKA_TOPIC = r"^[a-zA-Z0-9._-]{1,249}$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def stage_key(stage: str) -> str:
+    """``dequeue-getmsg`` -> ``dequeueGetmsg``: the stage's key under ``spec.stages``."""
+    head, *rest = stage.split("-")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _int(minimum: int, maximum: int, default: int | None = None, doc: str = "") -> Schema:
+    out: Schema = {"type": "integer", "format": "int64", "minimum": minimum, "maximum": maximum}
+    if default is not None:
+        out["default"] = default
+    if doc:
+        out["description"] = doc
+    return out
+
+
+def _str(doc: str, **more: Any) -> Schema:
+    return {"type": "string", "description": doc, **more}
+
+
+def _secret_ref(doc: str, key_default: str) -> Schema:
+    return {
+        "type": "object",
+        "description": doc,
+        "required": ["name"],
+        "properties": {
+            "name": _str("Secret in the TimerWheel's namespace", maxLength=253, pattern=DNS_LABEL),
+            "key": _str("key in the Secret", default=key_default, maxLength=253, pattern=r"^[-._a-zA-Z0-9]+$"),
+        },
+    }
+
+
+QUANTITY: Schema = {
+    "x-kubernetes-int-or-string": True,
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+}
+
+RESOURCES: Schema = {
+    "type": "object",
+    "description": "the stage container's requests and limits (cpu, memory, ephemeral-storage)",
+    "properties": {
+        "requests": {"type": "object", "additionalProperties": QUANTITY},
+        "limits": {"type": "object", "additionalProperties": QUANTITY},
+    },
+}
+
+
+def _stage_schema(stage: str) -> Schema:
+    if stage == "enqueue-get":
+        # Each enqueue-get replica needs its own TW_REPLICA_INDEX, which a Deployment cannot give;
+        # more replicas come with the operator's scaling work.
+        replicas = _int(0, 1, 1, "0 stops the stage; enqueue-get runs one replica for now")
+    elif stage in SHARD_OWNERS:
+        replicas = _int(0, 4096, 1, "pods competing for the shards (at most spec.shards); each shard has one owner")
+    else:
+        replicas = _int(0, 1000, 1, "consumers of the stage's work queue")
+    return {
+        "type": "object",
+        "description": f"the {stage} stage",
+        "properties": {"replicas": replicas, "resources": RESOURCES},
+    }
+
+
+def spec_schema() -> Schema:
+    ticks = list(ALLOWED_TICKS_MS)
+    stages: Schema = {
+        "type": "object",
+        "description": "replicas and resources per stage",
+        "default": {},
+        "properties": {stage_key(s): {**_stage_schema(s), "default": {}} for s in STAGES},
+    }
+    return {
+        "type": "object",
+        "required": ["kafka", "redis"],
+        "properties": {
+            "shards": {
+                **_int(1, 4096, 1, "number of shards (TW_SHARDS); timer partition p belongs to shard p % shards. "
+                       "Immutable: changing it would move partitions between shards"),
+                "x-kubernetes-validations": [{
+                    "rule": "self == oldSelf",
+                    "message": "spec.shards is immutable: changing the shard count would move timer partitions "
+                               "between shards and deliver old messages again",
+                }],
+            },
+            "tickMs": {
+                "type": "integer", "format": "int64", "enum": ticks, "default": 100,
+                "description": f"wheel precision in ms (TW_TICK_MS): one of {', '.join(map(str, ticks))}",
+            },
+            "rollWindowMs": _int(10, MAX_MS, 2 * DAY_MS,
+                                 "messages due further than this past W are rolled (TW_ROLL_WINDOW_MS); "
+                                 "a multiple of tickMs, at least 10 ticks"),
+            "wheelSpanMs": _int(0, 2 * MAX_MS, 0,
+                                "span of the wheel (TW_WHEEL_SPAN_MS): 0 means 2 x rollWindowMs, else a multiple "
+                                "of tickMs at least 2 x rollWindowMs"),
+            "maxDelayMs": _int(1, MAX_MS, 400 * DAY_MS, "longest accepted delay (TW_MAX_DELAY_MS)"),
+            "delayLevels": _str("delay-level table (TW_DELAY_LEVELS)", default=DEFAULT_DELAY_LEVELS,
+                                maxLength=1024, pattern=r"^\s*\d+(ms|s|m|h|d)?(\s+\d+(ms|s|m|h|d)?)*\s*$"),
+            "timerTopic": _str("topic producers write timer messages to (TW_TIMER_TOPIC)", default="__timer",
+                               pattern=KAFKA_TOPIC),
+            "dlqTopic": _str("dead-letter topic (TW_DLQ_TOPIC)", default="__timer_dlq", pattern=KAFKA_TOPIC),
+            "timerPartitions": _int(1, 10_000, 4, "partitions of the timer topic when timerwheel creates it "
+                                    "(TW_TIMER_PARTITIONS)"),
+            "allowTopics": {
+                "type": "array",
+                "description": "regular expressions a destination topic must fully match (TW_ALLOW_TOPICS)",
+                "default": list(DEFAULT_ALLOW_TOPICS),
+                "maxItems": 100,
+                "items": {"type": "string", "minLength": 1, "maxLength": 512, "pattern": r"^[^,]+$"},
+            },
+            "kafka": {
+                "type": "object",
+                "required": ["bootstrap"],
+                "properties": {
+                    "bootstrap": _str("Kafka bootstrap servers, host:port[,host:port] (TW_KAFKA_BOOTSTRAP)",
+                                      minLength=1, maxLength=4096, pattern=r"^[^\s,]+(,[^\s,]+)*$"),
+                    "secretName": _str("Secret with the client's SASL/TLS material, mounted read-only at "
+                                       "/etc/timerwheel/kafka in every stage", maxLength=253, pattern=DNS_LABEL),
+                },
+            },
+            "redis": {
+                "type": "object",
+                "properties": {
+                    "url": _str("Redis URL for the work queues and leases (TW_REDIS_URL)", maxLength=4096,
+                                pattern=r"^rediss?://"),
+                    "secretRef": _secret_ref("Secret key holding the Redis URL (with its password); "
+                                             "wins over url", "url"),
+                },
+                "x-kubernetes-validations": [{
+                    "rule": "has(self.url) || has(self.secretRef)",
+                    "message": "spec.redis needs url or secretRef",
+                }],
+            },
+            "storage": {
+                "type": "object",
+                "description": "the shared volume holding every shard's TimerLog, wheel and checkpoints",
+                "default": {},
+                "properties": {
+                    "existingClaim": _str("use this PersistentVolumeClaim instead of making one",
+                                          maxLength=253, pattern=DNS_LABEL),
+                    "storageClassName": _str("storage class of the claim the operator makes (unset: the "
+                                             "cluster's default; \"\": no class, binds a pre-made volume)",
+                                             maxLength=253),
+                    "size": {**QUANTITY, "default": "10Gi", "description": "size of the claim"},
+                    "accessModes": {
+                        "type": "array", "default": ["ReadWriteMany"], "minItems": 1, "maxItems": 4,
+                        "items": {"type": "string", "enum": ["ReadWriteMany", "ReadWriteOnce",
+                                                             "ReadWriteOncePod", "ReadOnlyMany"]},
+                    },
+                    "keepOnDelete": {"type": "boolean", "default": True,
+                                     "description": "keep the claim (and the timers on it) when the "
+                                                    "TimerWheel is deleted"},
+                },
+            },
+            "stages": stages,
+            "image": {
+                "type": "object",
+                "description": "the stages' image (default: the operator's own)",
+                "properties": {
+                    "repository": _str("image repository", maxLength=512),
+                    "tag": _str("image tag", maxLength=128),
+                    "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+                },
+            },
+            "tracing": {
+                "type": "object",
+                "properties": {
+                    "otlpEndpoint": _str("OTLP/http endpoint of the traces (OTEL_EXPORTER_OTLP_ENDPOINT); "
+                                         "unset: tracing off", maxLength=2048, pattern=r"^https?://"),
+                },
+            },
+            "autoscale": {
+                "type": "object",
+                "description": "scaling of the dequeue stages ahead of load (read by the next operator version)",
+                "properties": {
+                    "enabled": {"type": "boolean", "default": False},
+                    "minReplicas": _int(1, 1000, 1),
+                    "maxReplicas": _int(1, 1000, 4),
+                    "lookAheadMs": _int(1000, DAY_MS, 60_000, "how far ahead the load of coming slots is read"),
+                },
+                "x-kubernetes-validations": [{
+                    "rule": "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+                    "message": "spec.autoscale.minReplicas must not exceed maxReplicas",
+                }],
+            },
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": "self.rollWindowMs % self.tickMs == 0 && self.rollWindowMs >= 10 * self.tickMs",
+                "message": "spec.rollWindowMs must be a multiple of spec.tickMs and at least 10 ticks",
+                "fieldPath": ".rollWindowMs",
+            },
+            {
+                "rule": "self.wheelSpanMs == 0 || (self.wheelSpanMs % self.tickMs == 0 "
+                        "&& self.wheelSpanMs >= 2 * self.rollWindowMs)",
+                "message": "spec.wheelSpanMs must be 0 or a multiple of spec.tickMs at least twice "
+                           "spec.rollWindowMs: the roll window is too large for the span",
+                "fieldPath": ".wheelSpanMs",
+            },
+            {
+                "rule": "self.dlqTopic != self.timerTopic",
+                "message": "spec.dlqTopic must differ from spec.timerTopic",
+                "fieldPath": ".dlqTopic",
+            },
+            *({
+                "rule": f"!has(self.stages) || !has(self.stages.{stage_key(s)}) "
+                        f"|| !has(self.stages.{stage_key(s)}.replicas) || self.stages.{stage_key(s)}.replicas <= self.shards",
+                "message": f"spec.stages.{stage_key(s)}.replicas must not exceed spec.shards "
+                           "(a pod without a shard would idle)",
+                "fieldPath": f".stages.{stage_key(s)}.replicas",
+            } for s in SHARD_OWNERS),
+        ],
+    }
+
+
+_CONDITION: Schema = {
+    "type": "object",
+    "required": ["type", "status"],
+    "properties": {
+        "type": {"type": "string"},
+        "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+        "reason": {"type": "string"},
+        "message": {"type": "string"},
+        "lastTransitionTime": {"type": "string", "format": "date-time"},
+        "observedGeneration": {"type": "integer", "format": "int64"},
+    },
+}
+
+_SHARD_STATUS: Schema = {
+    "type": "object",
+    "required": ["shard"],
+    "properties": {
+        "shard": {"type": "integer"},
+        "owner": {"type": "string", "description": "the enqueue-put pod that owns the shard"},
+        "reader": {"type": "string", "description": "the dequeue-get pod that owns the shard"},
+        "epoch": {"type": "integer", "format": "int64", "description": "the owner's lease epoch"},
+        "W": {"type": "integer", "format": "int64", "description": "write watermark, epoch ms"},
+        "R": {"type": "integer", "format": "int64", "description": "read time, epoch ms"},
+        "writeLagMs": {"type": "integer", "format": "int64"},
+        "lagMs": {"type": "integer", "format": "int64", "description": "now - R: how late delivery runs"},
+        "inFlight": {"type": "integer", "format": "int64"},
+        "pending": {"type": "integer", "format": "int64", "description": "messages in the wheel from R on"},
+        "timerLogBytes": {"type": "integer", "format": "int64"},
+    },
+}
+
+_STAGE_STATUS: Schema = {
+    "type": "object",
+    "properties": {
+        "replicas": {"type": "integer"},
+        "readyReplicas": {"type": "integer"},
+        "desired": {"type": "integer"},
+    },
+}
+
+
+def status_schema() -> Schema:
+    return {
+        "type": "object",
+        "properties": {
+            "observedGeneration": {"type": "integer", "format": "int64"},
+            "conditions": {
+                "type": "array", "items": _CONDITION,
+                "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
+            },
+            "shards": {"type": "array", "items": _SHARD_STATUS},
+            "stages": {"type": "object", "properties": {s: _STAGE_STATUS for s in STAGES}},
+            "readyStages": {"type": "string", "description": "stages with all replicas ready, e.g. 5/5"},
+            "maxLagMs": {"type": "integer", "format": "int64"},
+        },
+    }
+
+
+def crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{PLURAL}.{GROUP}",
+            "labels": {"app.kubernetes.io/name": "timerwheel", "app.kubernetes.io/component": "crd"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": "timerwheel",
+                      "shortNames": ["tw"], "categories": ["timerwheel"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Shards", "type": "integer", "jsonPath": ".spec.shards"},
+                    {"name": "Tick", "type": "integer", "jsonPath": ".spec.tickMs"},
+                    {"name": "Stages", "type": "string", "jsonPath": ".status.readyStages"},
+                    {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
+                    {"name": "Lag", "type": "integer", "jsonPath": ".status.maxLagMs", "description": "ms"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "One timerwheel installation: arbitrary-delay timer messages for Kafka.",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema(),
+                        "status": status_schema(),
+                    },
+                    "x-kubernetes-validations": [{
+                        "rule": f"self.metadata.name.size() <= {MAX_NAME}",
+                        "message": f"metadata.name must be at most {MAX_NAME} characters (the stage "
+                                   "workloads are named timerwheel-NAME-STAGE)",
+                    }],
+                }},
+            }],
+        },
+    }

@@ -1,0 +1,2 @@
+"""kopf handlers: thin and idempotent, each calls ``reconcile``. Importing this package
+registers them (``main`` does)."""

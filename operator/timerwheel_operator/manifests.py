@@ -1,0 +1,240 @@
+"""Plain functions from a read ``Wheel`` to the manifests the operator applies.
+
+What one TimerWheel ``NAME`` becomes (every name starts ``timerwheel-NAME``, never ``tw-``):
+
+- ``timerwheel-NAME-data``: the shared volume claim, unless ``spec.storage.existingClaim``;
+  without an owner reference (kept when the TimerWheel goes) unless ``keepOnDelete: false``.
+- ``timerwheel-NAME-settings``: a ConfigMap of the ``TW_*`` settings every stage reads.
+- ``timerwheel-NAME``: the stages' ServiceAccount. The stages never call the API server: it has
+  no role and mounts no token (least privilege is none).
+- per stage: a StatefulSet (enqueue-put, dequeue-get: they own shards through leases) or a
+  Deployment (the other three), a headless Service (port ``http`` 8080: /healthz, /readyz,
+  /metrics; headless Services also make no service-link variables) and a PodDisruptionBudget.
+
+Pods run as the image's non-root user 10001 with a read-only root file system, no privilege
+escalation, no capabilities, seccomp RuntimeDefault, ``enableServiceLinks: false``, the volume
+at /data and an emptyDir at /tmp. A change of the settings rolls the pods (a hash annotation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from timerwheel_operator import FIELD_MANAGER
+from timerwheel_operator.crd import SHARD_OWNERS, STAGES
+from timerwheel_operator.spec import DATA_DIR, HTTP_PORT, KAFKA_SECRET_DIR, Wheel, base_name, workload_name
+
+Manifest = dict[str, Any]
+USER_ID = 10001
+
+
+def labels(wheel_name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "timerwheel",
+        "app.kubernetes.io/instance": wheel_name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "timerwheel",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+    }
+
+
+def selector(wheel_name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "timerwheel",
+        "app.kubernetes.io/instance": wheel_name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(wheel: Wheel, name: str, component: str, owner: Mapping[str, Any] | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": wheel.namespace, "labels": labels(wheel.name, component)}
+    if owner is not None:
+        meta["ownerReferences"] = [owner_reference(owner)]
+    return meta
+
+
+def settings_name(wheel: Wheel) -> str:
+    return f"{base_name(wheel.name)}-settings"
+
+
+def settings_hash(wheel: Wheel) -> str:
+    return hashlib.sha256(json.dumps(dict(wheel.env), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_map(wheel: Wheel, owner: Mapping[str, Any] | None) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(wheel, settings_name(wheel), "settings", owner),
+        "data": dict(wheel.env),
+    }
+
+
+def volume_claim(wheel: Wheel, owner: Mapping[str, Any] | None) -> Manifest:
+    storage = wheel.storage
+    keep = storage.get("keepOnDelete", True)
+    spec: dict[str, Any] = {
+        "accessModes": list(storage.get("accessModes") or ["ReadWriteMany"]),
+        "resources": {"requests": {"storage": str(storage.get("size") or "10Gi")}},
+    }
+    if "storageClassName" in storage:
+        spec["storageClassName"] = storage["storageClassName"]
+    meta = _meta(wheel, wheel.claim, "data", None if keep else owner)
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
+
+
+def service_account(wheel: Wheel, owner: Mapping[str, Any] | None) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(wheel, base_name(wheel.name), "stages", owner),
+        "automountServiceAccountToken": False,
+    }
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+    }
+
+
+def container(wheel: Wheel, stage: str) -> dict[str, Any]:
+    # The root file system is read-only: Python must not try to write bytecode caches there.
+    env: list[dict[str, Any]] = [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
+    if wheel.redis_secret is not None:
+        env.append({"name": "TW_REDIS_URL", "valueFrom": {"secretKeyRef": {
+            "name": wheel.redis_secret["name"], "key": wheel.redis_secret["key"]}}})
+    if wheel.otlp_endpoint:
+        env += [
+            {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": wheel.otlp_endpoint},
+            {"name": "OTEL_TRACES_EXPORTER", "value": "otlp"},
+        ]
+    mounts: list[dict[str, Any]] = [{"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if wheel.kafka_secret:
+        mounts.append({"name": "kafka-secret", "mountPath": KAFKA_SECRET_DIR, "readOnly": True})
+    spec = wheel.stage(stage)
+    out: dict[str, Any] = {
+        "name": stage,
+        "image": wheel.image,
+        "imagePullPolicy": wheel.pull_policy,
+        "command": ["timerwheel", "stage", stage],
+        "envFrom": [{"configMapRef": {"name": settings_name(wheel)}}],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        # Liveness: the loop runs. Readiness: able to serve (not "owns its shards", which would
+        # deadlock a one-replica rollout); startup allows a minute to reach Kafka and Redis.
+        "startupProbe": _probe("/healthz", 2, 30),
+        "livenessProbe": _probe("/healthz", 10, 3),
+        "readinessProbe": _probe("/readyz", 5, 2),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    out["env"] = env
+    if spec.resources:
+        out["resources"] = dict(spec.resources)
+    return out
+
+
+def pod_template(wheel: Wheel, stage: str) -> dict[str, Any]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "data", "persistentVolumeClaim": {"claimName": wheel.claim}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+    ]
+    if wheel.kafka_secret:
+        volumes.append({"name": "kafka-secret", "secret": {"secretName": wheel.kafka_secret}})
+    return {
+        "metadata": {
+            "labels": labels(wheel.name, stage),
+            "annotations": {"timerwheel.io/settings-hash": settings_hash(wheel)},
+        },
+        "spec": {
+            "serviceAccountName": base_name(wheel.name),
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            # enqueue-put and dequeue-get release their shards on SIGTERM within this.
+            "terminationGracePeriodSeconds": 30,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": USER_ID,
+                "runAsGroup": USER_ID,
+                "fsGroup": USER_ID,
+                "fsGroupChangePolicy": "OnRootMismatch",
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container(wheel, stage)],
+            "volumes": volumes,
+        },
+    }
+
+
+def workload(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None) -> Manifest:
+    name = workload_name(wheel.name, stage)
+    spec: dict[str, Any] = {
+        "replicas": wheel.stage(stage).replicas,
+        "selector": {"matchLabels": selector(wheel.name, stage)},
+        "template": pod_template(wheel, stage),
+    }
+    if stage in SHARD_OWNERS:
+        spec["serviceName"] = name
+        spec["podManagementPolicy"] = "Parallel"
+        spec["updateStrategy"] = {"type": "RollingUpdate"}
+        kind = "StatefulSet"
+    else:
+        spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+        kind = "Deployment"
+    return {"apiVersion": "apps/v1", "kind": kind, "metadata": _meta(wheel, name, stage, owner), "spec": spec}
+
+
+def service(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(wheel, workload_name(wheel.name, stage), stage, owner),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(wheel.name, stage),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def disruption_budget(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(wheel, workload_name(wheel.name, stage), stage, owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(wheel.name, stage)}},
+    }
+
+
+def build_all(wheel: Wheel, owner: Mapping[str, Any] | None) -> list[Manifest]:
+    """Everything one TimerWheel becomes, in the order to apply it (claim and settings first)."""
+    out: list[Manifest] = []
+    if wheel.make_claim:
+        out.append(volume_claim(wheel, owner))
+    out += [config_map(wheel, owner), service_account(wheel, owner)]
+    for stage in STAGES:
+        out += [service(wheel, stage, owner), workload(wheel, stage, owner), disruption_budget(wheel, stage, owner)]
+    return out

@@ -1,0 +1,161 @@
+"""A ``TimerWheel``'s spec read into plain values: its ``TW_*`` settings, validated by the
+services' own ``TimerConfig`` (one set of rules), and the names of what the operator makes.
+
+The API server's schema refuses most bad specs already; what slips past it (an object written
+before a rule existed, a regular expression that does not compile) is caught here, and the
+operator reports it in the status and an Event instead of failing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from timerwheel.config import DAY_MS, DEFAULT_ALLOW_TOPICS, DEFAULT_DELAY_LEVELS, TimerConfig
+from timerwheel.errors import ConfigError
+
+from timerwheel_operator.crd import STAGES, stage_key
+
+#: Port of /healthz, /readyz and /metrics in every stage container (TW_HTTP_PORT).
+HTTP_PORT = 8080
+#: Mount point of the shared volume (TW_DATA_DIR).
+DATA_DIR = "/data"
+KAFKA_SECRET_DIR = "/etc/timerwheel/kafka"
+
+#: spec field -> (TW_* variable, default): the spec's settings as the stages read them.
+SPEC_ENV: dict[str, tuple[str, Any]] = {
+    "shards": ("TW_SHARDS", 1),
+    "tickMs": ("TW_TICK_MS", 100),
+    "rollWindowMs": ("TW_ROLL_WINDOW_MS", 2 * DAY_MS),
+    "wheelSpanMs": ("TW_WHEEL_SPAN_MS", 0),
+    "maxDelayMs": ("TW_MAX_DELAY_MS", 400 * DAY_MS),
+    "delayLevels": ("TW_DELAY_LEVELS", DEFAULT_DELAY_LEVELS),
+    "timerTopic": ("TW_TIMER_TOPIC", "__timer"),
+    "dlqTopic": ("TW_DLQ_TOPIC", "__timer_dlq"),
+    "timerPartitions": ("TW_TIMER_PARTITIONS", 4),
+    "allowTopics": ("TW_ALLOW_TOPICS", list(DEFAULT_ALLOW_TOPICS)),
+}
+
+
+class SpecError(ConfigError):
+    """A spec value the stages would refuse; ``field`` is its path in the spec."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    name: str
+    replicas: int
+    resources: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Wheel:
+    """One TimerWheel, read and validated: what the manifest builders need."""
+
+    name: str
+    namespace: str
+    env: Mapping[str, str]
+    config: TimerConfig
+    stages: tuple[StageSpec, ...]
+    claim: str
+    make_claim: bool
+    storage: Mapping[str, Any]
+    redis_secret: Mapping[str, str] | None
+    kafka_secret: str | None
+    otlp_endpoint: str | None
+    image: str
+    pull_policy: str
+
+    def stage(self, name: str) -> StageSpec:
+        return next(s for s in self.stages if s.name == name)
+
+
+def base_name(name: str) -> str:
+    """Every object of the TimerWheel ``name`` starts so. Never ``tw-``: a Service named so would
+    give every pod ``TW_*_SERVICE_HOST`` variables (see ``config.kubernetes_service_var``)."""
+    return f"timerwheel-{name}"
+
+
+def workload_name(name: str, stage: str) -> str:
+    return f"{base_name(name)}-{stage}"
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def settings_env(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The ConfigMap's ``TW_*`` settings: every SPEC_ENV field (its default when absent), Kafka,
+    the data directory and the HTTP port. Redis comes from the spec's url or Secret (``env``)."""
+    env = {var: _env_value(spec.get(field, default)) for field, (var, default) in SPEC_ENV.items()}
+    env["TW_KAFKA_BOOTSTRAP"] = str(spec.get("kafka", {}).get("bootstrap", ""))
+    url = spec.get("redis", {}).get("url")
+    if url and not spec.get("redis", {}).get("secretRef"):
+        env["TW_REDIS_URL"] = str(url)
+    env["TW_DATA_DIR"] = DATA_DIR
+    env["TW_HTTP_PORT"] = str(HTTP_PORT)
+    return dict(sorted(env.items()))
+
+
+def _field_of(var: str) -> str:
+    for field, (env_var, _default) in SPEC_ENV.items():
+        if env_var == var:
+            return f"spec.{field}"
+    return {"TW_KAFKA_BOOTSTRAP": "spec.kafka.bootstrap", "TW_REDIS_URL": "spec.redis.url"}.get(var, var)
+
+
+def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str = "IfNotPresent") -> Wheel:
+    """Read and validate one TimerWheel object. Raises ``SpecError`` naming the spec field."""
+    meta = body.get("metadata", {})
+    spec: Mapping[str, Any] = body.get("spec") or {}
+    name = str(meta.get("name", ""))
+    namespace = str(meta.get("namespace", "default"))
+    env = settings_env(spec)
+    try:
+        # The stages' own check; TW_REDIS_URL may live in a Secret, so a stand-in is validated.
+        config = TimerConfig.from_env({**env, "TW_REDIS_URL": env.get("TW_REDIS_URL", "redis://secret")})
+    except ConfigError as exc:
+        raise SpecError(_field_of(exc.field), str(exc).split(": ", 1)[1]) from None
+    if not env["TW_KAFKA_BOOTSTRAP"]:
+        raise SpecError("spec.kafka.bootstrap", "must name the Kafka bootstrap servers")
+    redis = spec.get("redis") or {}
+    secret_ref = redis.get("secretRef")
+    if not redis.get("url") and not secret_ref:
+        raise SpecError("spec.redis", "needs url or secretRef")
+    stages_spec = spec.get("stages") or {}
+    stages = []
+    for stage in STAGES:
+        one = stages_spec.get(stage_key(stage)) or {}
+        replicas = int(one.get("replicas", 1))
+        if replicas < 0:
+            raise SpecError(f"spec.stages.{stage_key(stage)}.replicas", f"must be >= 0, got {replicas}")
+        if stage == "enqueue-get" and replicas > 1:
+            raise SpecError("spec.stages.enqueueGet.replicas", f"must be 0 or 1 for now, got {replicas}")
+        stages.append(StageSpec(stage, replicas, dict(one.get("resources") or {})))
+    storage = dict(spec.get("storage") or {})
+    existing = storage.get("existingClaim")
+    image_spec = spec.get("image") or {}
+    image = default_image
+    if image_spec.get("repository"):
+        image = f"{image_spec['repository']}:{image_spec.get('tag') or 'latest'}"
+    secret = {"name": str(secret_ref["name"]), "key": str(secret_ref.get("key", "url"))} if secret_ref else None
+    return Wheel(
+        name=name,
+        namespace=namespace,
+        env=env,
+        config=config,
+        stages=tuple(stages),
+        claim=str(existing) if existing else f"{base_name(name)}-data",
+        make_claim=not existing,
+        storage=storage,
+        redis_secret=secret,
+        kafka_secret=(spec.get("kafka") or {}).get("secretName"),
+        otlp_endpoint=(spec.get("tracing") or {}).get("otlpEndpoint"),
+        image=image,
+        pull_policy=str(image_spec.get("pullPolicy") or default_pull_policy),
+    )

@@ -1,0 +1,94 @@
+"""The Helm chart's ``values.schema.json``, built here so that ``timerwheel.spec`` is checked by
+the CRD's own spec schema (one definition). ``timerwheel-operator values-schema`` prints it; a
+test keeps ``charts/timerwheel/values.schema.json`` equal to it.
+
+Strict: every object refuses keys it does not name (``additionalProperties: false``), except
+the free-form maps Kubernetes defines (node selectors, annotations, affinity, resources).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from timerwheel_operator.crd import QUANTITY, spec_schema
+
+Schema = dict[str, Any]
+
+_DROP = {"x-kubernetes-validations", "x-kubernetes-int-or-string", "format", "default",
+         "x-kubernetes-list-type", "x-kubernetes-list-map-keys"}
+
+
+def json_schema_of(openapi: Schema) -> Schema:
+    """An OpenAPI v3 (structural) schema as strict JSON Schema: objects with properties refuse
+    other keys, int-or-string becomes a type list, Kubernetes extensions go."""
+    if openapi.get("x-kubernetes-int-or-string"):
+        out: Schema = {"type": ["integer", "string"]}
+        if "pattern" in openapi:
+            # A pattern applies to strings only in JSON Schema, as in OpenAPI.
+            out["pattern"] = openapi["pattern"]
+        if "description" in openapi:
+            out["description"] = openapi["description"]
+        return out
+    out = {k: v for k, v in openapi.items() if k not in _DROP and k not in ("anyOf",)}
+    if "properties" in openapi:
+        out["properties"] = {k: json_schema_of(v) for k, v in openapi["properties"].items()}
+        out["additionalProperties"] = False
+    if isinstance(openapi.get("additionalProperties"), dict):
+        out["additionalProperties"] = json_schema_of(openapi["additionalProperties"])
+    if "items" in openapi:
+        out["items"] = json_schema_of(openapi["items"])
+    return out
+
+
+def _obj(props: Schema, required: list[str] | None = None, doc: str = "") -> Schema:
+    out: Schema = {"type": "object", "additionalProperties": False, "properties": props}
+    if required:
+        out["required"] = required
+    if doc:
+        out["description"] = doc
+    return out
+
+
+_FREE_MAP: Schema = {"type": "object"}
+_STRING_MAP: Schema = {"type": "object", "additionalProperties": {"type": "string"}}
+_QUANTITIES: Schema = {"type": "object", "additionalProperties": json_schema_of(QUANTITY)}
+
+
+def values_schema() -> Schema:
+    return {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "title": "timerwheel chart values",
+        **_obj({
+            "image": _obj({
+                "repository": {"type": "string", "minLength": 1},
+                "tag": {"type": "string"},
+                "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+            }, ["repository", "pullPolicy"], "the one image of the operator and the stages"),
+            "imagePullSecrets": {"type": "array", "items": _obj({"name": {"type": "string"}}, ["name"])},
+            "nameOverride": {"type": "string", "maxLength": 40},
+            "fullnameOverride": {"type": "string", "maxLength": 54},
+            "operator": _obj({
+                "clusterWide": {"type": "boolean"},
+                "logLevel": {"type": "string", "enum": ["DEBUG", "INFO", "WARNING", "ERROR"]},
+                "serviceAccount": _obj({"name": {"type": "string"}}),
+                "resources": _obj({"requests": _QUANTITIES, "limits": _QUANTITIES}),
+                "podAnnotations": _STRING_MAP,
+                "nodeSelector": _STRING_MAP,
+                "tolerations": {"type": "array", "items": {"type": "object"}},
+                "affinity": _FREE_MAP,
+            }),
+            "podSecurityContext": {"type": "object", "description": "the operator pod's securityContext"},
+            "securityContext": {"type": "object", "description": "the operator container's securityContext"},
+            "timerwheel": _obj({
+                "create": {"type": "boolean"},
+                "name": {"type": "string", "maxLength": 28, "pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"},
+                "spec": json_schema_of(spec_schema()),
+            }, ["create", "spec"], "the TimerWheel the chart makes (its spec is the CRD's)"),
+            "tests": _obj({
+                "enabled": {"type": "boolean"},
+                "topic": {"type": "string", "pattern": r"^[a-zA-Z0-9._-]{1,249}$"},
+                "delayMs": {"type": "integer", "minimum": 0, "maximum": 600000},
+                "timeoutSeconds": {"type": "integer", "minimum": 10, "maximum": 3600},
+            }),
+        }, ["image", "operator", "timerwheel"]),
+    }
