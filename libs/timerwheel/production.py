@@ -38,6 +38,14 @@ from timerwheel.transports.base import WorkQueue
 RETENTION_FACTOR = 1.5
 
 
+def require_servers(cfg: TimerConfig) -> None:
+    """Production mode needs both servers named: refused before any connection is tried."""
+    if not cfg.kafka_bootstrap:
+        raise ConfigError("TW_KAFKA_BOOTSTRAP", "must be set in production mode")
+    if not cfg.redis_url:
+        raise ConfigError("TW_REDIS_URL", "must be set in production mode")
+
+
 def production_transports(cfg: TimerConfig) -> Any:
     """Kafka commit log, Redis work queues and Redis leases for ``cfg`` (with its TLS, SASL and
     Redis password settings, see ``timerwheel.security``)."""
@@ -46,10 +54,7 @@ def production_transports(cfg: TimerConfig) -> Any:
     from timerwheel.transports.kafka import KafkaCommitLog
     from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 
-    if not cfg.kafka_bootstrap:
-        raise ConfigError("TW_KAFKA_BOOTSTRAP", "must be set in production mode")
-    if not cfg.redis_url:
-        raise ConfigError("TW_REDIS_URL", "must be set in production mode")
+    require_servers(cfg)
     client = redis_client(cfg)
     queues: dict[str, WorkQueue] = {name: RedisWorkQueue(client, name, cfg.shards, cfg.queue_bound)
               for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)}
@@ -192,6 +197,7 @@ def _build_when_reachable(name: str, cfg: TimerConfig, ctx: StageContext) -> tup
     log = stage_logger(name)
     attempts = 0
     while not ctx.stop.is_set():
+        require_servers(cfg)
         check_kafka_access(cfg)
         check_redis_access(cfg)
         transports = production_transports(cfg)
@@ -248,6 +254,7 @@ def run_all_in_one(cfg: TimerConfig) -> int:
 
     stop = threading.Event()
     _stop_on_signals(stop)
+    require_servers(cfg)
     check_kafka_access(cfg)
     check_redis_access(cfg)
     transports = production_transports(cfg)
