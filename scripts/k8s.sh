@@ -214,7 +214,16 @@ launch() {
     shift
     mkdir -p "$STATE/logs" "$STATE/pids"
     setsid nohup "$@" >>"$STATE/logs/$name.log" 2>&1 </dev/null 8>&- 9>&- &
-    echo $! >"$STATE/pids/$name.pid"
+    local pid=$! i
+    echo "$pid" >"$STATE/pids/$name.pid"
+    # Until the forked child has exec'd the command, its command line is this script's, and a
+    # check right after launch would take the component for exited (it failed CI once so, with
+    # an empty log): wait for the exec, or for the child to be gone (wait_for reports that).
+    for ((i = 0; i < 200; i++)); do
+        [[ -r "/proc/$pid/cmdline" ]] || return 0
+        { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null | grep -qF -- "$1" && return 0
+        sleep 0.05
+    done
 }
 
 # wait until "$2..." succeeds; $1 names what we wait for; fail naming the component's log
