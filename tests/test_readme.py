@@ -167,15 +167,14 @@ def test_every_file_and_anchor_a_page_links_exists(page: str) -> None:
         if re.match(r"[a-z]+:", target):
             continue
         file, _, anchor = target.partition("#")
-        if file and not (path.parent / file).exists():
-            broken.append(target)
-        elif not file and anchor not in anchors:
+        missing = not (path.parent / file).exists() if file else anchor not in anchors
+        if missing:
             broken.append(target)
     # paths in inline code: `libs/...`, `tests/...`, `services/README.md`, ...
     for code in re.findall(r"`([^`\n]+)`", prose):
-        if re.fullmatch(r"(?:libs|tests|e2e|scripts|bench|services|operator|charts|\.ci)/[\w./-]*", code):
-            if not (ROOT / code).exists():
-                broken.append(code)
+        in_repo = re.fullmatch(r"(?:libs|tests|e2e|scripts|bench|services|operator|charts|\.ci)/[\w./-]*", code)
+        if in_repo and not (ROOT / code).exists():
+            broken.append(code)
     assert not broken, f"{page} names files or anchors that do not exist: {broken}"
 
 
