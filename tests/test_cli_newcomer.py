@@ -236,3 +236,34 @@ def test_run_prints_quoted_paths_a_shell_accepts(server: Server) -> None:
     words = shlex.split(schedule)
     assert Path(words[0]).is_absolute() or words[0] == "timerwheel"
     assert Path(words[words.index("--data-dir") + 1]).is_absolute()
+
+
+def test_consume_follow_on_kafka_waits_for_the_topic_the_first_delivery_makes(kafka_bootstrap: str) -> None:
+    """The production quick start runs `consume --follow` right after `schedule`: the
+    destination topic does not exist until the delivery makes it, and consume waited for it
+    instead of failing with 'topic does not exist'."""
+    import queue
+    import uuid
+
+    from timerwheel.records import OutRecord
+    from timerwheel.transports.kafka import KafkaCommitLog
+
+    topic = f"tw-follow-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-m", "timerwheel.cli", "consume", "--kafka", kafka_bootstrap,
+                             "--topic", topic, "--follow"], env={**ENV, "TW_LOG_LEVEL": "INFO"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    log = KafkaCommitLog(kafka_bootstrap)
+    try:
+        waiting = proc.stderr.readline()
+        assert "waiting for the topic" in waiting, (waiting, proc.poll())
+        log.ensure_topic(topic, 1)
+        log.append([OutRecord(topic, b"k", b"hello")])
+        record = json.loads(lines.get(timeout=60))
+        assert (record["topic"], record["key"], record["value"]) == (topic, "k", "hello")
+    finally:
+        log.close()
+        proc.terminate()  # not SIGINT: a test run in the background inherits it ignored
+        proc.wait(30)

@@ -387,6 +387,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_consume(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     log = _commit_log(cfg, args.kafka, args)
+    if args.follow and not _wait_for_topic(log, args.topic):
+        return 0
     consumer = log.consumer(args.topic, log.start_offsets(args.topic))
     try:
         while True:
@@ -399,6 +401,21 @@ def cmd_consume(args: argparse.Namespace) -> int:
         return 0
     finally:
         consumer.close()
+
+
+def _wait_for_topic(log: Any, topic: str) -> bool:
+    """``consume --follow`` of a destination nothing was delivered to yet: on Kafka the topic is
+    made by the first delivery, so wait for it (the local log makes it on first use). False if
+    interrupted (Ctrl-C) while waiting."""
+    if log.partition_count(topic) is not None:
+        return True
+    stage_logger("cli").info("waiting for the topic to exist (it is made by the first delivery)", topic=topic)
+    try:
+        while log.partition_count(topic) is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return False
+    return True
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
