@@ -29,6 +29,7 @@ from timerwheel.client import Timer, TimerClient
 from timerwheel.clock import Clock, SimulatedClock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import TimerwheelError
+from timerwheel.files import FILE_MODE
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
 from timerwheel.pending import PendingTimers, pending_timers
@@ -71,7 +72,7 @@ class DataDirLock:
 
     def __init__(self, data_dir: str) -> None:
         self.path = Path(data_dir) / ".lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

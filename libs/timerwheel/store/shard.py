@@ -50,7 +50,7 @@ from timerwheel.errors import (
     FormatMismatchError,
     TimerwheelError,
 )
-from timerwheel.files import atomic_write
+from timerwheel.files import FILE_MODE, atomic_write
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.format import (
@@ -215,7 +215,7 @@ class Shard:
             )
 
         os.makedirs(directory, exist_ok=True)
-        lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
