@@ -93,3 +93,36 @@ def test_demo_reports_lateness(tmp_path: Path) -> None:
     assert summary["early"] == 0
     first = result.stderr.lstrip("\r").splitlines()[0]
     assert first.startswith("demo: ") and "300 timers" in first, "demo says nothing before its progress bar"
+
+
+def test_a_start_with_another_shard_count_exits_2_naming_stored_and_requested(tmp_path: Path) -> None:
+    """Data made with one shard, started with two: refused before anything is written or read
+    (the timer partitions would move between shards and old messages be delivered again)."""
+    from timerwheel.embedded import EmbeddedTimerwheel
+
+    data = tmp_path / "data"
+    with EmbeddedTimerwheel(data, shards=1, tick_ms=100, roll_window_ms=60_000, fsync=False):
+        pass
+    before = sorted(p.name for p in data.iterdir())
+    embedded = tw("run", "--embedded", "--data-dir", str(data), "--shards", "2", "--tick-ms", "100",
+                  "--roll-window", "60000")
+    stage = subprocess.run([sys.executable, "-m", "timerwheel.cli", "stage", "enqueue-put"], capture_output=True,
+                           text=True, timeout=60, env={**ENV, "TW_DATA_DIR": str(data), "TW_SHARDS": "2",
+                                                       "TW_TICK_MS": "100", "TW_ROLL_WINDOW_MS": "60000"})
+    for result in (embedded, stage):
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "TW_SHARDS: stored 1, requested 2" in lines[0], result.stderr
+    assert sorted(p.name for p in data.iterdir()) == before, "a refused start created files"
+
+
+def test_inspect_shows_the_stored_shard_count_not_the_directories_found(tmp_path: Path) -> None:
+    from timerwheel.embedded import EmbeddedTimerwheel
+
+    data = tmp_path / "data"
+    with EmbeddedTimerwheel(data, shards=2, tick_ms=100, roll_window_ms=60_000, fsync=False):
+        pass
+    (data / "shard-0007").mkdir()  # a stray directory, not a shard of this deployment
+    info = json.loads(tw("inspect", "--data-dir", str(data)).stdout)
+    assert [s["shard"] for s in info["shards"]] == [0, 1]
+    assert info["settings"]["shards"] == 2 and info["settings"]["tick_ms"] == 100

@@ -28,7 +28,7 @@ from typing import Any
 from timerwheel.client import Timer, TimerClient
 from timerwheel.clock import Clock, SimulatedClock, SystemClock
 from timerwheel.config import TimerConfig
-from timerwheel.errors import TimerwheelError
+from timerwheel.errors import ShardNeedsRecoveryError, TimerwheelError
 from timerwheel.files import FILE_MODE
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
@@ -39,6 +39,7 @@ from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet,
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import Shard
+from timerwheel.store.deployment import DeploymentSettings, check_settings
 from timerwheel.transports.base import CommitLog, LeaseStore, WorkQueue
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
@@ -159,6 +160,7 @@ class EmbeddedTimerwheel:
     def _start(self) -> None:
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        check_settings(cfg.data_dir, DeploymentSettings.of(cfg), fsync=cfg.fsync)
         tune_interpreter()  # five busy threads: the switch interval and the GC thresholds
         self._lock = None if self._transports else DataDirLock(cfg.data_dir)
         transports = self._transports or local_transports(cfg, self.clock)
@@ -175,8 +177,11 @@ class EmbeddedTimerwheel:
         self.enqueue_put = EnqueuePut(ctx, shard_ids, lambda s: open_shard(cfg, s, writer=True), self.queues[Q_PUT],
                                       Ownership(leases, "enqueue-put", owner, cfg.lease_ttl_ms))
         if len(self.enqueue_put.owned) != cfg.shards:
+            refused = dict(self.enqueue_put.refused)
             self.enqueue_put.close()
             self._release()
+            if refused:
+                raise ShardNeedsRecoveryError("; ".join(f"shard {s}: {why}" for s, why in sorted(refused.items())))
             raise TimerwheelError(f"shards of {cfg.data_dir} are owned by another timerwheel process")
         self.readers = {s: open_shard(cfg, s, writer=False) for s in shard_ids}
 

@@ -42,6 +42,7 @@ from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry,
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
 from timerwheel.store.format import RecordArray
+from timerwheel.store.shard import recovery_needed
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "dequeue-get"
@@ -105,6 +106,8 @@ class DequeueGet:
         self.owned: dict[int, GetShard] = {}
         self._views: dict[int, Shard] = {}
         self._waiting = set(shard_ids)
+        #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
+        self.refused: dict[int, str] = {}
         self.take_shards()
 
     def take_shards(self) -> None:
@@ -113,9 +116,16 @@ class DequeueGet:
             if shard is None:
                 continue  # enqueue-put has not created the shard yet
             self._views[shard_id] = shard
+            why = recovery_needed(shard.directory)
+            if why is not None:
+                if self.refused.get(shard_id) != why:
+                    self.refused[shard_id] = why
+                    stage_logger(STAGE, shard_id).error("shard needs recovery", reason=why)
+                continue
+            self.refused.pop(shard_id, None)
             ckpt = shard.load_dequeue_checkpoint()
             if ckpt is None:
-                continue
+                continue  # enqueue-put has not started the shard yet
             epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)
             if epoch is None:
                 continue

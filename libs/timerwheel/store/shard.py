@@ -133,6 +133,35 @@ def _has_data(directory: str) -> bool:
     )
 
 
+def recovery_command(directory: str | os.PathLike[str]) -> str:
+    """The command that repairs the shard in ``directory`` (``<data dir>/shard-NNNN``)."""
+    path = os.path.abspath(os.fspath(directory))
+    name = os.path.basename(path)
+    number = int(name[6:]) if name.startswith("shard-") and name[6:].isdigit() else -1
+    return f"timerwheel recover --shard {number} --data-dir {os.path.dirname(path)}"
+
+
+def recovery_needed(directory: str | os.PathLike[str]) -> str | None:
+    """Why the shard must not start without ``timerwheel recover``, or None.
+
+    An unreadable enqueue checkpoint is refused too (Shard.open would fail on it). The dequeue checkpoint holds R: every slot before it is delivered. Without it (lost, or
+    unreadable) there is no safe R to start from: a new one at "now" would skip every slot
+    between the lost R and now, silently. A shard that has never written anything (no TimerLog
+    record, no enqueue checkpoint) needs none: enqueue-put starts R at its first W.
+    """
+    directory = os.fspath(directory)
+    path = os.path.join(directory, DEQUEUE_CKPT)
+    try:
+        checkpoint.load_enqueue(os.path.join(directory, ENQUEUE_CKPT))
+        found = checkpoint.load_dequeue(path)
+    except checkpoint.CorruptCheckpointError as exc:
+        return f"{exc}; the shard is not started (R is unknown, nothing is skipped): run `{recovery_command(directory)}`"
+    if found is None and _has_data(directory):
+        return (f"dequeue checkpoint {path} is missing, but the shard holds data; the shard is not started (R is "
+                f"unknown, nothing is skipped): run `{recovery_command(directory)}`")
+    return None
+
+
 class Shard:
     """A shard directory: TimerLog + TimerWheel + checkpoints, opened as the writer or a reader."""
 
