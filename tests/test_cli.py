@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,13 +74,25 @@ def test_schedule_in_one_process_reaches_run_in_another(tmp_path: Path) -> None:
         assert [r["value"] for r in records] == ["hello"]
         headers = records[0]["headers"]
         assert isinstance(headers, dict) and headers["trace"] == "abc" and "tw-delivered-at" in headers
-        time.sleep(3.5)
+        # The cancelled message's slot is delivered once R has passed it (R moves past a slot only
+        # when all its messages are delivered): wait for that, not for a while.
+        cancelled_at = int(dropped.stdout.strip().split(".")[2])
+        info: dict[str, Any] = {}
+        while time.monotonic() < deadline + 30:
+            info = json.loads(tw("inspect", "--data-dir", data).stdout)
+            if (info["shards"][0]["R"] or 0) > cancelled_at:
+                break
+            time.sleep(0.1)
+        [shard] = info["shards"]
+        assert shard["R"] > cancelled_at, f"R never passed the cancelled message's slot: {info}"
         out = tw("consume", "--data-dir", data, "--topic", "orders")
         assert [json.loads(line)["value"] for line in out.stdout.splitlines()] == ["hello"], "cancelled one came out"
+        # inspect: two messages and one cancel marker written, nothing left pending, R <= W near now.
+        assert shard["flushed_pos"] == shard["timerlog_bytes"] == 3 * 64, info
+        assert shard["pending"] == 0 and shard["R"] <= shard["W"] <= info["now_ms"], info
+        assert info["settings"]["shards"] == 1, info
         second = tw("run", "--embedded", "--data-dir", data, timeout=30)
         assert second.returncode == 1 and "in use by another timerwheel process" in second.stderr
-        info = json.loads(tw("inspect", "--data-dir", data).stdout)
-        assert info["shards"][0]["W"] is not None and info["shards"][0]["R"] <= info["shards"][0]["W"]
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(30) == 0

@@ -146,3 +146,32 @@ def test_recover_cuts_a_torn_timerlog_tail(tmp_path: Path) -> None:
     assert report["truncated_bytes"] == 34 and report["timerlog_end"] == end
     assert report["status"] == "repaired" and report["may_deliver_twice"] == 0
     assert segment.stat().st_size == end
+
+
+def test_dequeue_get_leaves_a_shard_without_its_checkpoint_unowned_and_says_why(tmp_path: Path) -> None:
+    """The production dequeue-get: it must not start the shard at some R of its own making."""
+    from timerwheel import SystemClock, TimerConfig
+    from timerwheel.embedded import open_reader_if_exists
+    from timerwheel.metrics import Metrics
+    from timerwheel.stages import DequeueGet, StageContext
+    from timerwheel.stages.ownership import Ownership
+    from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
+
+    data = tmp_path / "data"
+    schedule_and_deliver_half(data)
+    for f in dequeue_files(data):
+        f.unlink()
+    cfg = TimerConfig(data_dir=str(data), shards=1, tick_ms=TICK, roll_window_ms=60_000, fsync=False)
+    ctx = StageContext(cfg, SystemClock(), Metrics(), consumer="test")
+    stage = DequeueGet(ctx, [0], lambda s: open_reader_if_exists(cfg, s), MemoryWorkQueue("fetch", 1, 8),
+                       MemoryWorkQueue("done", 1, 8), Ownership(MemoryLeaseStore(SystemClock()), "dequeue-get", "test"))
+    try:
+        stage.step(0.0)
+        assert stage.owned == {}
+        assert "dequeue.ckpt is missing" in stage.refused[0] and "timerwheel recover --shard 0" in stage.refused[0]
+        assert tw("recover", "--shard", "0", "--data-dir", str(data)).returncode == 0
+        stage.step(0.0)
+        assert list(stage.owned) == [0] and stage.owned[0].read_ms == START + 1_000
+        assert stage.refused == {}
+    finally:
+        stage.close()

@@ -51,6 +51,8 @@ from timerwheel.transports.base import WorkQueue
 STAGE = "enqueue-put"
 _NORMAL, _ROLL, _DELETE = int(Flag.NORMAL), int(Flag.ROLL), int(Flag.DELETE)
 RETAIN_EVERY_S = 30.0
+#: A shard refused for want of ``timerwheel recover`` is looked at again this often.
+RECOVERY_RETRY_S = 2.0
 
 
 def fire_time(deliver_ms: int, write_ms: int, roll_window_ms: int) -> tuple[int, bool]:
@@ -94,18 +96,21 @@ class EnqueuePut:
         self._blocked: set[int] = set()
         #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
         self.refused: dict[int, str] = {}
+        self._refused_at: dict[int, float] = {}
         self.take_shards()
 
     def take_shards(self) -> None:
         """Acquire the shards we do not own yet; recover each before its first write."""
         for shard_id in sorted(self._waiting):
-            why = recovery_needed(self._dir(shard_id))  # before the lease: the repair tool may run
-            if why is not None:
-                self._refuse(shard_id, why)
+            if shard_id in self.refused and time.monotonic() - self._refused_at.get(shard_id, 0.0) < RECOVERY_RETRY_S:
                 continue
             # A lease kept from an earlier try (below) is still ours.
             epoch = self.ownership.epochs.get(shard_id) or self.ownership.acquire(shard_id)
             if epoch is None:
+                continue
+            why = recovery_needed(self._dir(shard_id))  # before opening: Shard.open would fail or recover
+            if why is not None:
+                self._refuse(shard_id, why)
                 continue
             try:
                 shard = self.open_shard(shard_id)
@@ -141,6 +146,7 @@ class EnqueuePut:
         """Leave a shard whose state needs ``timerwheel recover`` unstarted (its lease released, so the
         tool may run), saying why once; it is tried again every step, and starts once repaired."""
         self.ownership.release_all_of(shard_id)
+        self._refused_at[shard_id] = time.monotonic()
         if self.refused.get(shard_id) != why:
             self.refused[shard_id] = why
             stage_logger(STAGE, shard_id).error("shard needs recovery", reason=why)

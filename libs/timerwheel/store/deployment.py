@@ -18,6 +18,7 @@ change only through ``timerwheel rebuild-wheel`` (the operator's procedure).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -139,6 +140,12 @@ def _write_once(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, fs
         os.link(tmp, path)  # fails if another process wrote it first: never replaces a stored file
     except FileExistsError:
         pass
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        # A file system without hard links: a rename, only if still absent (a small window).
+        if not os.path.exists(path):
+            os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
