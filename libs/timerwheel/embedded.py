@@ -17,7 +17,6 @@ queues and ``max_in_flight``, which keep ``R`` close behind).
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import time
 import uuid
@@ -40,6 +39,7 @@ from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import Shard
 from timerwheel.store.deployment import DeploymentSettings, check_settings
+from timerwheel.store.shard import stored_settings
 from timerwheel.transports.base import CommitLog, LeaseStore, WorkQueue
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
@@ -109,11 +109,7 @@ def found_shards(data_dir: str | os.PathLike[str]) -> list[int]:
 def open_found_shard(data_dir: str | os.PathLike[str], shard: int) -> Shard:
     """A read-only view of a shard with the settings it was written with (its meta.json)."""
     directory = shard_dir(data_dir, shard)
-    try:
-        meta = json.loads((directory / "meta.json").read_text())
-        tick_ms, slots, segment_bytes = int(meta["tick_ms"]), int(meta["slots"]), int(meta["segment_bytes"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TimerwheelError(f"shard {directory}: meta.json is missing or unreadable: {exc}") from None
+    tick_ms, slots, segment_bytes = stored_settings(directory)
     return Shard.open(directory, tick_ms=tick_ms, slots=slots, segment_bytes=segment_bytes, fsync=False, writer=False)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -51,11 +50,11 @@ from timerwheel.store.shard import (
     DEQUEUE_CKPT,
     ENQUEUE_CKPT,
     LOCK_FILE,
-    META_FILE,
     WHEEL_FILE,
     Shard,
     recovery_command,
     shard_dir,
+    stored_settings,
 )
 
 #: Exit codes of the repair commands (stable: the operator's Job reads them).
@@ -66,19 +65,6 @@ _DELETE, _ROLL = int(Flag.DELETE), int(Flag.ROLL)
 LEASE_ROLES = ("enqueue-put", "dequeue-get")
 
 
-def _shard_settings(directory: str) -> tuple[int, int, int]:
-    """tick_ms, slots, segment_bytes from the shard's meta.json."""
-    path = os.path.join(directory, META_FILE)
-    try:
-        with open(path, "rb") as f:
-            meta = json.load(f)
-        return int(meta["tick_ms"]), int(meta["slots"]), int(meta["segment_bytes"])
-    except FileNotFoundError:
-        raise TimerwheelError(f"no shard at {directory} (no {META_FILE})") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TimerwheelError(f"shard {directory}: {META_FILE} is unreadable: {exc}") from None
-
-
 @contextlib.contextmanager
 def _stopped_shard(config: TimerConfig, shard: int) -> Iterator[str]:
     """The shard's directory, while no live process may own it: the data directory's lock held
@@ -86,7 +72,7 @@ def _stopped_shard(config: TimerConfig, shard: int) -> Iterator[str]:
     from timerwheel.embedded import DataDirLock
 
     directory = shard_dir(config.data_dir, shard)
-    _shard_settings(directory)  # no shard there: say so before taking any lock
+    stored_settings(directory)  # no shard there: say so before taking any lock
     try:
         lock = DataDirLock(config.data_dir)
     except TimerwheelError as exc:
@@ -112,7 +98,7 @@ def _check_leases(config: TimerConfig, shard: int) -> None:
 
 
 def _open_writer(directory: str, fsync: bool) -> Shard:
-    tick_ms, slots, segment_bytes = _shard_settings(directory)
+    tick_ms, slots, segment_bytes = stored_settings(directory)
     try:
         return Shard.open(directory, tick_ms=tick_ms, slots=slots, segment_bytes=segment_bytes, fsync=fsync)
     except FencedError as exc:

@@ -124,6 +124,19 @@ def _check_meta(directory: str, wanted: dict[str, int]) -> None:
         )
 
 
+def stored_settings(directory: str | os.PathLike[str]) -> tuple[int, int, int]:
+    """``tick_ms``, ``slots``, ``segment_bytes`` the shard in ``directory`` was made with (its meta.json)."""
+    path = os.path.join(os.fspath(directory), META_FILE)
+    try:
+        with open(path, "rb") as f:
+            meta = json.load(f)
+        return int(meta["tick_ms"]), int(meta["slots"]), int(meta["segment_bytes"])
+    except FileNotFoundError:
+        raise TimerwheelError(f"no shard at {os.fspath(directory)} (no {META_FILE})") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TimerwheelError(f"shard {os.fspath(directory)}: {META_FILE} is unreadable: {exc}") from None
+
+
 def _has_data(directory: str) -> bool:
     log_dir = os.path.join(directory, LOG_DIR)
     segments = os.listdir(log_dir) if os.path.isdir(log_dir) else []
