@@ -144,7 +144,7 @@ class EnqueuePut:
 
     def _refuse(self, shard_id: int, why: str) -> None:
         """Leave a shard whose state needs ``timerwheel recover`` unstarted (its lease released, so the
-        tool may run), saying why once; it is tried again every step, and starts once repaired."""
+        tool may run), saying why once; it is looked at again every RECOVERY_RETRY_S and starts once repaired."""
         self.ownership.release_all_of(shard_id)
         self._refused_at[shard_id] = time.monotonic()
         if self.refused.get(shard_id) != why:
