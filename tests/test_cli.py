@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,13 +74,25 @@ def test_schedule_in_one_process_reaches_run_in_another(tmp_path: Path) -> None:
         assert [r["value"] for r in records] == ["hello"]
         headers = records[0]["headers"]
         assert isinstance(headers, dict) and headers["trace"] == "abc" and "tw-delivered-at" in headers
-        time.sleep(3.5)
+        # The cancelled message's slot is delivered once R has passed it (R moves past a slot only
+        # when all its messages are delivered): wait for that, not for a while.
+        cancelled_at = int(dropped.stdout.strip().split(".")[2])
+        info: dict[str, Any] = {}
+        while time.monotonic() < deadline + 30:
+            info = json.loads(tw("inspect", "--data-dir", data).stdout)
+            if (info["shards"][0]["R"] or 0) > cancelled_at:
+                break
+            time.sleep(0.1)
+        [shard] = info["shards"]
+        assert shard["R"] > cancelled_at, f"R never passed the cancelled message's slot: {info}"
         out = tw("consume", "--data-dir", data, "--topic", "orders")
         assert [json.loads(line)["value"] for line in out.stdout.splitlines()] == ["hello"], "cancelled one came out"
+        # inspect: two messages and one cancel marker written, nothing left pending, R <= W near now.
+        assert shard["flushed_pos"] == shard["timerlog_bytes"] == 3 * 64, info
+        assert shard["pending"] == 0 and shard["R"] <= shard["W"] <= info["now_ms"], info
+        assert info["settings"]["shards"] == 1, info
         second = tw("run", "--embedded", "--data-dir", data, timeout=30)
         assert second.returncode == 1 and "in use by another timerwheel process" in second.stderr
-        info = json.loads(tw("inspect", "--data-dir", data).stdout)
-        assert info["shards"][0]["W"] is not None and info["shards"][0]["R"] <= info["shards"][0]["W"]
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(30) == 0
@@ -93,3 +106,36 @@ def test_demo_reports_lateness(tmp_path: Path) -> None:
     assert summary["early"] == 0
     first = result.stderr.lstrip("\r").splitlines()[0]
     assert first.startswith("demo: ") and "300 timers" in first, "demo says nothing before its progress bar"
+
+
+def test_a_start_with_another_shard_count_exits_2_naming_stored_and_requested(tmp_path: Path) -> None:
+    """Data made with one shard, started with two: refused before anything is written or read
+    (the timer partitions would move between shards and old messages be delivered again)."""
+    from timerwheel.embedded import EmbeddedTimerwheel
+
+    data = tmp_path / "data"
+    with EmbeddedTimerwheel(data, shards=1, tick_ms=100, roll_window_ms=60_000, fsync=False):
+        pass
+    before = sorted(p.name for p in data.iterdir())
+    embedded = tw("run", "--embedded", "--data-dir", str(data), "--shards", "2", "--tick-ms", "100",
+                  "--roll-window", "60000")
+    stage = subprocess.run([sys.executable, "-m", "timerwheel.cli", "stage", "enqueue-put"], capture_output=True,
+                           text=True, timeout=60, env={**ENV, "TW_DATA_DIR": str(data), "TW_SHARDS": "2",
+                                                       "TW_TICK_MS": "100", "TW_ROLL_WINDOW_MS": "60000"})
+    for result in (embedded, stage):
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "TW_SHARDS: stored 1, requested 2" in lines[0], result.stderr
+    assert sorted(p.name for p in data.iterdir()) == before, "a refused start created files"
+
+
+def test_inspect_shows_the_stored_shard_count_not_the_directories_found(tmp_path: Path) -> None:
+    from timerwheel.embedded import EmbeddedTimerwheel
+
+    data = tmp_path / "data"
+    with EmbeddedTimerwheel(data, shards=2, tick_ms=100, roll_window_ms=60_000, fsync=False):
+        pass
+    (data / "shard-0007").mkdir()  # a stray directory, not a shard of this deployment
+    info = json.loads(tw("inspect", "--data-dir", str(data)).stdout)
+    assert [s["shard"] for s in info["shards"]] == [0, 1]
+    assert info["settings"]["shards"] == 2 and info["settings"]["tick_ms"] == 100

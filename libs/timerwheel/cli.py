@@ -7,6 +7,8 @@
     timerwheel consume --data-dir D --topic T [--follow]
     timerwheel inspect --data-dir D
     timerwheel pending --data-dir D [--from T1] [--to T2] [--topic X] [--id ID] [--limit N]
+    timerwheel recover --shard N --data-dir D   repair a stopped shard (JSON report)
+    timerwheel rebuild-wheel --shard N --data-dir D
     timerwheel demo
 
 A bad argument or configuration value exits with status 2 and one line naming it; every error
@@ -35,7 +37,13 @@ from typing import Any, NoReturn
 from timerwheel import telemetry
 from timerwheel.client import Timer, TimerClient
 from timerwheel.config import DAY_MS, ENV_VARS, TimerConfig, parse_duration_ms
-from timerwheel.errors import ConfigError, FormatMismatchError, InvalidTimerMessage, TimerwheelError
+from timerwheel.errors import (
+    ConfigError,
+    FormatMismatchError,
+    InvalidTimerMessage,
+    ShardInUseError,
+    TimerwheelError,
+)
 from timerwheel.log import configure_logging, stage_logger
 from timerwheel.records import Record
 
@@ -197,19 +205,32 @@ def make_parser() -> argparse.ArgumentParser:
 
     insp = sub.add_parser("inspect", help="per-shard W, R, pending, TimerLog size, load ahead (JSON)")
     insp.add_argument("--data-dir", help=f"data directory (default $TW_DATA_DIR or {_DEFAULTS.data_dir})")
-    insp.add_argument("--shards", type=int, help="show shards 0..N-1 (default: every shard-NNNN directory found)")
+    insp.add_argument("--shards", type=int, help="show shards 0..N-1 (default: the count in the data directory's "
+                      "timerwheel.json, else every shard-NNNN directory found)")
 
     pend = sub.add_parser("pending", help="list scheduled, not yet delivered messages of a time range (JSON)",
                           description="List the scheduled, not yet delivered messages due in [--from, --to): id, "
                           "topic, delivery time, roll count, read from the shards' TimerLog slots; the count of "
                           "all, the first --limit by delivery time. Times: epoch ms, now, now+5m, +1h, or ISO 8601.")
     _client_args(pend)
-    pend.add_argument("--shards", type=int, help="read shards 0..N-1 (default: every shard-NNNN directory found)")
+    pend.add_argument("--shards", type=int, help="read shards 0..N-1 (default: the count in the data directory's "
+                      "timerwheel.json, else every shard-NNNN directory found)")
     pend.add_argument("--from", dest="from_ms", type=_time, default=0, help="earliest delivery time (default: any)")
     pend.add_argument("--to", dest="to_ms", type=_time, default=None, help="delivery time bound, exclusive (default: any)")
     pend.add_argument("--topic", help="only messages for this destination topic")
     pend.add_argument("--id", dest="message_id", help="only the message with this id")
     pend.add_argument("--limit", type=int, default=100, help="list at most N (default 100; the count covers all)")
+
+    for name, short, text in (
+            ("recover", "repair a stopped shard; JSON report", "Validate and repair a stopped shard: cut a torn TimerLog tail, re-link the wheel, rebuild a "
+                        "lost or unreadable checkpoint (choosing R so that nothing is lost); prints a JSON report "
+                        "with may_deliver_twice. Exit 0 repaired or fine, 1 failed, 2 bad argument, 3 the shard "
+                        "is owned by a live process."),
+            ("rebuild-wheel", "rebuild a stopped shard's wheel from its TimerLog; JSON report", "Rebuild a stopped shard's wheel file from its TimerLog; prints a JSON report. "
+                              "Exit codes as for recover.")):
+        rp = sub.add_parser(name, help=short, description=text)
+        rp.add_argument("--shard", type=int, required=True, help="the shard number")
+        rp.add_argument("--data-dir", help=f"data directory (default $TW_DATA_DIR or {_DEFAULTS.data_dir})")
 
     demo = sub.add_parser("demo", help="schedule random timers in a temporary directory and watch them fire")
     demo.add_argument("--count", type=int, default=3000, help="timers to schedule (default 3000)")
@@ -419,13 +440,20 @@ def _wait_for_topic(log: Any, topic: str) -> bool:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from timerwheel.clock import SystemClock
     from timerwheel.embedded import inspect_shards
+    from timerwheel.store.deployment import load_settings
 
     cfg = build_config(args)
     shards = _open_shards(cfg, args.shards)
     try:
-        print(json.dumps(inspect_shards(cfg, shards, SystemClock().now_ms()), indent=2))
+        report = inspect_shards(cfg, shards, SystemClock().now_ms())
+        stored = load_settings(cfg.data_dir)
+        if stored is not None:
+            report["settings"] = asdict(stored)
+        print(json.dumps(report, indent=2))
     finally:
         for shard in shards.values():
             shard.close()
@@ -433,12 +461,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _open_shards(cfg: TimerConfig, count: int | None) -> dict[int, Any]:
-    """Read-only views of shards 0..count-1, or of every ``shard-NNNN`` directory found."""
+    """Read-only views of shards 0..count-1: by default the data directory's shard count (its
+    deployment file ``timerwheel.json``), else every ``shard-NNNN`` directory found."""
     from timerwheel.embedded import found_shards, open_found_shard
+    from timerwheel.store.deployment import load_settings
 
     found = found_shards(cfg.data_dir)
     if not found:
         raise CliError(f"--data-dir: no timerwheel shards in {cfg.data_dir}")
+    if count is None:
+        stored = load_settings(cfg.data_dir)
+        count = stored.shards if stored is not None else None
     wanted = found if count is None else [s for s in range(count) if s in found]
     shards: dict[int, Any] = {}
     try:
@@ -543,15 +576,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     telemetry.configure_from_env(stage=args.name if args.command == "stage" else None)
     handlers = {"run": cmd_run, "schedule": cmd_schedule, "cancel": cmd_cancel, "reschedule": cmd_reschedule,
                 "consume": cmd_consume, "inspect": cmd_inspect, "pending": cmd_pending, "demo": cmd_demo,
-                "stage": cmd_stage}
+                "stage": cmd_stage, "recover": cmd_repair, "rebuild-wheel": cmd_repair}
     try:
         return handlers[args.command](args)
     except (CliError, ConfigError, FormatMismatchError) as exc:
         sys.stderr.write(f"timerwheel: error: {exc}\n")
         return 2
+    except ShardInUseError as exc:
+        sys.stderr.write(f"timerwheel: error: {exc}\n")
+        return 3
     except (TimerwheelError, OSError) as exc:
         sys.stderr.write(f"timerwheel: error: {exc}\n")
         return 1
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    """``recover`` / ``rebuild-wheel``: one stopped shard, one JSON report (timerwheel.repair)."""
+    from timerwheel.repair import rebuild_wheel, recover_shard
+
+    cfg = build_config(args)
+    if args.shard < 0:
+        raise CliError(f"--shard: must be >= 0, got {args.shard}")
+    if not Path(cfg.data_dir).is_dir():
+        raise CliError(f"--data-dir: {cfg.data_dir} is not a directory")
+    report = recover_shard(cfg, args.shard) if args.command == "recover" else rebuild_wheel(cfg, args.shard)
+    print(json.dumps(report, indent=2))
+    return 0
 
 
 def cmd_stage(args: argparse.Namespace) -> int:

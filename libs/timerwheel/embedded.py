@@ -17,7 +17,6 @@ queues and ``max_in_flight``, which keep ``R`` close behind).
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import time
 import uuid
@@ -28,7 +27,8 @@ from typing import Any
 from timerwheel.client import Timer, TimerClient
 from timerwheel.clock import Clock, SimulatedClock, SystemClock
 from timerwheel.config import TimerConfig
-from timerwheel.errors import TimerwheelError
+from timerwheel.errors import ShardNeedsRecoveryError, TimerwheelError
+from timerwheel.files import FILE_MODE
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
 from timerwheel.pending import PendingTimers, pending_timers
@@ -38,6 +38,8 @@ from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet,
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import Shard
+from timerwheel.store.deployment import DeploymentSettings, check_settings
+from timerwheel.store.shard import stored_settings
 from timerwheel.transports.base import CommitLog, LeaseStore, WorkQueue
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
@@ -71,7 +73,7 @@ class DataDirLock:
 
     def __init__(self, data_dir: str) -> None:
         self.path = Path(data_dir) / ".lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -107,11 +109,7 @@ def found_shards(data_dir: str | os.PathLike[str]) -> list[int]:
 def open_found_shard(data_dir: str | os.PathLike[str], shard: int) -> Shard:
     """A read-only view of a shard with the settings it was written with (its meta.json)."""
     directory = shard_dir(data_dir, shard)
-    try:
-        meta = json.loads((directory / "meta.json").read_text())
-        tick_ms, slots, segment_bytes = int(meta["tick_ms"]), int(meta["slots"]), int(meta["segment_bytes"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TimerwheelError(f"shard {directory}: meta.json is missing or unreadable: {exc}") from None
+    tick_ms, slots, segment_bytes = stored_settings(directory)
     return Shard.open(directory, tick_ms=tick_ms, slots=slots, segment_bytes=segment_bytes, fsync=False, writer=False)
 
 
@@ -158,6 +156,7 @@ class EmbeddedTimerwheel:
     def _start(self) -> None:
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        check_settings(cfg.data_dir, DeploymentSettings.of(cfg), fsync=cfg.fsync)
         tune_interpreter()  # five busy threads: the switch interval and the GC thresholds
         self._lock = None if self._transports else DataDirLock(cfg.data_dir)
         transports = self._transports or local_transports(cfg, self.clock)
@@ -174,8 +173,11 @@ class EmbeddedTimerwheel:
         self.enqueue_put = EnqueuePut(ctx, shard_ids, lambda s: open_shard(cfg, s, writer=True), self.queues[Q_PUT],
                                       Ownership(leases, "enqueue-put", owner, cfg.lease_ttl_ms))
         if len(self.enqueue_put.owned) != cfg.shards:
+            refused = dict(self.enqueue_put.refused)
             self.enqueue_put.close()
             self._release()
+            if refused:
+                raise ShardNeedsRecoveryError("; ".join(f"shard {s}: {why}" for s, why in sorted(refused.items())))
             raise TimerwheelError(f"shards of {cfg.data_dir} are owned by another timerwheel process")
         self.readers = {s: open_shard(cfg, s, writer=False) for s in shard_ids}
 

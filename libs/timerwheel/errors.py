@@ -50,3 +50,13 @@ class AccessError(TimerwheelError):
     def __init__(self, setting: str, message: str) -> None:
         super().__init__(f"{setting}: {message}")
         self.setting = setting
+
+
+class ShardNeedsRecoveryError(TimerwheelError):
+    """A shard's state cannot be trusted as it is (its dequeue checkpoint is lost or corrupt):
+    the shard is not started, so nothing in it is skipped. The message names the file and the
+    recovery command (``timerwheel recover``)."""
+
+
+class ShardInUseError(TimerwheelError):
+    """A recovery tool was asked to change a shard that a live process owns (its lock or lease)."""

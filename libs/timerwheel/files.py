@@ -1,8 +1,26 @@
-"""Small file helpers every state file of the store uses: atomic replace and directory fsync."""
+"""Small file helpers every state file of the store uses: atomic replace and directory fsync.
+
+State files (checkpoints, the wheel, meta and settings files, locks, TimerLog segments) are
+created with ``FILE_MODE`` (0640: owner and group, never the world). A temp file's name carries
+the host name, the pid and a random part (``temp_path``): in containers every process is pid 1,
+and two pods on two nodes may share the volume.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
+import socket
+
+#: Mode of every file timerwheel creates on the data volume (before the umask).
+FILE_MODE = 0o640
+
+
+def temp_path(path: str | os.PathLike[str]) -> str:
+    """A temp file next to ``path`` whose name no other process, on this host or another, uses:
+    ``<path>.tmp-<host>-<pid>-<random>`` (``.tmp-`` is what stale-temp cleanup looks for)."""
+    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())[:64] or "host"
+    return f"{os.fspath(path)}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -20,8 +38,8 @@ def atomic_write(path: str, data: bytes, fsync: bool = True) -> None:
     Write a temp file next to it, fsync it, rename it over ``path``, fsync the directory. A crash
     before the rename leaves the old file (and a stray temp file, ignored by readers).
     """
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         view = memoryview(data)
         while view:

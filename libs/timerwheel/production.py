@@ -32,6 +32,7 @@ from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet,
 from timerwheel.stages.base import Stopped
 from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
+from timerwheel.store.deployment import DeploymentSettings, check_settings
 from timerwheel.transports.base import WorkQueue
 
 #: The timer topic must keep records this much longer than the roll window.
@@ -122,6 +123,11 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
     at start the stage waits for them (a pod restarted during a broker restart must not crash
     loop); settings that are wrong (retention, the data directory's format) stop it at once.
     """
+    # Before anything connects: the stages that own or read shard state write the deployment file
+    # on a first start; the stateless ones check it when it is there (their queue partitions
+    # follow the shard count).
+    check_settings(cfg.data_dir, DeploymentSettings.of(cfg), fsync=cfg.fsync,
+                   create=name in ("enqueue-get", "enqueue-put", "dequeue-get"))
     log = stage_logger(name)
     metrics = Metrics()
     telemetry.configure_from_env(metrics, stage=name)

@@ -165,3 +165,32 @@ def test_a_superseded_owner_s_late_save_is_never_what_readers_load(open_shard: O
     with pytest.raises(FencedError, match="epoch 2"):
         ckpt_module.save_enqueue(path, EnqueueCheckpoint(64, 10, {}, epoch=1))
     assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(1280, 2, {}, 2)
+
+
+def test_state_files_are_not_readable_by_the_world(open_shard: OpenShard) -> None:
+    """Checkpoints, the wheel, meta.json, the lock and the TimerLog segments: mode 0640 at most."""
+    from .conftest import rec
+
+    old_umask = os.umask(0o002)  # a permissive umask must not widen what the store asks for
+    try:
+        shard = open_shard()
+        shard.append([rec(1_000), rec(2_000)])
+        shard.save_enqueue_checkpoint(EnqueueCheckpoint(shard.flush(), 1, {0: 3}, 1))
+        shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=0, epoch=1))
+    finally:
+        os.umask(old_umask)
+    files = [p for p in Path(shard.directory).rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} >= {".ckpt", ".json", ".tlog", ".lock"}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files if p.stat().st_mode & 0o007} == {}
+
+
+def test_temp_file_names_differ_between_processes_that_share_a_pid(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """Every container's process is pid 1: a temp name must not be the pid alone, or two pods
+    on two nodes writing the same checkpoint name through a shared volume would share a temp."""
+    from timerwheel.files import temp_path
+
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    names = {temp_path(tmp_path / "dequeue.ckpt") for _ in range(50)}
+    assert len(names) == 50
+    assert all(n.startswith(f"{tmp_path / 'dequeue.ckpt'}.tmp-") and "-1-" in n for n in names)

@@ -40,8 +40,16 @@ from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext, decoded
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.ownership import Ownership
-from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
+from timerwheel.store import (
+    CorruptCheckpointError,
+    DequeueCheckpoint,
+    EnqueueCheckpoint,
+    Flag,
+    Shard,
+    TimerRecord,
+)
 from timerwheel.store.format import RecordArray
+from timerwheel.store.shard import recovery_needed
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "dequeue-get"
@@ -105,6 +113,8 @@ class DequeueGet:
         self.owned: dict[int, GetShard] = {}
         self._views: dict[int, Shard] = {}
         self._waiting = set(shard_ids)
+        #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
+        self.refused: dict[int, str] = {}
         self.take_shards()
 
     def take_shards(self) -> None:
@@ -113,9 +123,19 @@ class DequeueGet:
             if shard is None:
                 continue  # enqueue-put has not created the shard yet
             self._views[shard_id] = shard
-            ckpt = shard.load_dequeue_checkpoint()
-            if ckpt is None:
+            try:
+                ckpt = shard.load_dequeue_checkpoint()
+            except CorruptCheckpointError:
+                ckpt = None
+            why = recovery_needed(shard.directory) if ckpt is None else None
+            if why is not None:
+                if self.refused.get(shard_id) != why:
+                    self.refused[shard_id] = why
+                    stage_logger(STAGE, shard_id).error("shard needs recovery", reason=why)
                 continue
+            self.refused.pop(shard_id, None)
+            if ckpt is None:
+                continue  # enqueue-put has not started the shard yet
             epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)
             if epoch is None:
                 continue

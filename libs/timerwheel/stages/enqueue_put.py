@@ -36,13 +36,23 @@ from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext, decoded
 from timerwheel.stages.codec import PUT_ROW_FIELDS, PutEntry, PutRequest, PutRow
 from timerwheel.stages.ownership import Ownership
-from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
+from timerwheel.store import (
+    CorruptCheckpointError,
+    DequeueCheckpoint,
+    EnqueueCheckpoint,
+    Flag,
+    Shard,
+    shard_dir,
+)
 from timerwheel.store.format import RecordArray, records_array, records_from_array, valid_mask
+from timerwheel.store.shard import recovery_command, recovery_needed
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "enqueue-put"
 _NORMAL, _ROLL, _DELETE = int(Flag.NORMAL), int(Flag.ROLL), int(Flag.DELETE)
 RETAIN_EVERY_S = 30.0
+#: A shard refused for want of ``timerwheel recover`` is looked at again this often.
+RECOVERY_RETRY_S = 2.0
 
 
 def fire_time(deliver_ms: int, write_ms: int, roll_window_ms: int) -> tuple[int, bool]:
@@ -84,14 +94,23 @@ class EnqueuePut:
         self._waiting = set(shard_ids)
         self._retained = time.monotonic()
         self._blocked: set[int] = set()
+        #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
+        self.refused: dict[int, str] = {}
+        self._refused_at: dict[int, float] = {}
         self.take_shards()
 
     def take_shards(self) -> None:
         """Acquire the shards we do not own yet; recover each before its first write."""
         for shard_id in sorted(self._waiting):
+            if shard_id in self.refused and time.monotonic() - self._refused_at.get(shard_id, 0.0) < RECOVERY_RETRY_S:
+                continue
             # A lease kept from an earlier try (below) is still ours.
             epoch = self.ownership.epochs.get(shard_id) or self.ownership.acquire(shard_id)
             if epoch is None:
+                continue
+            why = recovery_needed(self._dir(shard_id))  # before opening: Shard.open would fail or recover
+            if why is not None:
+                self._refuse(shard_id, why)
                 continue
             try:
                 shard = self.open_shard(shard_id)
@@ -104,7 +123,11 @@ class EnqueuePut:
                     self.logger.warning("shard still locked by its previous owner, waiting", shard=shard_id,
                                         error=str(exc))
                 continue
+            except CorruptCheckpointError as exc:
+                self._refuse(shard_id, f"{exc}; the shard is not started: run `{recovery_command(self._dir(shard_id))}`")
+                continue
             self._blocked.discard(shard_id)
+            self.refused.pop(shard_id, None)
             ckpt = shard.load_enqueue_checkpoint()
             if ckpt is not None and ckpt.epoch >= epoch:
                 # The lease store forgot (Redis flushed): take an epoch above the checkpoint's.
@@ -115,6 +138,18 @@ class EnqueuePut:
                     continue
             self._waiting.discard(shard_id)
             self.owned[shard_id] = self._start(shard_id, shard, epoch)
+
+    def _dir(self, shard_id: int) -> str:
+        return shard_dir(self.ctx.config.data_dir, shard_id)
+
+    def _refuse(self, shard_id: int, why: str) -> None:
+        """Leave a shard whose state needs ``timerwheel recover`` unstarted (its lease released, so the
+        tool may run), saying why once; it is looked at again every RECOVERY_RETRY_S and starts once repaired."""
+        self.ownership.release_all_of(shard_id)
+        self._refused_at[shard_id] = time.monotonic()
+        if self.refused.get(shard_id) != why:
+            self.refused[shard_id] = why
+            stage_logger(STAGE, shard_id).error("shard needs recovery", reason=why)
 
     def _start(self, shard_id: int, shard: Shard, epoch: int) -> PutShard:
         log = stage_logger(STAGE, shard_id)

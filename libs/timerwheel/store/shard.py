@@ -50,7 +50,7 @@ from timerwheel.errors import (
     FormatMismatchError,
     TimerwheelError,
 )
-from timerwheel.files import atomic_write
+from timerwheel.files import FILE_MODE, atomic_write
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.format import (
@@ -124,6 +124,19 @@ def _check_meta(directory: str, wanted: dict[str, int]) -> None:
         )
 
 
+def stored_settings(directory: str | os.PathLike[str]) -> tuple[int, int, int]:
+    """``tick_ms``, ``slots``, ``segment_bytes`` the shard in ``directory`` was made with (its meta.json)."""
+    path = os.path.join(os.fspath(directory), META_FILE)
+    try:
+        with open(path, "rb") as f:
+            meta = json.load(f)
+        return int(meta["tick_ms"]), int(meta["slots"]), int(meta["segment_bytes"])
+    except FileNotFoundError:
+        raise TimerwheelError(f"no shard at {os.fspath(directory)} (no {META_FILE})") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TimerwheelError(f"shard {os.fspath(directory)}: {META_FILE} is unreadable: {exc}") from None
+
+
 def _has_data(directory: str) -> bool:
     log_dir = os.path.join(directory, LOG_DIR)
     segments = os.listdir(log_dir) if os.path.isdir(log_dir) else []
@@ -131,6 +144,35 @@ def _has_data(directory: str) -> bool:
         any(name.endswith(SEGMENT_SUFFIX) and os.path.getsize(os.path.join(log_dir, name)) for name in segments)
         or checkpoint.published_file(os.path.join(directory, ENQUEUE_CKPT)) is not None
     )
+
+
+def recovery_command(directory: str | os.PathLike[str]) -> str:
+    """The command that repairs the shard in ``directory`` (``<data dir>/shard-NNNN``)."""
+    path = os.path.abspath(os.fspath(directory))
+    name = os.path.basename(path)
+    number = int(name[6:]) if name.startswith("shard-") and name[6:].isdigit() else -1
+    return f"timerwheel recover --shard {number} --data-dir {os.path.dirname(path)}"
+
+
+def recovery_needed(directory: str | os.PathLike[str]) -> str | None:
+    """Why the shard must not start without ``timerwheel recover``, or None.
+
+    An unreadable enqueue checkpoint is refused too (Shard.open would fail on it). The dequeue checkpoint holds R: every slot before it is delivered. Without it (lost, or
+    unreadable) there is no safe R to start from: a new one at "now" would skip every slot
+    between the lost R and now, silently. A shard that has never written anything (no TimerLog
+    record, no enqueue checkpoint) needs none: enqueue-put starts R at its first W.
+    """
+    directory = os.fspath(directory)
+    path = os.path.join(directory, DEQUEUE_CKPT)
+    try:
+        checkpoint.load_enqueue(os.path.join(directory, ENQUEUE_CKPT))
+        found = checkpoint.load_dequeue(path)
+    except checkpoint.CorruptCheckpointError as exc:
+        return f"{exc}; the shard is not started (R is unknown, nothing is skipped): run `{recovery_command(directory)}`"
+    if found is None and _has_data(directory):
+        return (f"dequeue checkpoint {path} is missing, but the shard holds data; the shard is not started (R is "
+                f"unknown, nothing is skipped): run `{recovery_command(directory)}`")
+    return None
 
 
 class Shard:
@@ -215,7 +257,7 @@ class Shard:
             )
 
         os.makedirs(directory, exist_ok=True)
-        lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

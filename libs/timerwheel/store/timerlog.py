@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import ConfigError, CorruptRecordError, FormatMismatchError, TimerwheelError
-from timerwheel.files import fsync_dir, pwrite_all
+from timerwheel.files import FILE_MODE, fsync_dir, pwrite_all
 from timerwheel.store.format import (
     RECORD_DTYPE,
     RecordArray,
@@ -245,7 +245,7 @@ class TimerLog:
     def _writable(self, base: int) -> int:
         if base == self._write_base:
             return self._write_fd
-        fd = os.open(self._path(base), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._path(base), os.O_RDWR | os.O_CREAT, FILE_MODE)
         if not self._bases or self._bases[-1] < base:
             self._bases.append(base)
             self._dir_dirty = True

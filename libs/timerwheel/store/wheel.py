@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from timerwheel.errors import ConfigError, FormatMismatchError, TimerwheelError
-from timerwheel.files import fsync_dir
+from timerwheel.files import FILE_MODE, fsync_dir, temp_path
 from timerwheel.store.format import FORMAT_VERSION
 from timerwheel.store.fresh import DirectFile, drop_cached
 
@@ -149,8 +149,8 @@ class TimerWheel:
 
     def _create(self) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        tmp = temp_path(self.path)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
             os.pwrite(fd, self._header(0), 0)
             os.ftruncate(fd, HEADER_SIZE + self.slots * SLOT_SIZE)

@@ -67,7 +67,7 @@ import numpy as np
 
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.errors import CorruptRecordError, TimerwheelError
-from timerwheel.files import fsync_dir, pwrite_all
+from timerwheel.files import FILE_MODE, fsync_dir, pwrite_all
 from timerwheel.records import OutRecord, Record
 
 FORMAT_VERSION = 1
@@ -257,9 +257,9 @@ class _Segment:
     def __init__(self, directory: Path, base: int, *, create: bool = False) -> None:
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
         self.base = base
-        self.log_fd = os.open(directory / f"{base:020d}.log", flags, 0o644)
+        self.log_fd = os.open(directory / f"{base:020d}.log", flags, FILE_MODE)
         try:
-            self.idx_fd = os.open(directory / f"{base:020d}.idx", flags, 0o644)
+            self.idx_fd = os.open(directory / f"{base:020d}.idx", flags, FILE_MODE)
         except BaseException:
             os.close(self.log_fd)
             raise
@@ -291,7 +291,7 @@ class _Partition:
         self._open: dict[int, _Segment] = {}
         self._closed = False
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock_fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
         with self.locked():
             self._recover()
 
@@ -689,7 +689,7 @@ class LocalCommitLog:
             return self._counts[topic]
 
     def _create_topic(self, topic: str, partitions: int) -> None:
-        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             topic_dir = self.directory / topic

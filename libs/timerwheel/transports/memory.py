@@ -38,6 +38,7 @@ from pathlib import Path
 
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.errors import QueueFullError, TimerwheelError
+from timerwheel.files import FILE_MODE
 
 
 class QueueClosedError(TimerwheelError):
@@ -311,7 +312,7 @@ class FileLeaseStore:
     def _locked(self, role: str, shard: int) -> Iterator[Path]:
         # A fresh open file per call: flock then also excludes other threads of this process.
         stem = self._stem(role, shard)
-        fd = os.open(self.directory / f"{stem}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.directory / f"{stem}.lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield self.directory / f"{stem}.lease"

@@ -1,0 +1,157 @@
+"""The deployment file ``timerwheel.json``: what every shard of a data directory was made with.
+
+At the data directory's root (ARCHITECTURE §3; FORMAT.md has the fields). The first process that
+starts on a data directory writes it, atomically and only if it is not there yet (a hard link of a
+complete temp file: of two processes starting at once, one wins and the other compares with what
+it wrote). Every later start compares its settings with the stored ones and refuses any
+difference, naming both values: a different shard count would move timer-topic partitions
+between shards (``p % shards``), so the new owner of a partition would resume it from offset 0
+and deliver old messages again; a different tick, wheel span or roll window would read the
+wheels with the wrong geometry; another timer topic would pair these offsets with other records.
+
+A data directory made before this file existed is adopted: the first start writes the current
+settings, unless a ``shard-NNNN`` directory at or beyond the requested shard count shows the data
+was made with more shards. The shard count is never changed in place; tick, span and roll window
+change only through ``timerwheel rebuild-wheel`` (the operator's procedure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from timerwheel.errors import FormatMismatchError, TimerwheelError
+from timerwheel.files import FILE_MODE, fsync_dir, temp_path
+from timerwheel.store.format import FORMAT_VERSION
+
+SETTINGS_FILE = "timerwheel.json"
+
+#: The TW_* variable of each stored setting, so a refusal names what the user sets.
+VARIABLE_OF = {
+    "shards": "TW_SHARDS", "tick_ms": "TW_TICK_MS", "wheel_span_ms": "TW_WHEEL_SPAN_MS",
+    "roll_window_ms": "TW_ROLL_WINDOW_MS", "timer_topic": "TW_TIMER_TOPIC", "format_version": "format version",
+}
+
+_SHARD_DIR = re.compile(r"shard-(\d{4})$")
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSettings:
+    """The settings every shard of one data directory shares, fixed at its first start."""
+
+    shards: int
+    tick_ms: int
+    wheel_span_ms: int
+    roll_window_ms: int
+    timer_topic: str
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def of(cls, config: Any) -> DeploymentSettings:
+        """From a ``TimerConfig`` (the wheel span as used: a span of 0 means twice the roll window)."""
+        return cls(int(config.shards), int(config.tick_ms), int(config.wheel_slots) * int(config.tick_ms),
+                   int(config.roll_window_ms), str(config.timer_topic))
+
+
+def settings_path(data_dir: str | os.PathLike[str]) -> str:
+    return os.path.join(os.fspath(data_dir), SETTINGS_FILE)
+
+
+def load_settings(data_dir: str | os.PathLike[str]) -> DeploymentSettings | None:
+    """The stored settings, or None if the data directory has no deployment file yet."""
+    path = settings_path(data_dir)
+    try:
+        with open(path, "rb") as f:
+            body: Any = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise TimerwheelError(f"deployment file {path} is unreadable: {exc}") from None
+    try:
+        if not isinstance(body, dict):
+            raise TypeError("not a JSON object")
+        fields = {name: body[name] for name in DeploymentSettings.__dataclass_fields__}
+        ints = [n for n, v in fields.items() if n != "timer_topic" and (not isinstance(v, int) or isinstance(v, bool))]
+        if ints or not isinstance(fields["timer_topic"], str):
+            raise TypeError(f"bad field {(ints or ['timer_topic'])[0]}")
+        return DeploymentSettings(**fields)
+    except (KeyError, TypeError) as exc:
+        raise TimerwheelError(f"deployment file {path} is unreadable: {exc}") from None
+
+
+def found_shard_dirs(data_dir: str | os.PathLike[str]) -> list[int]:
+    """Numbers of the ``shard-NNNN`` directories in ``data_dir``, in order."""
+    try:
+        names = os.listdir(data_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _SHARD_DIR.match(n))
+                  and os.path.isdir(os.path.join(data_dir, n)))
+
+
+def _refuse(data_dir: str | os.PathLike[str], stored: DeploymentSettings, wanted: DeploymentSettings) -> None:
+    mine, theirs = asdict(wanted), asdict(stored)
+    wrong = [f"{VARIABLE_OF[n]}: stored {theirs[n]!r}, requested {mine[n]!r}" for n in mine if mine[n] != theirs[n]]
+    if wrong:
+        raise FormatMismatchError(
+            f"data directory {os.fspath(data_dir)} was made with other settings ({'; '.join(wrong)}; see "
+            f"{SETTINGS_FILE}): start with the stored values (the shard count never changes: timer partitions "
+            "would move between shards and old messages be delivered again)")
+
+
+def check_settings(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, *, create: bool = True,
+                   fsync: bool = True) -> DeploymentSettings:
+    """Compare ``wanted`` with the deployment file, writing it first if there is none (``create``).
+
+    Raises FormatMismatchError naming every setting that differs. Without ``create`` a data
+    directory with no file passes (a stage that writes no shard state)."""
+    stored = load_settings(data_dir)
+    if stored is None:
+        beyond = [s for s in found_shard_dirs(data_dir) if s >= wanted.shards]
+        if beyond:
+            raise FormatMismatchError(
+                f"data directory {os.fspath(data_dir)} holds shard-{beyond[-1]:04d} but TW_SHARDS requests "
+                f"{wanted.shards}: it was made with at least {beyond[-1] + 1} shards (the shard count never changes)")
+        if not create:
+            return wanted
+        stored = _write_once(data_dir, wanted, fsync)
+    _refuse(data_dir, stored, wanted)
+    return stored
+
+
+def _write_once(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, fsync: bool) -> DeploymentSettings:
+    """Write the file unless it exists; the settings that are stored afterwards."""
+    os.makedirs(data_dir, exist_ok=True)
+    path = settings_path(data_dir)
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        os.write(fd, json.dumps(asdict(wanted), indent=1, sort_keys=True).encode() + b"\n")
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # fails if another process wrote it first: never replaces a stored file
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        # A file system without hard links: a rename, only if still absent (a small window).
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    if fsync:
+        fsync_dir(os.fspath(data_dir))
+    stored = load_settings(data_dir)
+    if stored is None:
+        raise TimerwheelError(f"deployment file {path} vanished right after it was written")
+    return stored

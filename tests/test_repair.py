@@ -1,0 +1,177 @@
+"""Lost or damaged shard state: the shard refuses to start, and `timerwheel recover` /
+`timerwheel rebuild-wheel` repair it so that nothing is lost (real processes for the tools)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from timerwheel import SimulatedClock, Timer
+from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.errors import ShardNeedsRecoveryError
+
+ENV = {**os.environ, "TW_LOG_LEVEL": "WARNING"}
+ENV.pop("TW_REDIS_URL", None)  # the lease check is not what these tests are about
+START = 1_700_000_000_000
+TICK = 100
+SETTINGS = {"shards": 1, "tick_ms": TICK, "roll_window_ms": 60_000, "fsync": False}
+
+
+def tw(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "timerwheel.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=ENV)
+
+
+def delivered(tw_: EmbeddedTimerwheel) -> list[str]:
+    return [(r.header("tw-id") or b"").decode() for r in tw_.read("t")]
+
+
+def schedule_and_deliver_half(data: Path) -> tuple[list[str], list[str]]:
+    """20 messages due 1..20 s after START; the clock moves to 10.5 s: the first 10 are delivered.
+    Returns (delivered ids, all ids). The runtime is closed afterwards."""
+    clock = SimulatedClock(START)
+    with EmbeddedTimerwheel(data, clock=clock, **SETTINGS) as e:
+        tickets = e.schedule_many([Timer("t", b"v", deliver_at_ms=START + 1_000 * (i + 1), message_id=f"m{i}")
+                                   for i in range(20)])
+        e.wait_idle()
+        clock.set(START + 10_500)
+        e.wait_idle()
+        first = delivered(e)
+    assert sorted(first) == sorted(f"m{i}" for i in range(10))
+    return first, [t.message_id for t in tickets]
+
+
+def deliver_all(data: Path) -> list[str]:
+    clock = SimulatedClock(START + 10_500)
+    with EmbeddedTimerwheel(data, clock=clock, **SETTINGS) as e:
+        e.wait_idle()
+        clock.set(START + 25_000)
+        e.wait_idle()
+        return delivered(e)
+
+
+def dequeue_files(data: Path) -> list[Path]:
+    return sorted((data / "shard-0000").glob("dequeue*.ckpt"))
+
+
+def test_a_lost_dequeue_checkpoint_stops_the_shard_and_recover_loses_nothing(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    first, ids = schedule_and_deliver_half(data)
+    for f in dequeue_files(data):
+        f.unlink()
+    with pytest.raises(ShardNeedsRecoveryError) as refused:
+        EmbeddedTimerwheel(data, clock=SimulatedClock(START + 10_500), **SETTINGS)
+    why = str(refused.value)
+    assert "dequeue checkpoint" in why and "missing" in why, why
+    assert f"timerwheel recover --shard 0 --data-dir {data.absolute()}" in why
+    run = tw("run", "--embedded", "--data-dir", str(data), "--shards", "1", "--tick-ms", "100",
+             "--roll-window", "60000")
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 1 and last.startswith("timerwheel: error: shard 0: dequeue checkpoint"), run.stderr
+    assert "timerwheel recover --shard 0" in last
+
+    result = tw("recover", "--shard", "0", "--data-dir", str(data))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["status"] == "repaired" and report["dequeue_checkpoint"] == "rebuilt"
+    assert report["enqueue_checkpoint"] == "kept"
+    # The 10 delivered messages lie in slots before W: the lost R may have passed any of them.
+    assert report["may_deliver_twice"] == 10
+    assert report["read_ms"] == START + 1_000  # the earliest slot of a retained record
+    again = tw("recover", "--shard", "0", "--data-dir", str(data))
+    assert json.loads(again.stdout)["status"] == "ok", "a second recover found something left to repair"
+
+    after = deliver_all(data)
+    assert sorted(set(after)) == sorted(ids), "a message was lost"
+    assert sorted(after[len(first):]) == sorted(ids), "each message once more after the recovery, no more"
+
+
+def test_a_corrupt_dequeue_checkpoint_is_set_aside_not_trusted(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    _first, ids = schedule_and_deliver_half(data)
+    [ckpt] = dequeue_files(data)
+    ckpt.write_bytes(b'{"kind": "dequeue", "read_ms": 9')
+    with pytest.raises(ShardNeedsRecoveryError, match=f"{ckpt.name} is unreadable.*timerwheel recover --shard 0"):
+        EmbeddedTimerwheel(data, clock=SimulatedClock(START + 10_500), **SETTINGS)
+    report = json.loads(tw("recover", "--shard", "0", "--data-dir", str(data)).stdout)
+    assert report["set_aside"] == [ckpt.name] and (ckpt.parent / (ckpt.name + ".corrupt")).exists()
+    assert report["dequeue_checkpoint"] == "rebuilt" and report["may_deliver_twice"] == 10
+    assert set(deliver_all(data)) == set(ids)
+
+
+def test_the_repair_tools_refuse_a_shard_a_live_process_owns(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    schedule_and_deliver_half(data)
+    wheel = data / "shard-0000" / "wheel"
+    before = wheel.stat().st_ino
+    with EmbeddedTimerwheel(data, clock=SimulatedClock(START + 10_500), **SETTINGS):
+        for command in ("recover", "rebuild-wheel"):
+            result = tw(command, "--shard", "0", "--data-dir", str(data))
+            assert result.returncode == 3, result
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and "in use by another timerwheel process" in lines[0], result.stderr
+            assert result.stdout == ""
+    assert wheel.stat().st_ino == before, "rebuild-wheel replaced the wheel of a live writer"
+    missing = tw("recover", "--shard", "3", "--data-dir", str(data))
+    assert missing.returncode == 1 and "no shard at" in missing.stderr, missing.stderr
+
+
+def test_rebuild_wheel_relinks_every_record_of_a_wiped_wheel(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    _first, ids = schedule_and_deliver_half(data)
+    wheel = data / "shard-0000" / "wheel"
+    size = wheel.stat().st_size
+    with open(wheel, "r+b") as f:  # keep the header (it says the wheel is durable): slots gone
+        f.seek(64)
+        f.write(bytes(size - 64))
+    result = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["status"] == "rebuilt" and report["records"] == 20 and report["relinked"] == 20
+    assert set(deliver_all(data)) == set(ids)
+
+
+def test_recover_cuts_a_torn_timerlog_tail(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    schedule_and_deliver_half(data)
+    [segment] = sorted((data / "shard-0000" / "timerlog").glob("*.tlog"))
+    end = segment.stat().st_size
+    with open(segment, "ab") as f:
+        f.write(b"\x40\x00\x00\x00" + b"\x01" * 30)  # half a record: a write torn by a crash
+    report = json.loads(tw("recover", "--shard", "0", "--data-dir", str(data)).stdout)
+    assert report["truncated_bytes"] == 34 and report["timerlog_end"] == end
+    assert report["status"] == "repaired" and report["may_deliver_twice"] == 0
+    assert segment.stat().st_size == end
+
+
+def test_dequeue_get_leaves_a_shard_without_its_checkpoint_unowned_and_says_why(tmp_path: Path) -> None:
+    """The production dequeue-get: it must not start the shard at some R of its own making."""
+    from timerwheel import SystemClock, TimerConfig
+    from timerwheel.embedded import open_reader_if_exists
+    from timerwheel.metrics import Metrics
+    from timerwheel.stages import DequeueGet, StageContext
+    from timerwheel.stages.ownership import Ownership
+    from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
+
+    data = tmp_path / "data"
+    schedule_and_deliver_half(data)
+    for f in dequeue_files(data):
+        f.unlink()
+    cfg = TimerConfig(data_dir=str(data), shards=1, tick_ms=TICK, roll_window_ms=60_000, fsync=False)
+    ctx = StageContext(cfg, SystemClock(), Metrics(), consumer="test")
+    stage = DequeueGet(ctx, [0], lambda s: open_reader_if_exists(cfg, s), MemoryWorkQueue("fetch", 1, 8),
+                       MemoryWorkQueue("done", 1, 8), Ownership(MemoryLeaseStore(SystemClock()), "dequeue-get", "test"))
+    try:
+        stage.step(0.0)
+        assert stage.owned == {}
+        assert "dequeue.ckpt is missing" in stage.refused[0] and "timerwheel recover --shard 0" in stage.refused[0]
+        assert tw("recover", "--shard", "0", "--data-dir", str(data)).returncode == 0
+        stage.step(0.0)
+        assert list(stage.owned) == [0] and stage.owned[0].read_ms == START + 1_000
+        assert stage.refused == {}
+    finally:
+        stage.close()
