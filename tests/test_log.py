@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+from collections.abc import Callable
 
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.log import configure_logging, stage_logger
@@ -32,16 +33,23 @@ def test_an_error_line_carries_the_whole_traceback_in_one_line() -> None:
     assert (line["stage"], line["shard"]) == ("enqueue-get", 2)
 
 
+def _broker_away() -> None:
+    raise ConnectionError("broker away")
+
+
 class Failing:
-    def __init__(self, stop: threading.Event, times: int) -> None:
-        self.stop, self.times, self.calls = stop, times, 0
+    """A stage whose step fails (``fail`` raises, deep inside) ``times`` times, then stops the runner."""
+
+    def __init__(self, stop: threading.Event, times: int, fail: Callable[[], None] = _broker_away) -> None:
+        self.stop, self.times, self.calls, self.fail = stop, times, 0, fail
 
     def step(self, timeout_s: float) -> int:
         self.calls += 1
         if self.calls > self.times:
             self.stop.set()
             return 0
-        raise ConnectionError("broker away")
+        self.fail()
+        return 1
 
     def close(self) -> None:
         pass
@@ -68,24 +76,6 @@ def _parse_the_batch() -> None:
     raise KeyError("slot 17")
 
 
-class Broken:
-    """A stage whose step fails deep inside, every time, until the runner is stopped."""
-
-    def __init__(self, stop: threading.Event, times: int) -> None:
-        self.stop, self.times, self.calls = stop, times, 0
-
-    def step(self, timeout_s: float) -> int:
-        self.calls += 1
-        if self.calls > self.times:
-            self.stop.set()
-            return 0
-        _parse_the_batch()
-        return 1
-
-    def close(self) -> None:
-        pass
-
-
 def test_an_error_in_a_stage_loop_is_logged_once_with_its_traceback_not_again_up_the_stack(
         monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The production wrapper (``_Tracked``: /readyz) sees the error on its way up and re-raises
@@ -96,7 +86,7 @@ def test_an_error_in_a_stage_loop_is_logged_once_with_its_traceback_not_again_up
     configure_logging("INFO", out)
     ctx = StageContext(TimerConfig(), SimulatedClock(0))
     monkeypatch.setattr(ctx.stop, "wait", lambda timeout=None: ctx.stop.is_set())
-    tracked = _Tracked(Broken(ctx.stop, 1))
+    tracked = _Tracked(Failing(ctx.stop, 1, _parse_the_batch))
     StageRunner("dequeue-getmsg", tracked, ctx).run()
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     about = [x for x in lines if "slot 17" in json.dumps(x)]
