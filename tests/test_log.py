@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import threading
 from collections.abc import Callable
 
@@ -147,3 +148,21 @@ def test_a_retried_append_logs_its_traceback_on_the_first_failure_only() -> None
     assert [x["attempt"] for x in lines] == [1, 2, 3]
     assert ["traceback" in x for x in lines] == [True, False, False]
     assert "ConnectionError: broker away" in lines[0]["traceback"]
+
+
+def test_an_unexpected_error_ends_a_command_with_one_json_line_holding_its_traceback(
+        monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from timerwheel import cli
+
+    def broken(_args: object) -> int:
+        _parse_the_batch()
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_inspect", broken)
+    monkeypatch.setattr(cli, "configure_logging", lambda level: configure_logging(level, sys.stderr))
+    assert cli.main(["inspect"]) == 1
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(lines) == 1, lines
+    line = json.loads(lines[0])
+    assert (line["level"], line["stage"], line["event"]) == ("error", "inspect", "command failed")
+    assert line["error"] == "KeyError: 'slot 17'" and "in _parse_the_batch" in line["traceback"]

@@ -546,6 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TimerwheelError, OSError) as exc:
         sys.stderr.write(f"timerwheel: error: {exc}\n")
         return 1
+    except Exception:  # a bug: one JSON line with the whole traceback, here where it ends the command
+        stage_logger(args.name if args.command == "stage" else args.command).error("command failed", exc=True)
+        return 1
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
