@@ -1,6 +1,6 @@
 """Disaster recovery from Kafka (``timerwheel recover-from-kafka``): the pending set computed from
 the timer, dead-letter and destination topics, the copies, the fresh shards at the timer topic's
-end, and the refusals. The whole loop with the stage processes is e2e/test_disaster.py."""
+end, and the refusals. The whole loop with the stage processes is e2e/test_disaster_recovery.py."""
 
 from __future__ import annotations
 
