@@ -548,6 +548,9 @@ class Delivery:
     value: bytes | None
     headers: dict[str, bytes]
     delivered_at_ms: int
+    #: When the collector's poll returned it, by this process's clock: an independent clock, not
+    #: the service's own ``tw-delivered-at``.
+    received_at_ms: int = 0
 
 
 class Collector:
@@ -588,11 +591,12 @@ class Collector:
                 self._stop.wait(0.5)
                 continue
             got = []
+            received = now_ms()
             for recs in batches.values():
                 for r in recs:
                     headers = {k: bytes(v) for k, v in (r.headers or ())}
                     at = int(headers.get("tw-delivered-at", b"0") or 0)
-                    got.append(Delivery(r.topic, r.partition, r.offset, r.key, r.value, headers, at))
+                    got.append(Delivery(r.topic, r.partition, r.offset, r.key, r.value, headers, at, received))
             if got:
                 with self._lock:
                     for d in got:
@@ -676,12 +680,16 @@ class Report:
     cancelled_delivered: list[str]
     unexpected: list[str]  # delivered, yet never acknowledged to the producer (or unknown ids)
     lateness_ms: dict[str, float] = field(default_factory=dict)
+    #: Early and lateness again by the collector's receive time (its own clock), not tw-delivered-at.
+    early_received: list[str] = field(default_factory=list)
+    received_lateness_ms: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> str:
         return (f"[{self.name}] scheduled={self.scheduled} delivered={self.delivered} lost={len(self.lost)} "
                 f"duplicated={self.duplicated} late>1s={self.late} early={len(self.early)} "
+                f"early_by_receive={len(self.early_received)} "
                 f"cancelled_but_delivered={len(self.cancelled_delivered)} unexpected={len(self.unexpected)} "
-                f"lateness_ms={self.lateness_ms}")
+                f"lateness_ms={self.lateness_ms} lateness_by_receive_ms={self.received_lateness_ms}")
 
 
 def make_report(name: str, producer: TimerProducer, collector: Collector) -> Report:
@@ -696,14 +704,22 @@ def make_report(name: str, producer: TimerProducer, collector: Collector) -> Rep
                       for m in delivered)
     late = sum(1 for x in lateness if x > 1000)
     early = sorted(m for m in delivered if by_id[m][0].delivered_at_ms < expected[m].deliver_at_ms)
+    # The same by the collector's clock: the first copy's receive time (a bound on the delivery
+    # that does not trust the service's stamp).
+    received = sorted(min(d.received_at_ms for d in by_id[m]) - max(expected[m].deliver_at_ms, expected[m].sent_ms)
+                      for m in delivered)
+    early_received = sorted(m for m in delivered
+                            if min(d.received_at_ms for d in by_id[m]) < expected[m].deliver_at_ms)
     cancelled = sorted(m for m in producer.cancelled if m in by_id)
     known = set(producer.messages)
     unexpected = sorted(m for m in by_id if m not in known or not producer.messages[m].acked)
 
-    def pct(q: float) -> float:
-        return float(lateness[min(len(lateness) - 1, int(q * len(lateness)))]) if lateness else float("nan")
+    def pcts(values: list[int]) -> dict[str, float]:
+        def pct(q: float) -> float:
+            return float(values[min(len(values) - 1, int(q * len(values)))]) if values else float("nan")
+        return {"p50": pct(0.5), "p99": pct(0.99), "max": float(values[-1]) if values else float("nan")}
 
     rep = Report(name, len(expected), len(delivered), lost, duplicated, late, early, cancelled, unexpected,
-                 {"p50": pct(0.5), "p99": pct(0.99), "max": float(lateness[-1]) if lateness else float("nan")})
+                 pcts(lateness), early_received, pcts(received))
     print(rep.line(), flush=True)
     return rep

@@ -117,6 +117,7 @@ def finish(pipe: Pipeline, run: LoadRun, name: str, ledger: Ledger, damaged: int
         f"{[run.producer.messages[m] for m in rep.lost[:5]]}\n{pipe.tails()}")
     assert rep.duplicated <= bound, f"{rep.duplicated} duplicates, more than the bound {bound}\n{rep.line()}"
     assert not rep.early, f"delivered early: {rep.early[:10]}"
+    assert not rep.early_received, f"received before their time: {rep.early_received[:10]}"
     assert rep.scheduled >= run.load.rate * 30, f"the load only got {rep.scheduled} messages scheduled"
 
 

@@ -124,6 +124,7 @@ def check_correctness(pipe: Pipeline) -> None:
         assert not missing and not rep.lost, f"lost {len(rep.lost)}: {rep.lost[:20]}\n{pipe.tails()}"
         assert rep.duplicated == 0, f"{rep.duplicated} duplicates without any crash\n{pipe.tails()}"
         assert not rep.early, f"delivered early: {rep.early[:10]}"
+        assert not rep.early_received, f"received before their time: {rep.early_received[:10]}"
         assert not rep.cancelled_delivered, f"cancelled yet delivered: {rep.cancelled_delivered[:10]}"
         assert not rep.unexpected, f"delivered ids nobody scheduled: {rep.unexpected[:10]}"
         # Lateness is reported; only a backlog fails the test (a loaded CI machine may be slow).

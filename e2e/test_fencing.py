@@ -64,7 +64,7 @@ def test_a_paused_owner_is_fenced_and_its_successor_owns_the_shards(
         missing, rep = run.drain("fencing", timeout_s=60)
         assert not missing and not rep.lost, f"lost {len(rep.lost)}: {rep.lost[:20]}\n{pipe.tails()}"
         assert rep.duplicated == 0, rep.line()  # only the enqueue side was disturbed
-        assert not rep.early
+        assert not rep.early and not rep.early_received, rep.line()
         for line in events(pipe, "enqueue-put#2", "recovered"):
             assert line["corrupt"] == 0, line
         assert not [line for line in pipe.log_lines("dequeue-get") if "corrupt" in str(line.get("event"))]

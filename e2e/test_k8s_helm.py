@@ -307,7 +307,7 @@ def test_the_wire_contract_through_the_pods_with_one_trace_per_message(release: 
         time.sleep(3)  # a cancelled message or a second copy would show now
         rep = make_report("k8s wire contract", producer, collector)
         assert not missing, f"not delivered: {sorted(missing)}\n{rep.line()}\n{release.diagnosis()}"
-        assert rep.lost == [] and rep.early == [] and rep.duplicated == 0, rep.line()
+        assert rep.lost == [] and rep.early == rep.early_received == [] and rep.duplicated == 0, rep.line()
         assert rep.cancelled_delivered == [] and rep.unexpected == [], rep.line()
         assert {m.message_id for m in doomed}.isdisjoint(collector.delivered_ids())
         assert rolled.message_id in collector.delivered_ids()
@@ -396,7 +396,7 @@ def test_lateness_through_the_pods_at_200_per_second(release: Release) -> None:
           f"p50 {rep.lateness_ms['p50']:.0f} ms, p99 {rep.lateness_ms['p99']:.0f} ms, "
           f"max {rep.lateness_ms['max']:.0f} ms, {rep.delivered} delivered, "
           f"producer errors {run.load.errors}", flush=True)
-    assert not missing and rep.lost == [] and rep.early == [], rep.line() + release.diagnosis()
+    assert not missing and rep.lost == [] and rep.early == rep.early_received == [], rep.line() + release.diagnosis()
     assert rep.scheduled >= 200 * 50, rep.line()  # the load ran (the producer kept up)
 
 
@@ -432,7 +432,7 @@ def test_deleting_stage_pods_under_load_loses_nothing(release: Release) -> None:
         expected = run.producer.expected()
     print(f"[k8s delete pods] disruptions (stage, deleted at, replacement ready at): {disruptions}", flush=True)
     assert not missing and rep.lost == [], f"lost {len(rep.lost)}\n{rep.line()}\n{release.diagnosis()}"
-    assert rep.early == [], rep.line()
+    assert rep.early == rep.early_received == [], rep.line()
     assert rep.scheduled >= 50 * 30, rep.line()
     # A graceful stop finishes its in-flight work; a copy may only come from messages that were
     # due while a stage pod stopped (the in flight of that moment), never from others.

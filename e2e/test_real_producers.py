@@ -87,10 +87,10 @@ def check_delivered(collector: Collector, expected: Expected, pipe: Pipeline, ti
     with collector._lock:
         by_id = {m: list(d) for m, d in collector.by_id.items()}
     duplicated = {m: len(d) for m, d in by_id.items() if m in expected and len(d) > 1}
-    early = {m: (expected[m], d[0].delivered_at_ms) for m, d in by_id.items()
-             if m in expected and d[0].delivered_at_ms < expected[m]}
+    early = {m: (expected[m], d[0].delivered_at_ms, min(x.received_at_ms for x in d)) for m, d in by_id.items()
+             if m in expected and min(d[0].delivered_at_ms, *(x.received_at_ms for x in d)) < expected[m]}
     assert not duplicated, f"delivered more than once: {duplicated}"
-    assert not early, f"delivered before their time (due, delivered): {early}"
+    assert not early, f"delivered before their time (due, delivered, received): {early}"
 
 
 def no_loss_loops(pipe: Pipeline) -> None:

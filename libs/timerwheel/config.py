@@ -112,6 +112,9 @@ class TimerConfig:
     #: CA bundle that signed the Redis server's certificate (with a ``rediss://`` URL).
     redis_ssl_cafile: str = ""
     http_port: int = 0
+    #: Distinct destination topics that get their own ``topic`` label in the metrics; past it
+    #: (and for a topic that is not a legal, allowed destination) the label is ``other``.
+    metrics_topic_labels_max: int = 100
     #: Embedded mode: the local commit log deletes segments older than this; 0 means
     #: max(7 days, 1.5 x the roll window). At least 1.5 x the roll window (rolled messages are
     #: re-read from the timer topic), as for the timer topic's retention.ms on Kafka.
@@ -169,6 +172,8 @@ class TimerConfig:
         need(0 <= self.replica_index < self.replicas, "replica_index",
              f"must be 0..{self.replicas - 1}, got {self.replica_index}")
         need(0 <= self.http_port <= 65535, "http_port", f"must be 0..65535, got {self.http_port}")
+        need(0 <= self.metrics_topic_labels_max <= 100_000, "metrics_topic_labels_max",
+             f"must be 0..100000, got {self.metrics_topic_labels_max}")
         need(self.log_retention_ms == 0 or self.log_retention_ms >= self.roll_window_ms * 3 // 2, "log_retention_ms",
              f"must be at least 1.5 x roll_window_ms ({self.roll_window_ms * 3 // 2}), got {self.log_retention_ms}")
         need(self.kafka_compression in KAFKA_COMPRESSIONS, "kafka_compression",
@@ -360,6 +365,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "TW_REDIS_PASSWORD_FILE": ("redis_password_file", "str", "file holding the Redis password (a mounted secret)"),
     "TW_REDIS_SSL_CAFILE": ("redis_ssl_cafile", "str", "PEM CA bundle of the Redis server's certificate (rediss://)"),
     "TW_HTTP_PORT": ("http_port", "int", "port for /healthz, /readyz and /metrics (0: off)"),
+    "TW_METRICS_TOPIC_LABELS_MAX": ("metrics_topic_labels_max", "int",
+                                    "destination topics with a metric label of their own; the rest are 'other' (default 100)"),
     "TW_LOG_RETENTION_MS": ("log_retention_ms", "duration",
                             "embedded: the local log keeps records this long (default max(7d, 1.5 x roll window))"),
 }

@@ -30,7 +30,7 @@ from timerwheel.config import TimerConfig
 from timerwheel.errors import ShardNeedsRecoveryError, TimerwheelError
 from timerwheel.files import FILE_MODE
 from timerwheel.log import stage_logger
-from timerwheel.metrics import Metrics
+from timerwheel.metrics import registry_for
 from timerwheel.pending import PendingTimers, pending_timers
 from timerwheel.records import Headers, Record
 from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges, tune_interpreter
@@ -134,7 +134,7 @@ class EmbeddedTimerwheel:
             settings["data_dir"] = str(data_dir)
         self.config = base.replace(**settings) if settings else base
         self.clock = clock or SystemClock()
-        self.metrics = Metrics()
+        self.metrics = registry_for(self.config)
         self._pending_every = Every(PENDING_EVERY_S)
         self._retention_every = Every(RETENTION_EVERY_S)
         self.log = stage_logger("embedded")

@@ -1,7 +1,10 @@
 """Structured logs: one JSON line per event, always with stage and shard.
 
-An error logged with ``exc=True`` carries its whole traceback in the ``traceback`` field (and its
-last line in ``error``), once, where the error is handled.
+An error logged with ``exc=True`` (inside the ``except`` block) or ``exc=the_exception`` carries
+its whole traceback in the ``traceback`` field (and its last line in ``error``), once, where the
+error is handled: the code that handles an error logs it (with its traceback) and does not
+raise it on; code that raises it on does not log it (the handler up the stack will). A failure
+that repeats logs its traceback on the first time of a streak, then a short line now and then.
 
     log = stage_logger("enqueue-put", shard=3)
     log.info("checkpoint", write_ms=W, flushed_pos=pos)
@@ -49,7 +52,7 @@ class StageLogger:
         child._base = {**self._base, **fields}
         return child
 
-    def _emit(self, level: int, event: str, exc: bool, fields: dict[str, Any]) -> None:
+    def _emit(self, level: int, event: str, exc: bool | BaseException, fields: dict[str, Any]) -> None:
         if self._log.isEnabledFor(level):
             self._log.log(level, event, extra={"tw_fields": {**self._base, **fields}}, exc_info=exc)
 
@@ -59,10 +62,10 @@ class StageLogger:
     def info(self, event: str, **fields: Any) -> None:
         self._emit(logging.INFO, event, False, fields)
 
-    def warning(self, event: str, **fields: Any) -> None:
-        self._emit(logging.WARNING, event, False, fields)
+    def warning(self, event: str, exc: bool | BaseException = False, **fields: Any) -> None:
+        self._emit(logging.WARNING, event, exc, fields)
 
-    def error(self, event: str, exc: bool = False, **fields: Any) -> None:
+    def error(self, event: str, exc: bool | BaseException = False, **fields: Any) -> None:
         self._emit(logging.ERROR, event, exc, fields)
 
 

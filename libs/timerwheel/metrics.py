@@ -1,17 +1,32 @@
 """Counters, gauges and the lateness histogram that every stage updates.
 
 A plain, thread-safe registry with no dependency but numpy, so the pure core stays pure. Exporters
-(Prometheus text on ``/metrics``, OTLP) read it; ``timerwheel inspect`` shows the same figures.
+read it: ``/metrics`` through prometheus_client (``timerwheel.exposition``), OTLP
+(``timerwheel.telemetry.export_metrics``); ``timerwheel inspect`` shows the same figures.
 Stages add per batch (``inc_many``), never allocate per message on the hot path.
+
+Every family is declared below (``COUNTERS``, ``GAUGES``, ``HISTOGRAMS``, with its help text):
+the exporters enumerate these, so a figure recorded under an undeclared name would reach
+``/metrics`` but not OTLP (tests/test_telemetry.py refuses that).
+
+Label values are bounded. A label taken from untrusted input (the ``topic`` of a timer record,
+whatever a producer wrote) would let any producer grow the registry, and every scrape, without
+end. ``LabelBound`` keeps at most ``cap`` distinct values that its ``accept`` approves (for
+``topic``: legal, allowed destinations, ``TW_METRICS_TOPIC_LABELS_MAX``, 100 by default) and
+records every other value as ``other``.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from timerwheel.config import TimerConfig
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -20,16 +35,100 @@ LATENESS_BUCKETS_MS = (5, 10, 25, 50, 100, 150, 200, 300, 500, 1000, 2500, 5000,
 #: Batches of at least this many values are bucketed with numpy.
 _NUMPY_FROM = 64
 
+#: Every counter the stages record: name -> help text (``/metrics`` shows it as ``timerwheel_<name>_total``).
+COUNTERS: dict[str, str] = {
+    "scheduled": "timer messages scheduled, per destination topic",
+    "delivered": "messages delivered to their destination, per topic",
+    "cancelled": "messages cancelled before delivery, per topic",
+    "rolled": "roll hops written back to the timer topic, per destination topic",
+    "dead_lettered": "records sent to the dead-letter topic, per destination topic",
+    "held": "due messages held because their destination topic does not exist, per topic",
+    "refused_records": "records the commit log refused for good (too large, invalid topic), dead-lettered",
+    "cancel_requests": "cancel records read from the timer topic",
+    "cancel_missed": "cancel markers that named another message (an id-hash collision)",
+    "append_retries": "writes to the commit log retried",
+    "queue_full_waits": "waits of a work-queue producer on a full queue (back-pressure)",
+    "stage_errors": "failed stage steps, retried, per stage",
+    "timerlog_records": "TimerLog records written, per shard",
+    "resends": "stalled slots re-sent by dequeue-get",
+    "rewinds": "timer partitions enqueue-get re-read after entries were lost in transit",
+    "put_gaps": "gaps enqueue-put found in its put queue (entries lost in transit)",
+    "fenced": "shard ownerships lost (lease lapsed or taken)",
+    "source_records_lost": "timer records gone from Kafka before a checkpoint passed them",
+    "stale_views": "reads of a shard whose published view was not yet visible on this node",
+    "undecodable_batches": "timer-topic batches that could not be decoded, per partition",
+    "dead_entries": "work-queue entries that could not be decoded, moved to the dead-entry stream",
+    "early_records": "deliveries not yet due by dequeue-put's clock, waited for",
+}
+#: Every gauge: name -> help text.
+GAUGES: dict[str, str] = {
+    "write_lag_ms": "now - W, per shard",
+    "read_lag_ms": "now - R, per shard",
+    "write_ms": "the write watermark W, per shard",
+    "read_ms": "the read time R, per shard",
+    "in_flight": "messages sent by dequeue-get and not yet delivered, per shard",
+    "timerlog_bytes": "TimerLog size, per shard",
+    "owner_epoch": "epoch of this process's ownership of a shard, per shard and stage",
+    "pending": "messages in the wheel from R to R + span, per shard (sampled every 15 s)",
+    "queue_depth": "entries in a work queue partition",
+    "undecodable_offset": "offset of the batch that could not be decoded, per timer partition",
+    "undecodable_partitions": "timer partitions set aside for an undecodable batch",
+}
+#: Every histogram: name -> help text.
+HISTOGRAMS: dict[str, str] = {
+    "delivery_lateness_ms": "delivery time - due time of delivered messages, ms",
+}
+
+#: The label value that stands for every value a ``LabelBound`` does not keep.
+OTHER = "other"
+
+
+class LabelBound:
+    """At most ``cap`` distinct values of one label, each approved by ``accept``; any other value
+    is recorded as ``OTHER``. The first ``cap`` approved values seen keep their own label for the
+    life of the process (a series never changes its name midway). Not thread-safe on its own:
+    ``Metrics`` calls it under its lock."""
+
+    __slots__ = ("accept", "cap", "kept")
+
+    def __init__(self, accept: Callable[[str], bool], cap: int) -> None:
+        self.accept = accept
+        self.cap = cap
+        self.kept: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self.kept:
+            return value
+        if len(self.kept) < self.cap and value != OTHER and self.accept(value):
+            self.kept.add(value)
+            return value
+        return OTHER
+
+
+def _legal_topic(value: str) -> bool:
+    from timerwheel.wire import TOPIC_NAME  # wire imports config; this module stays importable alone
+
+    return TOPIC_NAME.fullmatch(value) is not None and value not in (".", "..")
+
+
+def default_bounds(cap: int = 100) -> dict[str, LabelBound]:
+    """The bounds of a registry made without a configuration: ``topic`` keeps legal topic names."""
+    return {"topic": LabelBound(_legal_topic, cap)}
+
+
+def registry_for(config: TimerConfig) -> Metrics:
+    """The registry of a process configured by ``config``: a ``topic`` label only for a legal
+    destination that ``TW_ALLOW_TOPICS`` allows (not the timer or dead-letter topic), at most
+    ``TW_METRICS_TOPIC_LABELS_MAX`` of them."""
+    from timerwheel.wire import TimerRules
+
+    rules = TimerRules(config)
+    return Metrics({"topic": LabelBound(lambda t: not rules.destination_error(t) and rules.topic_allowed(t),
+                                        config.metrics_topic_labels_max)})
+
 
 def _key(labels: Mapping[str, object]) -> LabelKey:
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
-
-
-def _number(value: float) -> str:
-    """A sample value exactly: ``:g`` would keep 6 digits (W = 1.7e+12 ms, off by minutes)."""
-    if float(value).is_integer() and abs(value) < 2**63:
-        return str(int(value))
-    return repr(float(value))
 
 
 class Histogram:
@@ -65,34 +164,44 @@ class Histogram:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, bounds: Mapping[str, LabelBound] | None = None) -> None:
+        """``bounds``: label name -> its bound (default: ``default_bounds()``, the ``topic`` label)."""
         self._lock = threading.Lock()
+        self.bounds = dict(default_bounds() if bounds is None else bounds)
         self.counters: dict[str, dict[LabelKey, float]] = {}
         self.gauges: dict[str, dict[LabelKey, float]] = {}
         self.histograms: dict[str, dict[LabelKey, Histogram]] = {}
 
-    def inc(self, name: str, amount: float = 1, **labels: object) -> None:
+    def _bounded(self, labels: Mapping[str, object]) -> LabelKey:
+        """The series key of ``labels``, bounded labels mapped (call under the lock)."""
         key = _key(labels)
+        if not self.bounds or not any(k in self.bounds for k, _ in key):
+            return key
+        return tuple((k, self.bounds[k](v) if k in self.bounds else v) for k, v in key)
+
+    def inc(self, name: str, amount: float = 1, **labels: object) -> None:
         with self._lock:
+            key = self._bounded(labels)
             series = self.counters.setdefault(name, {})
             series[key] = series.get(key, 0) + amount
 
     def inc_many(self, name: str, label: str, amounts: Mapping[str, int]) -> None:
         """Add ``amounts[value]`` to the series ``{label: value}`` for each value (one lock)."""
+        bound = self.bounds.get(label)
         with self._lock:
             series = self.counters.setdefault(name, {})
             for value, n in amounts.items():
-                key = ((label, value),)
+                key = ((label, value if bound is None else bound(value)),)
                 series[key] = series.get(key, 0) + n
 
     def set(self, name: str, value: float, **labels: object) -> None:
-        key = _key(labels)
         with self._lock:
+            key = self._bounded(labels)
             self.gauges.setdefault(name, {})[key] = value
 
     def observe_many(self, name: str, values: Iterable[float], **labels: object) -> None:
-        key = _key(labels)
         with self._lock:
+            key = self._bounded(labels)
             series = self.histograms.setdefault(name, {})
             hist = series.get(key)
             if hist is None:
@@ -117,34 +226,18 @@ class Metrics:
             family = self.counters if kind == "counters" else self.gauges
             return dict(family.get(name, {}))
 
-    def render_prometheus(self) -> str:
-        """The registry in Prometheus' text exposition format."""
-        lines: list[str] = []
-
-        def fmt(labels: LabelKey, extra: tuple[tuple[str, str], ...] = ()) -> str:
-            allp = labels + extra
-            if not allp:
-                return ""
-            return "{" + ",".join(f'{k}="{v}"' for k, v in allp) + "}"
-
+    def histogram_snapshot(self, name: str) -> dict[LabelKey, tuple[tuple[float, ...], list[int], float, int]]:
+        """A copy of one histogram family: labels -> (bounds, counts per bucket, sum, count)."""
         with self._lock:
-            for name, series in sorted(self.counters.items()):
-                lines.append(f"# TYPE timerwheel_{name}_total counter")
-                for labels, value in sorted(series.items()):
-                    lines.append(f"timerwheel_{name}_total{fmt(labels)} {_number(value)}")
-            for name, series in sorted(self.gauges.items()):
-                lines.append(f"# TYPE timerwheel_{name} gauge")
-                for labels, value in sorted(series.items()):
-                    lines.append(f"timerwheel_{name}{fmt(labels)} {_number(value)}")
-            for name, hseries in sorted(self.histograms.items()):
-                lines.append(f"# TYPE timerwheel_{name} histogram")
-                for labels, hist in sorted(hseries.items()):
-                    running = 0
-                    for bound, n in zip(hist.bounds, hist.counts, strict=False):
-                        running += n
-                        lines.append(f"timerwheel_{name}_bucket{fmt(labels, (('le', f'{bound:g}'),))} {running}")
-                    running += hist.counts[-1]
-                    lines.append(f"timerwheel_{name}_bucket{fmt(labels, (('le', '+Inf'),))} {running}")
-                    lines.append(f"timerwheel_{name}_sum{fmt(labels)} {_number(hist.total)}")
-                    lines.append(f"timerwheel_{name}_count{fmt(labels)} {hist.count}")
-        return "\n".join(lines) + "\n"
+            return {k: (h.bounds, list(h.counts), h.total, h.count) for k, h in self.histograms.get(name, {}).items()}
+
+    def families(self) -> tuple[list[str], list[str], list[str]]:
+        """Names of the counter, gauge and histogram families recorded so far."""
+        with self._lock:
+            return sorted(self.counters), sorted(self.gauges), sorted(self.histograms)
+
+    def render_prometheus(self) -> str:
+        """The registry in Prometheus' text exposition format (through prometheus_client)."""
+        from timerwheel.exposition import render
+
+        return render(self)

@@ -26,7 +26,7 @@ from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.health import HealthServer
 from timerwheel.log import stage_logger
-from timerwheel.metrics import Metrics
+from timerwheel.metrics import registry_for
 from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges, tune_interpreter
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.base import Stopped
@@ -129,7 +129,7 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
     check_settings(cfg.data_dir, DeploymentSettings.of(cfg), fsync=cfg.fsync,
                    create=name in ("enqueue-get", "enqueue-put", "dequeue-get"))
     log = stage_logger(name)
-    metrics = Metrics()
+    metrics = registry_for(cfg)
     telemetry.configure_from_env(metrics, stage=name)
     # Unique per process start: a restarted container keeps its host name and often its pid, and
     # the entries its previous life held must be claimable (the old name's heartbeat lapses).

@@ -104,11 +104,15 @@ class StageRunner:
 
     def _sample(self) -> None:
         assert self.sample is not None
+        failing = False
         while not self.ctx.stop.wait(SAMPLE_EVERY_S):
             try:
                 self.sample()
+                failing = False
             except Exception as exc:  # noqa: BLE001 - a gauge is never worth a stage
-                self.log.warning("sampling gauges failed", error=repr(exc)[:200])
+                # with the traceback once per run of failures (it would repeat every second)
+                self.log.warning("sampling gauges failed", exc=exc if not failing else False, error=repr(exc)[:200])
+                failing = True
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name=f"tw-{self.name}", daemon=True)
@@ -146,7 +150,7 @@ class Heartbeat:
             self.queue.heartbeat(self.consumer, HEARTBEAT_TTL_MS)
         except Exception as exc:  # noqa: BLE001 - the queue's own calls report the outage
             if not self._failing:
-                self.log.warning("heartbeat failed", error=str(exc)[:200])
+                self.log.warning("heartbeat failed", exc=exc, error=str(exc)[:200])
             self._failing = True
         else:
             if self._failing:

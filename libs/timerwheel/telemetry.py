@@ -68,7 +68,7 @@ from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, Statu
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from timerwheel.config import TimerConfig
-from timerwheel.metrics import Metrics
+from timerwheel.metrics import COUNTERS, GAUGES, HISTOGRAMS, Metrics
 from timerwheel.records import Headers, OutRecord, Record
 from timerwheel.store import Flag
 from timerwheel.wire import H_ERROR, H_ID, H_ROLL, H_TOPIC, TimerRules, message_id_of
@@ -446,7 +446,6 @@ def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None, stage
     reader = PeriodicExportingMetricReader(OTLPMetricExporter())
     provider = MeterProvider(metric_readers=[reader], resource=_resource(env, stage))
     meter = provider.get_meter(SCOPE)
-    registered: set[tuple[str, str]] = set()
 
     def counter_cb(name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def cb(_options: CallbackOptions) -> Iterable[Observation]:
@@ -458,29 +457,18 @@ def export_metrics(metrics: Metrics, env: Mapping[str, str] | None = None, stage
             return [Observation(v, dict(k)) for k, v in metrics.snapshot("gauges", name).items()]
         return cb
 
-    def register(kind: str, name: str) -> None:
-        if (kind, name) in registered:
-            return
-        registered.add((kind, name))
-        if kind == "counters":
-            meter.create_observable_counter(f"timerwheel.{name}", [counter_cb(name)])
-        else:
-            meter.create_observable_gauge(f"timerwheel.{name}", [gauge_cb(name)])
-
-    for name in KNOWN_COUNTERS:
-        register("counters", name)
-    for name in KNOWN_GAUGES:
-        register("gauges", name)
+    # Every declared family (metrics.COUNTERS, GAUGES), recorded yet or not: the exporter reads
+    # the same registry /metrics renders, so OTLP carries every counter /metrics shows.
+    for name, doc in COUNTERS.items():
+        meter.create_observable_counter(f"timerwheel.{name}", [counter_cb(name)], description=doc)
+    for name, doc in GAUGES.items():
+        meter.create_observable_gauge(f"timerwheel.{name}", [gauge_cb(name)], description=doc)
 
     def lateness(_options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(h.count, dict(k)) for k, h in metrics.histograms.get("delivery_lateness_ms", {}).items()]
+        return [Observation(count, dict(k)) for k, (_b, _c, _s, count)
+                in metrics.histogram_snapshot("delivery_lateness_ms").items()]
 
-    meter.create_observable_counter("timerwheel.delivery_lateness_ms.count", [lateness])
+    meter.create_observable_counter("timerwheel.delivery_lateness_ms.count", [lateness],
+                                    description=HISTOGRAMS["delivery_lateness_ms"] + " (count)")
     _metrics_provider = provider
     return provider
-
-
-KNOWN_COUNTERS = ("scheduled", "delivered", "cancelled", "rolled", "dead_lettered", "cancel_requests",
-                  "cancel_missed", "append_retries", "queue_full_waits", "stage_errors", "timerlog_records",
-                  "resends", "rewinds", "fenced", "put_gaps", "source_records_lost", "stale_views")
-KNOWN_GAUGES = ("write_lag_ms", "read_lag_ms", "in_flight", "timerlog_bytes", "pending", "queue_depth")

@@ -99,16 +99,18 @@ def decoded(ctx: StageContext, queue: WorkQueue, partition: int, entries: Sequen
     once with its id: retried, it would fail the stage's every step for good."""
     out: list[T] = []
     bad: list[tuple[str, bytes, str]] = []
+    first: Exception | None = None
     for entry_id, payload in entries:
         try:
             out.append(decode(payload))
         except Exception as exc:  # noqa: BLE001 - whatever the bytes, they must not stall the stage
             bad.append((entry_id, payload, f"{type(exc).__name__}: {exc}"[:300]))
+            first = first or exc
     if bad:
         queue.bury(partition, bad)
         ctx.metrics.inc("dead_entries", len(bad), queue=queue.name)
-        log.error("work-queue entries cannot be decoded, moved aside", queue=queue.name, partition=partition,
-                  entries=[b[0] for b in bad], reason=bad[0][2])
+        log.error("work-queue entries cannot be decoded, moved aside", exc=first or False, queue=queue.name,
+                  partition=partition, entries=[b[0] for b in bad], reason=bad[0][2])
     return out
 
 
@@ -161,7 +163,9 @@ def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequ
             quick = 0
             attempts += 1
             ctx.metrics.inc("append_retries")
-            log.warning("append failed, retrying", records=len(left), attempt=attempts, error=repr(exc)[:200])
+            # the first failure of a run of retries with its traceback, the next ones in one short line
+            log.warning("append failed, retrying", exc=exc if attempts == 1 else False, records=len(left),
+                        attempt=attempts, error=repr(exc)[:200])
             if ctx.stop.wait(backoff):
                 raise Stopped() from exc
             backoff = min(backoff * 2, 2.0)

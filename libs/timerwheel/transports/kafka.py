@@ -289,7 +289,7 @@ class KafkaConsumerAdapter:
         before = self._retrying.pop(p, None)
         tries = before.tries + 1 if before is not None else 1
         if before is None:  # once: a retry that fails again is counted, not logged again
-            stage_logger("kafka").error("batch cannot be decoded, partition set aside", topic=self._topic,
+            stage_logger("kafka").error("batch cannot be decoded, partition set aside", exc=exc, topic=self._topic,
                                         partition=p, offset=self._positions[p], reason=reason,
                                         retry_s=UNDECODABLE_RETRY_S)
         self.undecodable[p] = Undecodable(p, self._positions[p], reason, time.monotonic(), tries)

@@ -46,7 +46,7 @@ import redis
 
 from timerwheel.errors import QueueFullError, TimerwheelError
 
-__all__ = ["RedisLeaseStore", "RedisTransportError", "RedisWorkQueue"]
+__all__ = ["RedisLeaseStore", "RedisTransportError", "RedisWorkQueue", "running_processes"]
 
 T = TypeVar("T")
 
@@ -119,6 +119,19 @@ def _is_nogroup(exc: redis.ResponseError) -> bool:
 
 def alive_key(consumer: str) -> str:
     return f"tw:alive:{consumer}"
+
+
+def running_processes(client: redis.Redis, lease_prefix: str = "tw:lease") -> list[str]:
+    """Who is running: every consumer whose heartbeat has not lapsed, and every live shard lease
+    (``role/shard by owner:epoch``). Empty when every stage process has stopped (a killed one
+    drops out once its heartbeat and leases lapse)."""
+    with _redis_call("list running processes"):
+        alive = sorted(_text(k)[len(alive_key("")):] for k in client.scan_iter(match=alive_key("*"), count=1000))
+        owners = sorted(_text(k) for k in client.scan_iter(match=f"{lease_prefix}:*:owner", count=1000))
+        held = [(key, client.get(key)) for key in owners]
+    leases = [f"{key[len(lease_prefix) + 2:-len('}:owner')]} by {_text(value)}" for key, value in held
+              if value is not None]
+    return alive + leases
 
 
 def _text(value: Any) -> str:
@@ -256,6 +269,18 @@ class RedisWorkQueue:
             pipe.xack(key, self.group, *entry_ids)
             pipe.xdel(key, *entry_ids)
             pipe.execute()
+
+    def clear(self, partition: int) -> int:
+        """Delete the partition's stream, its entries and its group (recreated on next use);
+        the dead-entry stream stays. Returns the entries that were in it."""
+        key = self._check(partition)
+        with _redis_call(f"clear queue {self.name!r} partition {partition}"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xlen(key)
+            pipe.delete(key)
+            n, _ = pipe.execute()
+        self._ready.discard(partition)
+        return int(n)
 
     def dead_key(self, partition: int) -> str:
         """The stream that ``bury`` moves undecodable entries to (at most DEAD_ENTRIES_KEPT)."""
