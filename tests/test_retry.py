@@ -19,15 +19,18 @@ DAY = 86_400_000
 
 
 @pytest.fixture
-def clock() -> SimulatedClock:
-    return SimulatedClock(start_ms=START)
+def tw(tmp_path: Path) -> Iterator[EmbeddedTimerwheel]:
+    """The embedded timerwheel on a simulated clock, with a topic "orders" of two partitions."""
+    with EmbeddedTimerwheel(tmp_path / "data", clock=SimulatedClock(start_ms=START), tick_ms=TICK,
+                            roll_window_ms=DAY, fsync=False) as tw:
+        tw.commit_log.ensure_topic("orders", 2)
+        yield tw
 
 
 @pytest.fixture
-def tw(tmp_path: Path, clock: SimulatedClock) -> Iterator[EmbeddedTimerwheel]:
-    with EmbeddedTimerwheel(tmp_path / "data", clock=clock, tick_ms=TICK, roll_window_ms=DAY, fsync=False) as tw:
-        tw.commit_log.ensure_topic("orders", 2)
-        yield tw
+def clock(tw: EmbeddedTimerwheel) -> SimulatedClock:
+    assert isinstance(tw.clock, SimulatedClock)
+    return tw.clock
 
 
 @pytest.fixture

@@ -87,9 +87,6 @@ class Delivery:
     retry, without the ``tw-id`` / ``tw-roll`` / ``tw-*-at`` stamps of its hop through timerwheel)."""
 
     topic: str
-    partition: int
-    offset: int
-    timestamp_ms: int
     key: bytes | None
     value: bytes | None
     headers: Headers
@@ -98,6 +95,10 @@ class Delivery:
     origin_topic: str
     origin_partition: int
     origin_offset: int
+    partition: int
+    offset: int
+    #: The record's timestamp (for a retry: when timerwheel delivered it).
+    timestamp_ms: int
 
     @property
     def origin(self) -> tuple[str, int, int]:
@@ -215,9 +216,10 @@ class RetryConsumer:
         first_error = ""
         for record in records:
             state = self._state(record)
-            delivery = Delivery(record.topic, record.partition, record.offset, record.timestamp_ms, record.key,
-                                record.value, handed_headers(record, record.topic == self.retry_topic),
-                                state.reconsume_times, state.origin_topic, state.origin_partition, state.origin_offset)
+            delivery = Delivery(record.topic, record.key, record.value,
+                                handed_headers(record, record.topic == self.retry_topic), state.reconsume_times,
+                                state.origin_topic, state.origin_partition, state.origin_offset, record.partition,
+                                record.offset, record.timestamp_ms)
             try:
                 self.handler(delivery)
                 continue
