@@ -4,10 +4,11 @@ from timerwheel.client import Timer, TimerClient
 from timerwheel.clock import Clock, SimulatedClock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError, TimerwheelError
+from timerwheel.retry import Delivery, RetryConsumer
 from timerwheel.wire import Ticket
 
-__all__ = ["Clock", "ConfigError", "EmbeddedTimerwheel", "KafkaCommitLog", "LocalCommitLog", "SimulatedClock", "SystemClock", "Ticket", "Timer",
-           "TimerClient", "TimerConfig", "TimerwheelError"]
+__all__ = ["Clock", "ConfigError", "Delivery", "EmbeddedTimerwheel", "KafkaCommitLog", "LocalCommitLog", "RetryConsumer",
+           "SimulatedClock", "SystemClock", "Ticket", "Timer", "TimerClient", "TimerConfig", "TimerwheelError"]
 
 
 def __getattr__(name: str) -> object:

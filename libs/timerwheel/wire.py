@@ -39,6 +39,14 @@ H_SOURCE = "tw-source"
 #: When dequeue-put first found the destination of a due message missing (it holds it, then DLQ).
 H_HELD_SINCE = "tw-held-since"
 
+#: Consumer retry (``timerwheel.retry``): how many times the record was handed back to its group
+#: (absent or 0 on the first delivery), and where it was first read (topic, partition, offset).
+H_RECONSUME_TIMES = "tw-reconsume-times"
+H_ORIGIN_TOPIC = "tw-origin-topic"
+H_ORIGIN_PARTITION = "tw-origin-partition"
+H_ORIGIN_OFFSET = "tw-origin-offset"
+RETRY_HEADERS = frozenset({H_RECONSUME_TIMES, H_ORIGIN_TOPIC, H_ORIGIN_PARTITION, H_ORIGIN_OFFSET})
+
 #: Headers the producer sets to steer the timer; none of them reaches the destination.
 CONTROL_HEADERS = frozenset({H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION})
 #: Headers the service stamps; a producer's own copies are replaced.
@@ -343,3 +351,61 @@ def dead_letter_headers(record: Record, reason: str) -> Headers:
     out.append((H_ERROR, reason.encode()))
     out.append((H_SOURCE, f"{record.topic}/{record.partition}/{record.offset}".encode()))
     return tuple(out)
+
+
+class RetryState(NamedTuple):
+    """What the consumer-retry headers of a record say (``retry_state``)."""
+
+    reconsume_times: int
+    origin_topic: str
+    origin_partition: int
+    origin_offset: int
+    #: Why the retry headers were ignored; "" when they were sound (or absent).
+    malformed: str = ""
+
+
+def retry_state(record: Record) -> RetryState:
+    """The reconsume count and origin of ``record`` (``timerwheel.retry``). A record without retry
+    headers is a first delivery: count 0, origin its own position. Headers that cannot be read are
+    ignored as a whole (the record counts as a first delivery) and ``malformed`` says why, so that a
+    consumer never stops on another's bookkeeping: its next retry carries sound headers again."""
+    hdr = dict(record.headers)
+    own = RetryState(0, record.topic, record.partition, record.offset)
+    if RETRY_HEADERS.isdisjoint(hdr):
+        return own
+    origin = [hdr.get(h) for h in (H_ORIGIN_TOPIC, H_ORIGIN_PARTITION, H_ORIGIN_OFFSET)]
+    try:
+        times = _decimal(H_RECONSUME_TIMES, hdr.get(H_RECONSUME_TIMES, b"0"))
+        if None in origin:
+            if any(h is not None for h in origin):
+                raise InvalidTimerMessage(f"{H_ORIGIN_TOPIC}, {H_ORIGIN_PARTITION} and {H_ORIGIN_OFFSET} "
+                                          "go together; some are missing")
+            return own._replace(reconsume_times=times)
+        raw_topic, raw_partition, raw_offset = origin
+        assert raw_topic is not None and raw_partition is not None and raw_offset is not None
+        topic = raw_topic.decode("ascii", "replace")
+        if not TOPIC_NAME.fullmatch(topic):
+            raise InvalidTimerMessage(f"{H_ORIGIN_TOPIC} is not a topic name: {topic[:60]!r}")
+        partition = _decimal(H_ORIGIN_PARTITION, raw_partition)
+        offset = _decimal(H_ORIGIN_OFFSET, raw_offset)
+    except InvalidTimerMessage as exc:
+        return own._replace(malformed=exc.reason)
+    return RetryState(times, topic, partition, offset)
+
+
+def retry_headers(record: Record, reconsume_times: int, state: RetryState) -> Headers:
+    """Headers of ``record`` handed back to its consumer group for the ``reconsume_times``-th
+    time: its user headers (no control, service or earlier retry headers), the count and the origin."""
+    kept = [h for h in record.headers if h[0] not in _NOT_DELIVERED and h[0] not in RETRY_HEADERS]
+    return (*kept, (H_RECONSUME_TIMES, str(reconsume_times).encode()),
+            (H_ORIGIN_TOPIC, state.origin_topic.encode()), (H_ORIGIN_PARTITION, str(state.origin_partition).encode()),
+            (H_ORIGIN_OFFSET, str(state.origin_offset).encode()))
+
+
+def handed_headers(record: Record, retried: bool) -> Headers:
+    """The headers a consumer's handler sees: the record's without the retry headers, and, for a
+    record that came back through timerwheel (``retried``), without that hop's service stamps."""
+    drop = RETRY_HEADERS | SERVICE_HEADERS if retried else RETRY_HEADERS
+    if drop.isdisjoint(k for k, _v in record.headers):
+        return record.headers
+    return tuple(h for h in record.headers if h[0] not in drop)

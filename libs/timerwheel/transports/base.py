@@ -1,6 +1,7 @@
 """The interfaces every stage is written against.
 
-``CommitLog`` is the durable log (Kafka in production, ``LocalCommitLog`` embedded).
+``CommitLog`` is the durable log (Kafka in production, ``LocalCommitLog`` embedded);
+``GroupCommitLog`` adds consumer groups (``GroupConsumer``) for ``timerwheel.retry``.
 ``WorkQueue`` is a partitioned, bounded, at-least-once queue with acks (Redis Streams in
 production, in-process queues embedded). ``LeaseStore`` grants shard ownership with a
 monotonically increasing epoch (fencing).
@@ -71,6 +72,34 @@ class CommitLog(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class GroupConsumer(Protocol):
+    """Reads topics as a member of a consumer group: where it starts is what the group last
+    committed (the earliest offset for a new group), not the caller's checkpoint."""
+
+    def poll(self, max_records: int, timeout_s: float) -> list[Record]:
+        """Up to ``max_records`` records of the group's topics (in offset order per partition);
+        [] after the timeout."""
+        ...
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        """Record ``(topic, partition) -> next offset`` for the group, durably when it returns.
+        Raises ``TimerwheelError`` when it could not (the records may then be read again)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class GroupCommitLog(CommitLog, Protocol):
+    """A commit log that also keeps consumer groups' offsets (Kafka's groups; a file per group
+    beside the local log)."""
+
+    def group_consumer(self, group: str, topics: Sequence[str],
+                       options: Mapping[str, object] | None = None) -> GroupConsumer:
+        """A member of ``group`` reading ``topics``; ``options`` are the transport's own settings
+        (kafka-python's ``KafkaConsumer`` options for Kafka)."""
+        ...
 
 
 class WorkQueue(Protocol):

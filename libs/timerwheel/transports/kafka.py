@@ -28,7 +28,8 @@ What it guarantees:
   than the cache holds), so long delays do not pay a second decode per record for nothing.
 - Consumers from ``consumer`` read assigned partitions from offsets the caller owns (its
   checkpoints); nothing is committed to a group unless ``monitor_group`` asks for it, and then
-  only so that standard lag tools can see progress.
+  only so that standard lag tools can see progress. ``group_consumer`` (``timerwheel.retry``) is
+  a real group member instead: Kafka assigns its partitions and it commits what it is told to.
 - Every client reconnects on its own after a broker restart; calls made while the broker is away
   raise ``KafkaLogError`` after their timeout and the stages retry.
 - Producers in the field compress (gzip, snappy, lz4, zstd) and write in transactions. Every
@@ -72,7 +73,7 @@ from timerwheel.errors import AccessError, TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 
-__all__ = ["KafkaCommitLog", "KafkaConsumerAdapter", "KafkaLogError"]
+__all__ = ["KafkaCommitLog", "KafkaConsumerAdapter", "KafkaGroupConsumer", "KafkaLogError"]
 
 _TOPIC_EXISTS = 36
 _UNKNOWN_TOPIC = 3  # UNKNOWN_TOPIC_OR_PARTITION
@@ -960,6 +961,18 @@ class KafkaCommitLog:
                 lambda: self._new_consumer(f"consumer-{topic}", group_id=monitor_group, **_BATCHED_FETCH),
                 topic, offsets, monitor_group)
 
+    def group_consumer(self, group: str, topics: Sequence[str],
+                       options: Mapping[str, object] | None = None) -> KafkaGroupConsumer:
+        """A member of consumer group ``group`` subscribed to ``topics`` (``GroupConsumer``):
+        offsets are committed only by ``commit``; ``options`` are more ``KafkaConsumer`` settings
+        (``group_instance_id``, ``session_timeout_ms``, ``auto_offset_reset``, ...)."""
+        self._check_open()
+        settings: dict[str, Any] = {"group_id": group, **(options or {})}
+        consumer = self._new_consumer(f"group-{group}", **settings)
+        with self._kafka_call(f"subscribe group {group!r} to {', '.join(topics)}"):
+            consumer.subscribe(list(topics))
+        return KafkaGroupConsumer(consumer, group)
+
     def close(self) -> None:
         self._closed = True
         if self._follower is not None:
@@ -980,6 +993,33 @@ class KafkaCommitLog:
             if self._admin is not None:
                 self._admin.close()
                 self._admin = None
+
+
+class KafkaGroupConsumer:
+    """``GroupConsumer`` over kafka-python's group membership: Kafka assigns the partitions and
+    keeps the committed offsets; nothing is committed but what ``commit`` is given."""
+
+    def __init__(self, consumer: Any, group: str) -> None:
+        self._consumer = consumer
+        self.group = group
+
+    def poll(self, max_records: int, timeout_s: float) -> list[Record]:
+        try:
+            batches = self._consumer.poll(timeout_ms=max(0, int(timeout_s * 1000)), max_records=max_records)
+        except kafka_errors.KafkaError as exc:
+            raise KafkaLogError(f"poll of group {self.group!r} failed: {exc}") from exc
+        return [_to_record(r) for tp in sorted(batches) for r in batches[tp]]
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        from kafka.structs import OffsetAndMetadata
+
+        try:
+            self._consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()})
+        except kafka_errors.KafkaError as exc:
+            raise KafkaLogError(f"commit of group {self.group!r} failed: {exc}") from exc
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
 
 
 class _Follower:

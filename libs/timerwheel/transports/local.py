@@ -8,6 +8,8 @@ Layout on disk (every integer little endian)::
     <directory>/<topic>/<p>/<base:020d>.log    record frames, back to back
     <directory>/<topic>/<p>/<base:020d>.idx    one u64 per offset: END position of its frame in .log;
                                                bit 63 marks the last record of an append batch
+    <directory>/@groups/<group>.json           a consumer group's committed offsets (``group_consumer``)
+    <directory>/@groups/<group>.lock           flock held by the group's one member
 
 A segment holds the dense offsets ``base, base+1, ...``; record ``i`` of a segment occupies
 ``[end[i-1], end[i])`` of its .log (``end[-1]`` = 0), so a lookup is one ``pread`` of the index.
@@ -67,7 +69,7 @@ import numpy as np
 
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.errors import CorruptRecordError, TimerwheelError
-from timerwheel.files import FILE_MODE, fsync_dir, pwrite_all
+from timerwheel.files import FILE_MODE, atomic_write, fsync_dir, pwrite_all
 from timerwheel.records import OutRecord, Record
 
 FORMAT_VERSION = 1
@@ -811,6 +813,14 @@ class LocalCommitLog:
     def consumer(self, topic: str, offsets: Mapping[int, int]) -> LocalConsumer:
         return LocalConsumer(self, topic, offsets)
 
+    def group_consumer(self, group: str, topics: Sequence[str],
+                       options: Mapping[str, object] | None = None) -> LocalGroupConsumer:
+        """The one member of consumer group ``group`` reading ``topics`` (``GroupConsumer``); the
+        group's offsets live in ``GROUPS_DIR`` beside the topics. The local log takes no options."""
+        if options:
+            raise ValueError(f"group {group!r}: the local log takes no consumer options, got {sorted(options)}")
+        return LocalGroupConsumer(self, group, topics)
+
     def end_offsets(self, topic: str) -> dict[int, int]:
         return {p: self._partition(topic, p).end() for p in range(self.partitions(topic))}
 
@@ -981,3 +991,76 @@ class LocalConsumer:
 
     def close(self) -> None:
         self._closed = True
+
+
+#: Consumer groups' offsets, beside the topics: ``@`` is in no topic name, so no topic collides.
+GROUPS_DIR = "@groups"
+
+
+class LocalGroupConsumer:
+    """``GroupConsumer`` on the local log: a group has one member at a time (it holds
+    ``<GROUPS_DIR>/<group>.lock``; a second is refused, a killed one lets go at once) that reads
+    every partition of its topics. ``commit`` replaces ``<group>.json`` atomically
+    (``{"format": 1, "offsets": {topic: {partition: next offset}}}``); a new group starts at the
+    earliest offsets."""
+
+    def __init__(self, log: LocalCommitLog, group: str, topics: Sequence[str]) -> None:
+        if not TOPIC_NAME.fullmatch(group) or group in (".", ".."):
+            raise InvalidTopicError(f"invalid group name {group!r}: the local log allows 1..249 of [A-Za-z0-9._-]")
+        self.group = group
+        directory = log.directory / GROUPS_DIR
+        directory.mkdir(exist_ok=True)
+        self._path = directory / f"{group}.json"
+        self._fsync = log.fsync
+        self._lock_fd = os.open(directory / f"{group}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise TimerwheelError(f"consumer group {group!r} of {log.directory} has a member already "
+                                  "(the local log allows one per group)") from None
+        try:
+            saved = json.loads(self._path.read_text())["offsets"] if self._path.exists() else {}
+            self._committed: dict[str, dict[str, int]] = {t: dict(saved.get(t, {})) for t in saved}
+            self._consumers = [
+                log.consumer(t, {p: max(int(self._committed.get(t, {}).get(str(p), 0)), start)
+                                 for p, start in log.start_offsets(t).items()})
+                for t in dict.fromkeys(topics)
+            ]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            os.close(self._lock_fd)
+            raise TimerwheelError(f"consumer group {group!r}: cannot read {self._path}: {exc}") from None
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._turn = 0
+
+    def poll(self, max_records: int, timeout_s: float) -> list[Record]:
+        deadline = time.monotonic() + timeout_s
+        n = len(self._consumers)
+        while True:
+            out: list[Record] = []
+            for k in range(n):  # a different topic first each time, so none starves
+                if len(out) < max_records:
+                    out += self._consumers[(self._turn + k) % n].poll(max_records - len(out), 0.0)
+            self._turn = (self._turn + 1) % max(n, 1)
+            remaining = deadline - time.monotonic()
+            if out or remaining <= 0:
+                return out
+            time.sleep(min(_IDLE_SLEEP_S, remaining))
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        for (topic, partition), offset in offsets.items():
+            self._committed.setdefault(topic, {})[str(partition)] = offset
+        body = json.dumps({"format": FORMAT_VERSION, "offsets": self._committed}, sort_keys=True).encode()
+        try:
+            atomic_write(str(self._path), body, fsync=self._fsync)
+        except OSError as exc:
+            raise TimerwheelError(f"commit of group {self.group!r} to {self._path} failed: {exc}") from exc
+
+    def close(self) -> None:
+        for consumer in self._consumers:
+            consumer.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
