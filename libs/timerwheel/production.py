@@ -27,7 +27,15 @@ from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.health import HealthServer
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics
-from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges, tune_interpreter
+from timerwheel.runtime import (
+    PENDING_EVERY_S,
+    WAIT_ON_INPUTS_S,
+    Every,
+    Heartbeat,
+    StageRunner,
+    sample_gauges,
+    tune_interpreter,
+)
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.base import Stopped
 from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
@@ -128,7 +136,8 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
     # Unique per process start: a restarted container keeps its host name and often its pid, and
     # the entries its previous life held must be claimable (the old name's heartbeat lapses).
     ctx = StageContext(cfg, SystemClock(), metrics,
-                       consumer=f"{name}-{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}")
+                       consumer=f"{name}-{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}",
+                       wait_on_inputs=True)
     running: dict[str, Any] = {}
 
     def on_signal(*_: object) -> None:
@@ -162,7 +171,7 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
         Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)
         tune_interpreter()
-        runner = StageRunner(name, tracked, ctx, idle_s=0.005, sample=sample)
+        runner = StageRunner(name, tracked, ctx, idle_s=WAIT_ON_INPUTS_S, sample=sample)
         running.update(runner=runner, stage=stage, tracked=tracked)
         log.info("started", pid=os.getpid(), http_port=cfg.http_port, shards=cfg.shards)
         try:
