@@ -59,8 +59,10 @@ def test_get_many_takes_entries_of_several_partitions_and_waits_for_the_first() 
     got = q.get_many([0, 1, 2], "c", 1, 0)
     assert {p: [payload for _, payload in e] for p, e in got.items()} == {0: [b"a"], 2: [b"b"]}
     assert [payload for _, payload in q.get_many([0, 1, 2], "c", 10, 0)[2]] == [b"c"]
-    threading.Timer(0.1, lambda: q.put(1, [b"late"], 1)).start()
+    late = threading.Timer(0.1, lambda: q.put(1, [b"late"], 1))
+    late.start()
     got = q.get_many([0, 1, 2], "c", 10, 30)
+    late.join()
     assert {p: [payload for _, payload in e] for p, e in got.items()} == {1: [b"late"]}
     assert q.get_many([0, 1, 2], "c", 10, 0.05) == {}
 

@@ -66,8 +66,10 @@ def test_get_many_takes_every_partitions_entries_in_one_call(client: redis.Redis
 
 def test_get_many_blocks_until_an_entry_of_any_partition_arrives(client: redis.Redis) -> None:
     q = queue(client, partitions=2)
-    threading.Timer(0.2, lambda: q.put(1, [b"late"], timeout_s=1)).start()
+    late = threading.Timer(0.2, lambda: q.put(1, [b"late"], timeout_s=1))
+    late.start()
     got = q.get_many([0, 1], "c", 10, timeout_s=30)
+    late.join()  # its put may still read its answer: the client closes after the test
     assert {p: [payload for _, payload in entries] for p, entries in got.items()} == {1: [b"late"]}
 
 
