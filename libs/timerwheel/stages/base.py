@@ -94,6 +94,23 @@ def put_blocking(ctx: StageContext, queue: WorkQueue, partition: int, entries: S
             raise Stopped()
 
 
+#: Redis ends a blocked read's timeout on its own clock (``hz`` 10: up to 100 ms late, measured).
+BLOCK_SLACK_S = 0.1
+
+
+def get_by(ctx: StageContext, queue: WorkQueue, partitions: Sequence[int], max_entries: int,
+           wait_s: float) -> dict[int, list[tuple[str, bytes]]]:
+    """``queue.get_many``, waiting at most ``wait_s`` and returning by then: a wait that must end
+    on time (the end of a due slot) blocks in Redis BLOCK_SLACK_S shorter, and a wait shorter
+    than that sleeps here and then looks without blocking."""
+    consumer = ctx.consumer
+    if wait_s > BLOCK_SLACK_S:
+        return queue.get_many(partitions, consumer, max_entries, wait_s - BLOCK_SLACK_S)
+    if wait_s > 0 and ctx.stop.wait(wait_s):
+        return {}
+    return queue.get_many(partitions, consumer, max_entries, 0)
+
+
 #: ``on_missing(index, topic)``: what to write instead of ``records[index]``, whose topic does not exist.
 OnMissing = Callable[[int, str], OutRecord]
 

@@ -37,7 +37,7 @@ import numpy.typing as npt
 from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, decoded
+from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
@@ -50,8 +50,8 @@ STALL_S = 120.0
 CKPT_POLL_S = 0.01
 #: Slots with at most this many records are read in one pass; larger ones are streamed.
 SMALL_SLOT = 20_000
-#: How soon a step that found the fetch queue full tries again.
-OUTBOX_RETRY_S = 0.005
+#: How long a step with messages in flight, or a full fetch queue, waits when it found nothing to do.
+BUSY_WAIT_S = 0.005
 GENERATION_BITS = 20
 
 
@@ -136,7 +136,7 @@ class DequeueGet:
             self.take_shards()
         wait = self.ctx.wait_on_inputs and bool(self.owned)
         block = self._idle_wait_s(timeout_s) if wait and self._idle else 0
-        done = self.done_q.get_many(list(self.owned), self.ctx.consumer, 1000, block) if self.owned else {}
+        done = get_by(self.ctx, self.done_q, list(self.owned), 1000, block) if self.owned else {}
         work = 0
         for st in list(self.owned.values()):
             try:
@@ -157,13 +157,14 @@ class DequeueGet:
         now = self.ctx.clock.now_ms()
         wait = min(timeout_s, tick / 1000)
         for st in self.owned.values():
-            if st.outbox:
-                return OUTBOX_RETRY_S  # the fetch queue was full: room comes without a done entry
+            if st.outbox or st.pending:
+                # Messages in flight: looked after as often as before issue 13 (their done entries
+                # move R, and a full fetch queue makes room without one); idle means none in flight.
+                return BUSY_WAIT_S
             due = st.shard.next_nonempty(st.cursor, now + tick)
-            if due is not None:
-                readable = due + tick  # the slot is read once W passes its end
-                late = now - readable
-                wait = min(wait, max(CKPT_POLL_S, -late / 1000) if late < 2 * tick else wait)
+            readable = None if due is None else due + tick  # read once W passes the slot's end
+            if readable is not None and now - readable < 2 * tick:  # not an enqueue-put that is down
+                wait = min(wait, max(CKPT_POLL_S, (readable - now) / 1000))
         return wait
 
     def _step_shard(self, st: GetShard, done: list[tuple[str, bytes]]) -> int:
@@ -312,8 +313,9 @@ class DequeueGet:
             # good; they count against the queue bound until dequeue-put blocks. Claim and ack them
             # (their generation is old, so they are ignored below).
             st.reclaim = False
-            entries = self.done_q.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound) \
-                + entries
+            claimed = self.done_q.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
+            ids = {eid for eid, _ in claimed}  # idle 0 claims what step just took too
+            entries = claimed + [e for e in entries if e[0] not in ids]
         if not entries:
             if st.pending and time.monotonic() - st.last_progress > STALL_S:
                 self._resend(st)

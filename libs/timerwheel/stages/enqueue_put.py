@@ -33,7 +33,7 @@ from timerwheel import telemetry
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, decoded
+from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import PUT_ROW_FIELDS, PutEntry, PutRequest, PutRow
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
@@ -169,7 +169,7 @@ class EnqueuePut:
             self.take_shards()
         self._retain()
         wait = self.ctx.wait_on_inputs and bool(self.owned)
-        block = self._idle_wait_s(timeout_s) if wait and self._idle else 0
+        block, on_time = self._idle_wait_s(timeout_s) if wait and self._idle else (0.0, False)
         got: dict[int, list[tuple[str, bytes]]] = {}
         for st in self.owned.values():
             if st.reclaim:
@@ -180,8 +180,9 @@ class EnqueuePut:
                 stale = self.queue.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
                 if stale:
                     got[st.shard_id] = stale
-        for shard_id, fresh in self.queue.get_many(list(self.owned), self.ctx.consumer, self.ctx.config.queue_bound,
-                                                   0 if got else block).items():
+        take = get_by if on_time else _get_many
+        for shard_id, fresh in take(self.ctx, self.queue, list(self.owned), self.ctx.config.queue_bound,
+                                    0 if got else block).items():
             got[shard_id] = got.get(shard_id, []) + fresh
         self._idle = not got
         done = 0
@@ -216,19 +217,21 @@ class EnqueuePut:
         st.published_at = time.monotonic()  # nothing new (W held back by R): look again in IDLE_PUBLISH_S
         return False
 
-    def _idle_wait_s(self, timeout_s: float) -> float:
+    def _idle_wait_s(self, timeout_s: float) -> tuple[float, bool]:
         """How long an idle step may wait on the queue: until some shard's W is due to be
-        published (IDLE_PUBLISH_S after the last, or the end of the next slot holding records)."""
+        published (IDLE_PUBLISH_S after the last, or the end of the next slot holding records);
+        and whether the wait must end on time (a due slot's end: see ``get_by``)."""
         tick = self.ctx.config.tick_ms
         now_ms = self.ctx.clock.now_ms()
         mono = time.monotonic()
-        wait = timeout_s
+        wait, on_time = timeout_s, False
         for st in self.owned.values():
             wait = min(wait, max(st.published_at + IDLE_PUBLISH_S - mono, (st.published_ms + tick - now_ms) / 1000))
+        for st in self.owned.values():
             due = st.shard.next_nonempty(st.published_ms, st.published_ms + max(0, int(wait * 1000)) + tick)
-            if due is not None:
-                wait = min(wait, (due + tick - now_ms) / 1000)
-        return max(MIN_WAIT_S, wait)
+            if due is not None and (due + tick - now_ms) / 1000 <= wait:
+                wait, on_time = (due + tick - now_ms) / 1000, True
+        return max(MIN_WAIT_S, wait), on_time
 
     def write(self, st: PutShard, entries: list[tuple[str, bytes]]) -> None:
         t0 = telemetry.batch_start()
@@ -350,6 +353,12 @@ class EnqueuePut:
                 st.log.error("final checkpoint failed", exc=True)
             st.shard.close()
         self.ownership.release_all()
+
+
+def _get_many(ctx: StageContext, queue: WorkQueue, partitions: list[int], max_entries: int,
+              wait_s: float) -> dict[int, list[tuple[str, bytes]]]:
+    """``get_by`` for a wait that may end late (Redis's timeout granularity)."""
+    return queue.get_many(partitions, ctx.consumer, max_entries, wait_s)
 
 
 def _requests(entries: list[tuple[str, bytes]]) -> Iterator[tuple[int, PutRequest]]:
