@@ -214,8 +214,9 @@ class QueueStage:
     """A stateless stage that drains one queue's partitions: dequeue-getmsg and dequeue-put.
 
     ``step`` takes up to ``max_entries`` entries per partition (idle, it blocks on them when
-    ``ctx.wait_on_inputs``), and every CLAIM_EVERY_S also the entries a dead consumer left pending (after DEAD_IDLE_MS once its heartbeat lapsed, after
-    CLAIM_IDLE_MS in any case); subclasses ``handle_batches`` them and ack them.
+    ``ctx.wait_on_inputs``), and every CLAIM_EVERY_S also the entries a dead consumer left
+    pending (after DEAD_IDLE_MS once its heartbeat lapsed, after CLAIM_IDLE_MS in any case);
+    subclasses ``handle_batches`` them and ack them.
     """
 
     stage = ""

@@ -10,6 +10,11 @@ Owns shards. For each batch of entries of a shard:
 4. advance ``W`` (to now, capped so the wheel never laps an unread slot: a write never goes
    past ``R + span - tick``), save ``enqueue.ckpt`` atomically, and only then ack the queue.
 
+Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
+unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
+that holds records: dequeue-get reads a due slot in its tick, while an empty wheel costs one
+checkpoint a second.
+
 A crash anywhere leaves either the old checkpoint (the entries are redelivered or re-read
 and the duplicates skipped by offset) or the new one (the entries were durable).
 
