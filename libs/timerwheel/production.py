@@ -18,6 +18,7 @@ import os
 import secrets
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from timerwheel import telemetry
@@ -83,6 +84,24 @@ def check_timer_topic(cfg: TimerConfig, commit_log: Any) -> int:
     return partitions
 
 
+def checkpoint_offsets_of(cfg: TimerConfig) -> Callable[[int], dict[int, int]]:
+    """enqueue-get's ``checkpoint_offsets``: a shard's next source offsets from its enqueue.ckpt,
+    through a read-only view opened once the shard exists ({} until then)."""
+    from timerwheel.embedded import open_reader_if_exists
+
+    views: dict[int, Any] = {}
+
+    def checkpoint_offsets(shard: int) -> dict[int, int]:
+        view = views.get(shard) or open_reader_if_exists(cfg, shard)
+        if view is None:
+            return {}
+        views[shard] = view
+        ckpt = view.load_enqueue_checkpoint()
+        return dict(ckpt.next_offsets) if ckpt else {}
+
+    return checkpoint_offsets
+
+
 def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any) -> Any:
     from timerwheel.embedded import open_reader_if_exists, open_shard
 
@@ -92,17 +111,7 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any)
     if name == "enqueue-get":
         partitions = check_timer_topic(cfg, log)
         mine = [p for p in range(partitions) if p % cfg.replicas == cfg.replica_index]
-        views: dict[int, Any] = {}
-
-        def checkpoint_offsets(shard: int) -> dict[int, int]:
-            view = views.get(shard) or open_reader_if_exists(cfg, shard)
-            if view is None:
-                return {}
-            views[shard] = view
-            ckpt = view.load_enqueue_checkpoint()
-            return dict(ckpt.next_offsets) if ckpt else {}
-
-        return EnqueueGet(ctx, log, queues[Q_PUT], mine, checkpoint_offsets)
+        return EnqueueGet(ctx, log, queues[Q_PUT], mine, checkpoint_offsets_of(cfg))
     if name == "enqueue-put":
         check_timer_topic(cfg, log)
         return EnqueuePut(ctx, shards, lambda s: open_shard(cfg, s, writer=True), queues[Q_PUT],

@@ -18,16 +18,17 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis
 from timerwheel import SimulatedClock
+from timerwheel.client import TimerClient
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.embedded import open_reader_if_exists, open_shard
 from timerwheel.metrics import Metrics
+from timerwheel.production import checkpoint_offsets_of
 from timerwheel.runtime import WAIT_ON_INPUTS_S, StageRunner, wait_until
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages import enqueue_put as enqueue_put_module
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
-from timerwheel.store import Shard
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 
@@ -73,22 +74,11 @@ class Installation:
                   for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)}
         leases = RedisLeaseStore(client)
         shards = range(cfg.shards)
-        views: dict[int, Shard] = {}
-
-        def checkpoint_offsets(shard: int) -> dict[int, int]:
-            view = views.get(shard) or open_reader_if_exists(cfg, shard)
-            if view is None:
-                return {}
-            views[shard] = view
-            ckpt = view.load_enqueue_checkpoint()
-            return dict(ckpt.next_offsets) if ckpt else {}
-
-        self.views = views
         builders: dict[str, Callable[[StageContext], Any]] = {
             "enqueue-put": lambda ctx: EnqueuePut(ctx, shards, lambda s: open_shard(cfg, s, writer=True), queues[Q_PUT],
                                                   Ownership(leases, "enqueue-put", ctx.consumer, cfg.lease_ttl_ms)),
             "enqueue-get": lambda ctx: EnqueueGet(ctx, self.log, queues[Q_PUT], range(cfg.timer_partitions),
-                                                  checkpoint_offsets),
+                                                  checkpoint_offsets_of(cfg)),
             "dequeue-get": lambda ctx: DequeueGet(ctx, shards, lambda s: open_reader_if_exists(cfg, s), queues[Q_FETCH],
                                                   queues[Q_DONE],
                                                   Ownership(leases, "dequeue-get", ctx.consumer, cfg.lease_ttl_ms)),
@@ -130,8 +120,6 @@ class Installation:
         for r in self.runners.values():
             r.join()
             r.close()
-        for view in self.views.values():
-            view.close()
         self.log.close()
 
 
@@ -170,8 +158,6 @@ def test_a_message_scheduled_while_idle_is_delivered_in_its_tick(install: Callab
     monkeypatch.setattr(enqueue_put_module, "IDLE_PUBLISH_S", 3600.0)
     clock = SimulatedClock(START)
     inst = install(clock)
-    from timerwheel.client import TimerClient
-
     due = clock.now_ms() + 2_000
     TimerClient(inst.log, inst.config, clock).schedule("dest", b"v", deliver_at_ms=due)
     put = inst.stages["enqueue-put"]
