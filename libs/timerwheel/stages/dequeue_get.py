@@ -50,6 +50,8 @@ STALL_S = 120.0
 CKPT_POLL_S = 0.01
 #: Slots with at most this many records are read in one pass; larger ones are streamed.
 SMALL_SLOT = 20_000
+#: W older than this (enqueue-put publishes an idle W every second): not worth looking for every CKPT_POLL_S.
+W_STILL_MS = 3_000
 #: How long a step with messages in flight, or a full fetch queue, waits when it found nothing to do.
 BUSY_WAIT_S = 0.005
 GENERATION_BITS = 20
@@ -162,9 +164,10 @@ class DequeueGet:
                 # move R, and a full fetch queue makes room without one); idle means none in flight.
                 return BUSY_WAIT_S
             due = st.shard.next_nonempty(st.cursor, now + tick)
-            readable = None if due is None else due + tick  # read once W passes the slot's end
-            if readable is not None and now - readable < 2 * tick:  # not an enqueue-put that is down
-                wait = min(wait, max(CKPT_POLL_S, (readable - now) / 1000))
+            # Read once W passes the slot's end; however late we are, unless W stood still for
+            # seconds (enqueue-put down or held back by R: once a tick is enough then).
+            if due is not None and now - st.write_ms < W_STILL_MS:
+                wait = min(wait, max(CKPT_POLL_S, (due + tick - now) / 1000))
         return wait
 
     def _step_shard(self, st: GetShard, done: list[tuple[str, bytes]]) -> int:
