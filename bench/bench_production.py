@@ -22,6 +22,10 @@
   scripts/kafka.sh up``): plaintext Kafka and Redis, then every connection secured (Kafka over
   SASL_SSL with SCRAM-SHA-512, Redis over TLS with a password, ``TW_REDIS_TLS``): messages/s of
   each and the ratio secured / plaintext.
+* ``production.idle``: the five stages with no traffic for ``TW_BENCH_IDLE_SECONDS`` (30): CPU
+  of each stage process and of Redis in % of a core (psutil cpu_times deltas; issue 13), then, on
+  the same pipeline, lateness p50 / p99 at ``TW_BENCH_IDLE_RATE`` (200) msg/s for as long, delays
+  1-5 s (``production.idle.lateness``): idling must not cost a due message its tick.
 * ``production.slot_reads``: dequeue-getmsg's read pattern alone: a producer at the lateness rate
   with delays 1-5 s, and every 100 ms a ``KafkaCommitLog.read`` of the positions due in the slot
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
@@ -29,7 +33,7 @@
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, compressed, sasl_ssl, lateness, burst, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+list of throughput, compressed, sasl_ssl, lateness, burst, idle, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
 else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
 """
 
@@ -47,7 +51,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import psutil
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from bench.common import emit, percentile, say
@@ -391,6 +397,53 @@ def lateness(kafka: str, redis_url: str, rate: int, seconds: float) -> None:
          sustained_asked_rate=sustained, seconds=seconds, tick_ms=100)
 
 
+def _redis_process(redis_url: str) -> psutil.Process | None:
+    """The redis-server of ``redis_url`` if it runs on this machine (matched by its port), else None."""
+    port = urlsplit(redis_url).port
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        if "redis-server" in (proc.info["name"] or "") + cmdline and f":{port}" in cmdline:
+            return proc
+    return None
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+def idle(kafka: str, redis_url: str, seconds: float, rate: int) -> None:
+    """CPU of an idle installation, per stage process and Redis, then lateness on the same pipeline."""
+    pipe = new_pipeline(kafka, redis_url, tick_ms=100, batch_size=200, max_in_flight=5_000)
+    dest = pipe.dest("idle")
+    try:
+        pipe.create_timer_topic()
+        pipe.create_topic(dest, PARTITIONS)
+        pipe.start_all(120)
+        procs = {name: psutil.Process(pipe.procs[name].pid) for name in STAGES}
+        server = _redis_process(redis_url)
+        if server is not None:
+            procs["redis"] = server
+        time.sleep(5)  # settle: the stages' first steps, the leases, the groups
+        before = {name: _cpu_s(p) for name, p in procs.items()}
+        started = time.monotonic()
+        time.sleep(seconds)  # the measured window: nothing is sent
+        elapsed = time.monotonic() - started
+        cpu = {name: round(100 * (_cpu_s(p) - before[name]) / elapsed, 2) for name, p in procs.items()}
+        total = round(sum(cpu.values()), 2)
+        say(f"idle CPU over {elapsed:.0f} s, % of a core: {cpu}, total {total}")
+        emit("production.idle.cpu", total, "% of a core", per_process=cpu, seconds=round(elapsed),
+             redis_measured=server is not None, tick_ms=100)
+        result = _Lateness(pipe, dest, rate, seconds).run()
+        say(f"lateness after idling, at {rate} msg/s: {result}")
+        emit("production.idle.lateness.p99", result["p99"], "ms", p50=result["p50"], max=result["max"],
+             early=result["early"], scheduled=result["sent"], delivered=result["delivered"],
+             not_delivered_10s_after_last_send=result["behind_after_10s"], rate_per_s=rate, seconds=seconds,
+             tick_ms=100)
+    finally:
+        close(pipe)
+
+
 def burst(kafka: str, redis_url: str, n: int) -> None:
     pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000)
     dest = pipe.dest("burst")
@@ -512,7 +565,8 @@ def shared_volume(kafka: str, redis_url: str, n: int, rate: int, seconds: float)
 
 def main() -> None:
     only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY",
-                                           "throughput,compressed,sasl_ssl,lateness,burst,slot_reads,shared_volume"
+                                           "throughput,compressed,sasl_ssl,lateness,burst,idle,slot_reads,"
+                                           "shared_volume"
                                            ).split(",")))
     kafka, redis_url = servers(("redis",) if only == {"sasl_ssl"} else ("kafka", "redis"))
     if "throughput" in only:
@@ -525,6 +579,8 @@ def main() -> None:
         lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
     if "burst" in only:
         burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000))
+    if "idle" in only:
+        idle(kafka, redis_url, float(_env_int("TW_BENCH_IDLE_SECONDS", 30)), _env_int("TW_BENCH_IDLE_RATE", 200))
     if "slot_reads" in only:
         slot_reads(kafka, _env_int("TW_BENCH_PROD_RATE", 1_000), 20.0)
     if "shared_volume" in only:

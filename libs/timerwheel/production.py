@@ -18,6 +18,7 @@ import os
 import secrets
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from timerwheel import telemetry
@@ -27,7 +28,15 @@ from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.health import HealthServer
 from timerwheel.log import stage_logger
 from timerwheel.metrics import registry_for
-from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges, tune_interpreter
+from timerwheel.runtime import (
+    PENDING_EVERY_S,
+    WAIT_ON_INPUTS_S,
+    Every,
+    Heartbeat,
+    StageRunner,
+    sample_gauges,
+    tune_interpreter,
+)
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.base import Stopped
 from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
@@ -76,6 +85,24 @@ def check_timer_topic(cfg: TimerConfig, commit_log: Any) -> int:
     return partitions
 
 
+def checkpoint_offsets_of(cfg: TimerConfig) -> Callable[[int], dict[int, int]]:
+    """enqueue-get's ``checkpoint_offsets``: a shard's next source offsets from its enqueue.ckpt,
+    through a read-only view opened once the shard exists ({} until then)."""
+    from timerwheel.embedded import open_reader_if_exists
+
+    views: dict[int, Any] = {}
+
+    def checkpoint_offsets(shard: int) -> dict[int, int]:
+        view = views.get(shard) or open_reader_if_exists(cfg, shard)
+        if view is None:
+            return {}
+        views[shard] = view
+        ckpt = view.load_enqueue_checkpoint()
+        return dict(ckpt.next_offsets) if ckpt else {}
+
+    return checkpoint_offsets
+
+
 def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any) -> Any:
     from timerwheel.embedded import open_reader_if_exists, open_shard
 
@@ -85,17 +112,7 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any)
     if name == "enqueue-get":
         partitions = check_timer_topic(cfg, log)
         mine = [p for p in range(partitions) if p % cfg.replicas == cfg.replica_index]
-        views: dict[int, Any] = {}
-
-        def checkpoint_offsets(shard: int) -> dict[int, int]:
-            view = views.get(shard) or open_reader_if_exists(cfg, shard)
-            if view is None:
-                return {}
-            views[shard] = view
-            ckpt = view.load_enqueue_checkpoint()
-            return dict(ckpt.next_offsets) if ckpt else {}
-
-        return EnqueueGet(ctx, log, queues[Q_PUT], mine, checkpoint_offsets)
+        return EnqueueGet(ctx, log, queues[Q_PUT], mine, checkpoint_offsets_of(cfg))
     if name == "enqueue-put":
         check_timer_topic(cfg, log)
         return EnqueuePut(ctx, shards, lambda s: open_shard(cfg, s, writer=True), queues[Q_PUT],
@@ -134,7 +151,8 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
     # Unique per process start: a restarted container keeps its host name and often its pid, and
     # the entries its previous life held must be claimable (the old name's heartbeat lapses).
     ctx = StageContext(cfg, SystemClock(), metrics,
-                       consumer=f"{name}-{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}")
+                       consumer=f"{name}-{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}",
+                       wait_on_inputs=True)
     running: dict[str, Any] = {}
 
     def on_signal(*_: object) -> None:
@@ -168,7 +186,7 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
         Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)
         tune_interpreter()
-        runner = StageRunner(name, tracked, ctx, idle_s=0.005, sample=sample)
+        runner = StageRunner(name, tracked, ctx, idle_s=WAIT_ON_INPUTS_S, sample=sample)
         running.update(runner=runner, stage=stage, tracked=tracked)
         log.info("started", pid=os.getpid(), http_port=cfg.http_port, shards=cfg.shards)
         try:

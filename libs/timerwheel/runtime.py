@@ -3,6 +3,10 @@
 ``StageRunner`` calls ``stage.step()`` until told to stop; an exception is logged (one line,
 with the stage) and retried after a short backoff — nothing crashes a stage. The counters
 ``steps`` and ``work`` let the embedded runtime tell when the whole pipeline is idle.
+
+An idle step waits: embedded, up to ``idle_s`` or until another stage of the process wakes it
+(``StageContext.wake``); a stage in a process of its own (production) on blocking reads of its
+inputs (``StageContext.wait_on_inputs``), so that an idle installation costs almost no CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ if TYPE_CHECKING:
 #: (17 young collections of ~15 ms); at 200,000 two of ~50 ms. Records hold no cycles, so
 #: collecting less often costs no memory worth counting.
 GC_THRESHOLDS = (200_000, 50, 10)
+
+#: The longest an idle stage of its own process waits on its inputs (``StageContext.wait_on_inputs``):
+#: it wakes at once when one has something, so this only bounds how late it sees a stop.
+WAIT_ON_INPUTS_S = 1.0
 
 #: How often a runner samples its gauges (queue depths) ...
 SAMPLE_EVERY_S = 1.0

@@ -52,6 +52,21 @@ def test_put_blocks_at_the_bound_counting_pending_entries_and_times_out() -> Non
     assert [p for _, p in q.get(0, "c", 10, 0.01)] == [b"4", b"5"]
 
 
+def test_get_many_takes_entries_of_several_partitions_and_waits_for_the_first() -> None:
+    q = MemoryWorkQueue("q", partitions=3, bound=10)
+    q.put(0, [b"a"], 1)
+    q.put(2, [b"b", b"c"], 1)
+    got = q.get_many([0, 1, 2], "c", 1, 0)
+    assert {p: [payload for _, payload in e] for p, e in got.items()} == {0: [b"a"], 2: [b"b"]}
+    assert [payload for _, payload in q.get_many([0, 1, 2], "c", 10, 0)[2]] == [b"c"]
+    late = threading.Timer(0.1, lambda: q.put(1, [b"late"], 1))
+    late.start()
+    got = q.get_many([0, 1, 2], "c", 10, 30)
+    late.join()
+    assert {p: [payload for _, payload in e] for p, e in got.items()} == {1: [b"late"]}
+    assert q.get_many([0, 1, 2], "c", 10, 0.05) == {}
+
+
 def test_get_waits_for_a_put_and_returns_empty_after_its_timeout() -> None:
     q = MemoryWorkQueue("q", partitions=1, bound=5)
     started = time.monotonic()

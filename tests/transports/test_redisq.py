@@ -53,6 +53,35 @@ def test_get_hands_out_entries_in_order_once_and_ack_removes_them(client: redis.
     assert list(q.pending(1).values()) == ["c2"]
 
 
+def test_get_many_takes_every_partitions_entries_in_one_call(client: redis.Redis) -> None:
+    q = queue(client, partitions=3)
+    q.put(0, [b"a0", b"b0"], timeout_s=1)
+    q.put(2, [b"a2"], timeout_s=1)
+    got = q.get_many([0, 1, 2], "c", max_entries=1, timeout_s=0)
+    assert {p: [payload for _, payload in entries] for p, entries in got.items()} == {0: [b"a0"], 2: [b"a2"]}
+    assert set(q.pending(0).values()) == {"c"}
+    assert q.get_many([0, 1, 2], "c", 10, 0)[0][0][1] == b"b0"
+    assert q.get_many([0, 1, 2], "c", 10, 0) == {}
+
+
+def test_get_many_blocks_until_an_entry_of_any_partition_arrives(client: redis.Redis) -> None:
+    q = queue(client, partitions=2)
+    late = threading.Timer(0.2, lambda: q.put(1, [b"late"], timeout_s=1))
+    late.start()
+    got = q.get_many([0, 1], "c", 10, timeout_s=30)
+    late.join()  # its put may still read its answer: the client closes after the test
+    assert {p: [payload for _, payload in entries] for p, entries in got.items()} == {1: [b"late"]}
+
+
+def test_get_many_recreates_a_vanished_group(client: redis.Redis) -> None:
+    q = queue(client, partitions=2)
+    q.put(1, [b"x"], timeout_s=1)
+    assert q.get_many([0, 1], "c", 10, 0)
+    client.delete(q.key(0), q.key(1))  # as after FLUSHALL
+    q.put(0, [b"y"], timeout_s=1)
+    assert [payload for _, payload in q.get_many([0, 1], "c", 10, 0)[0]] == [b"y"]
+
+
 def test_binary_payloads_survive_untouched(client: redis.Redis) -> None:
     q = queue(client)
     payloads = [bytes(range(256)), b"", b"\x00\xff" * 5000]

@@ -39,6 +39,12 @@ class StageContext:
     stop: threading.Event = field(default_factory=threading.Event)
     #: Consumer name in work-queue groups; unique per process.
     consumer: str = "embedded"
+    #: The stages run in processes of their own (production), so no in-process wake reaches
+    #: them: an idle stage waits on blocking reads of its inputs (one XREADGROUP BLOCK over its
+    #: partitions, a Kafka long poll) for up to the runner's idle timeout instead of polling.
+    #: enqueue-put then publishes an unchanged W at most every IDLE_PUBLISH_S, at once when a
+    #: slot that holds records becomes readable.
+    wait_on_inputs: bool = False
 
     def __post_init__(self) -> None:
         self.rules = TimerRules(self.config)
@@ -86,6 +92,23 @@ def put_blocking(ctx: StageContext, queue: WorkQueue, partition: int, entries: S
                 log.warning("queue full, producer waiting", queue=queue.name, partition=partition, waits=waited)
         if ctx.stop.is_set():
             raise Stopped()
+
+
+#: Redis ends a blocked read's timeout on its own clock (``hz`` 10: up to 100 ms late, measured).
+BLOCK_SLACK_S = 0.1
+
+
+def get_by(ctx: StageContext, queue: WorkQueue, partitions: Sequence[int], max_entries: int,
+           wait_s: float) -> dict[int, list[tuple[str, bytes]]]:
+    """``queue.get_many``, waiting at most ``wait_s`` and returning by then: a wait that must end
+    on time (the end of a due slot) blocks in Redis BLOCK_SLACK_S shorter, and a wait shorter
+    than that sleeps here and then looks without blocking."""
+    consumer = ctx.consumer
+    if wait_s > BLOCK_SLACK_S:
+        return queue.get_many(partitions, consumer, max_entries, wait_s - BLOCK_SLACK_S)
+    if wait_s > 0 and ctx.stop.wait(wait_s):
+        return {}
+    return queue.get_many(partitions, consumer, max_entries, 0)
 
 
 #: ``on_missing(index, topic)``: what to write instead of ``records[index]``, whose topic does not exist.
@@ -194,9 +217,10 @@ HEARTBEAT_TTL_MS = 5_000
 class QueueStage:
     """A stateless stage that drains one queue's partitions: dequeue-getmsg and dequeue-put.
 
-    ``step`` takes up to ``max_entries`` entries per partition, and every CLAIM_EVERY_S also the
-    entries a dead consumer left pending (after DEAD_IDLE_MS once its heartbeat lapsed, after
-    CLAIM_IDLE_MS in any case); subclasses ``handle_batches`` them and ack them.
+    ``step`` takes up to ``max_entries`` entries per partition (idle, it blocks on them when
+    ``ctx.wait_on_inputs``), and every CLAIM_EVERY_S also the entries a dead consumer left
+    pending (after DEAD_IDLE_MS once its heartbeat lapsed, after CLAIM_IDLE_MS in any case);
+    subclasses ``handle_batches`` them and ack them.
     """
 
     stage = ""
@@ -212,21 +236,22 @@ class QueueStage:
         claim = time.monotonic() - self._claimed >= CLAIM_EVERY_S
         if claim:
             self._claimed = time.monotonic()
-        work = 0
         consumer = self.ctx.consumer
-        batches: dict[int, list[tuple[str, bytes]]] = {}
-        for p in self.partitions:
-            entries = self.source.get(p, consumer, self.max_entries, 0)
-            if claim:
-                entries += self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, self.max_entries, DEAD_IDLE_MS)
-            if entries:
-                batches[p] = entries
-                work += len(entries)
+        wait = self.ctx.wait_on_inputs
+        # Blocks (up to CLAIM_EVERY_S, so that a dead consumer's entries are still claimed on
+        # time) only when no claim is due: claimed entries are served without waiting.
+        block = min(timeout_s, CLAIM_EVERY_S) if wait and not claim else 0
+        batches = self.source.get_many(self.partitions, consumer, self.max_entries, block)
+        if claim:
+            for p in self.partitions:
+                stale = self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, self.max_entries, DEAD_IDLE_MS)
+                if stale:
+                    batches[p] = batches.get(p, []) + stale
         if batches:
             self.handle_batches(batches)
-        else:
+        elif not wait:
             self.ctx.idle_wait(self.stage, timeout_s)
-        return work
+        return sum(map(len, batches.values()))
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """The entries taken from each partition in one step. One call for all of them, so that

@@ -37,7 +37,7 @@ import numpy.typing as npt
 from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, decoded
+from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import (
@@ -58,6 +58,10 @@ STALL_S = 120.0
 CKPT_POLL_S = 0.01
 #: Slots with at most this many records are read in one pass; larger ones are streamed.
 SMALL_SLOT = 20_000
+#: W older than this (enqueue-put publishes an idle W every second): not worth looking for every CKPT_POLL_S.
+W_STILL_MS = 3_000
+#: How long a step with messages in flight, or a full fetch queue, waits when it found nothing to do.
+BUSY_WAIT_S = 0.005
 GENERATION_BITS = 20
 
 
@@ -115,6 +119,8 @@ class DequeueGet:
         self._waiting = set(shard_ids)
         #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
         self.refused: dict[int, str] = {}
+        #: The last step did nothing (the next one may wait, see ``StageContext.wait_on_inputs``).
+        self._idle = False
         self.take_shards()
 
     def take_shards(self) -> None:
@@ -150,18 +156,42 @@ class DequeueGet:
             self._lose(shard_id, "lease lost")
         if self._waiting:
             self.take_shards()
+        wait = self.ctx.wait_on_inputs and bool(self.owned)
+        block = self._idle_wait_s(timeout_s) if wait and self._idle else 0
+        done = get_by(self.ctx, self.done_q, list(self.owned), 1000, block) if self.owned else {}
         work = 0
         for st in list(self.owned.values()):
             try:
-                work += self._step_shard(st)
+                work += self._step_shard(st, done.get(st.shard_id, []))
             except FencedError as exc:
                 self._lose(st.shard_id, str(exc))
-        if not work:
+        self._idle = not work
+        if not work and not wait:
             self.ctx.idle_wait(STAGE, timeout_s)
         return work
 
-    def _step_shard(self, st: GetShard) -> int:
-        work = self._drain_done(st)
+    def _idle_wait_s(self, timeout_s: float) -> float:
+        """How long an idle step may wait on the done queue (``ctx.wait_on_inputs``): W comes
+        from another process, so enqueue.ckpt is looked at once a tick; more often from the end
+        of the next slot this view knows to hold records until W passes it (a due message then
+        waits for enqueue-put's publication only, not for our next look)."""
+        tick = self.ctx.config.tick_ms
+        now = self.ctx.clock.now_ms()
+        wait = min(timeout_s, tick / 1000)
+        for st in self.owned.values():
+            if st.outbox or st.pending:
+                # Messages in flight: looked after as often as before issue 13 (their done entries
+                # move R, and a full fetch queue makes room without one); idle means none in flight.
+                return BUSY_WAIT_S
+            due = st.shard.next_nonempty(st.cursor, now + tick)
+            # Read once W passes the slot's end; however late we are, unless W stood still for
+            # seconds (enqueue-put down or held back by R: once a tick is enough then).
+            if due is not None and now - st.write_ms < W_STILL_MS:
+                wait = min(wait, max(CKPT_POLL_S, (due + tick - now) / 1000))
+        return wait
+
+    def _step_shard(self, st: GetShard, done: list[tuple[str, bytes]]) -> int:
+        work = self._drain_done(st, done)
         in_flight = sum(st.pending.values())
         tick = self.ctx.config.tick_ms
         batch = self.ctx.config.batch_size
@@ -299,15 +329,16 @@ class DequeueGet:
         self.ctx.wake(CONSUMER_OF[Q_FETCH])
         return True
 
-    def _drain_done(self, st: GetShard) -> int:
-        entries = []
+    def _drain_done(self, st: GetShard, entries: list[tuple[str, bytes]]) -> int:
+        """Count the done entries ``entries`` (taken by ``step`` for every shard at once)."""
         if st.reclaim:
             # e2e fix: a previous owner that died leaves the done entries it had taken pending for
             # good; they count against the queue bound until dequeue-put blocks. Claim and ack them
             # (their generation is old, so they are ignored below).
             st.reclaim = False
-            entries = self.done_q.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
-        entries += self.done_q.get(st.shard_id, self.ctx.consumer, 1000, 0)
+            claimed = self.done_q.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
+            ids = {eid for eid, _ in claimed}  # idle 0 claims what step just took too
+            entries = claimed + [e for e in entries if e[0] not in ids]
         if not entries:
             if st.pending and time.monotonic() - st.last_progress > STALL_S:
                 self._resend(st)

@@ -66,6 +66,8 @@ class EnqueueGet:
         self._last_check = time.monotonic()
         #: partition -> offset of a batch the consumer cannot decode, as last reported.
         self._undecodable: dict[int, int] = {}
+        #: The last poll found nothing (the next one may wait, see ``StageContext.wait_on_inputs``).
+        self._idle = False
 
     def shard_of(self, partition: int) -> int:
         return partition % self.ctx.config.shards
@@ -85,14 +87,19 @@ class EnqueueGet:
 
     def step(self, timeout_s: float) -> int:
         """Read one batch and hand it on; returns the number of records read."""
-        records = self.consumer.poll(self.ctx.config.batch_size, 0)
+        wait = self.ctx.wait_on_inputs
+        # Waiting on the poll (a Kafka long poll) when the last one found nothing; the rewind
+        # check stays due every REWIND_CHECK_S.
+        block = min(timeout_s, REWIND_CHECK_S / 2) if wait and self._idle else 0
+        records = self.consumer.poll(self.ctx.config.batch_size, block)
         consumer = self.consumer
         reported = self._reported
         positions = {p: consumer.position(p) for p in self.partitions}
         moved = {p: at for p, at in positions.items() if at != reported.get(p)}
-        if records or moved:
+        self._idle = not (records or moved)
+        if not self._idle:
             self.handle(records, moved)
-        else:
+        elif not wait:
             self.ctx.idle_wait(STAGE, timeout_s)
         self._report_undecodable()
         self._maybe_rewind()

@@ -10,6 +10,11 @@ Owns shards. For each batch of entries of a shard:
 4. advance ``W`` (to now, capped so the wheel never laps an unread slot: a write never goes
    past ``R + span - tick``), save ``enqueue.ckpt`` atomically, and only then ack the queue.
 
+Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
+unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
+that holds records: dequeue-get reads a due slot in its tick, while an empty wheel costs one
+checkpoint a second.
+
 A crash anywhere leaves either the old checkpoint (the entries are redelivered or re-read
 and the duplicates skipped by offset) or the new one (the entries were durable).
 
@@ -33,7 +38,7 @@ from timerwheel import telemetry
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, decoded
+from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import PUT_ROW_FIELDS, PutEntry, PutRequest, PutRow
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import (
@@ -53,6 +58,12 @@ _NORMAL, _ROLL, _DELETE = int(Flag.NORMAL), int(Flag.ROLL), int(Flag.DELETE)
 RETAIN_EVERY_S = 30.0
 #: A shard refused for want of ``timerwheel recover`` is looked at again this often.
 RECOVERY_RETRY_S = 2.0
+#: With ``ctx.wait_on_inputs`` (production), an idle shard's W is published at most this often
+#: (R and the lag then move in steps of this size), but at once when a slot that holds records
+#: becomes readable: a due message waits for its tick, never for this.
+IDLE_PUBLISH_S = 1.0
+#: The shortest idle wait (W held back by R: nothing to publish however often we look).
+MIN_WAIT_S = 0.01
 
 
 def fire_time(deliver_ms: int, write_ms: int, roll_window_ms: int) -> tuple[int, bool]:
@@ -73,6 +84,8 @@ class PutShard:
     write_ms: int = 0
     next_offsets: dict[int, int] = field(default_factory=dict)
     published_ms: int = -1
+    #: When W was last published, or found with nothing new to publish (time.monotonic()).
+    published_at: float = 0.0
     epoch: int = 0
     #: R as last read from dequeue.ckpt (a lower bound of the real R).
     read_ms: int = -(2**62)
@@ -97,6 +110,8 @@ class EnqueuePut:
         #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
         self.refused: dict[int, str] = {}
         self._refused_at: dict[int, float] = {}
+        #: The last step found no entry (the next one may wait on the queue).
+        self._idle = False
         self.take_shards()
 
     def take_shards(self) -> None:
@@ -193,29 +208,70 @@ class EnqueuePut:
         if self._waiting:
             self.take_shards()
         self._retain()
-        done = 0
-        for st in list(self.owned.values()):
-            stale: list[tuple[str, bytes]] = []
+        wait = self.ctx.wait_on_inputs and bool(self.owned)
+        block, on_time = self._idle_wait_s(timeout_s) if wait and self._idle else (0.0, False)
+        got: dict[int, list[tuple[str, bytes]]] = {}
+        for st in self.owned.values():
             if st.reclaim:
                 # e2e fix: a previous owner that died leaves the entries it had taken pending for
                 # good (only the shard's owner reads its partition), the queue never drains, and
                 # every later entry looks like a gap. Take them over first; offsets skip the rest.
                 st.reclaim = False
                 stale = self.queue.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
-            entries = stale + self.queue.get(st.shard_id, self.ctx.consumer, self.ctx.config.queue_bound, 0)
+                if stale:
+                    got[st.shard_id] = stale
+        take = get_by if on_time else _get_many
+        for shard_id, fresh in take(self.ctx, self.queue, list(self.owned), self.ctx.config.queue_bound,
+                                    0 if got else block).items():
+            got[shard_id] = got.get(shard_id, []) + fresh
+        self._idle = not got
+        done = 0
+        for st in list(self.owned.values()):
+            entries = got.get(st.shard_id)
             try:
                 if entries:
                     self.write(st, entries)
                     done += len(entries)
-                elif self._advance_w(st):
+                elif self._idle_advance(st):
                     self.ownership.check(st.shard_id)
                     self._publish(st)
                     done += 1  # a new W is progress too: dequeue-get may now read more
             except FencedError as exc:
                 self._lose(st.shard_id, str(exc))
-        if not done:
+        if not done and not wait:
             self.ctx.idle_wait(STAGE, timeout_s)
         return done
+
+    def _idle_advance(self, st: PutShard) -> bool:
+        """``_advance_w`` for a shard with no new entry. With ``ctx.wait_on_inputs``, W stays
+        where it was published for up to IDLE_PUBLISH_S, unless a slot holding records would
+        become readable (one between the published W and the new one)."""
+        if not self.ctx.wait_on_inputs or st.published_ms < 0:
+            return self._advance_w(st)
+        if time.monotonic() - st.published_at < IDLE_PUBLISH_S:
+            slot = st.shard.slot_time(self._target_w(st))
+            if slot == st.published_ms or st.shard.next_nonempty(st.published_ms, slot) is None:
+                return False
+        if self._advance_w(st):
+            return True
+        st.published_at = time.monotonic()  # nothing new (W held back by R): look again in IDLE_PUBLISH_S
+        return False
+
+    def _idle_wait_s(self, timeout_s: float) -> tuple[float, bool]:
+        """How long an idle step may wait on the queue: until some shard's W is due to be
+        published (IDLE_PUBLISH_S after the last, or the end of the next slot holding records);
+        and whether the wait must end on time (a due slot's end: see ``get_by``)."""
+        tick = self.ctx.config.tick_ms
+        now_ms = self.ctx.clock.now_ms()
+        mono = time.monotonic()
+        wait, on_time = timeout_s, False
+        for st in self.owned.values():
+            wait = min(wait, max(st.published_at + IDLE_PUBLISH_S - mono, (st.published_ms + tick - now_ms) / 1000))
+        for st in self.owned.values():
+            due = st.shard.next_nonempty(st.published_ms, st.published_ms + max(0, int(wait * 1000)) + tick)
+            if due is not None and (due + tick - now_ms) / 1000 <= wait:
+                wait, on_time = (due + tick - now_ms) / 1000, True
+        return max(MIN_WAIT_S, wait), on_time
 
     def write(self, st: PutShard, entries: list[tuple[str, bytes]]) -> None:
         t0 = telemetry.batch_start()
@@ -289,6 +345,7 @@ class EnqueuePut:
 
     def _publish(self, st: PutShard) -> None:
         flushed = st.shard.flush()
+        st.published_at = time.monotonic()
         st.shard.save_enqueue_checkpoint(EnqueueCheckpoint(
             flushed_pos=flushed, write_ms=st.write_ms, next_offsets=dict(st.next_offsets), epoch=st.epoch))
         slot = st.shard.slot_time(st.write_ms)
@@ -336,6 +393,12 @@ class EnqueuePut:
                 st.log.error("final checkpoint failed", exc=True)
             st.shard.close()
         self.ownership.release_all()
+
+
+def _get_many(ctx: StageContext, queue: WorkQueue, partitions: list[int], max_entries: int,
+              wait_s: float) -> dict[int, list[tuple[str, bytes]]]:
+    """``get_by`` for a wait that may end late (Redis's timeout granularity)."""
+    return queue.get_many(partitions, ctx.consumer, max_entries, wait_s)
 
 
 def _requests(entries: list[tuple[str, bytes]]) -> Iterator[tuple[int, PutRequest]]:

@@ -124,6 +124,13 @@ class WorkQueue(Protocol):
         """Up to ``max_entries`` new entries ``(entry_id, payload)``; [] after the timeout."""
         ...
 
+    def get_many(self, partitions: Sequence[int], consumer: str, max_entries: int,
+                 timeout_s: float) -> dict[int, list[tuple[str, bytes]]]:
+        """New entries of several partitions at once, up to ``max_entries`` each, keyed by
+        partition (only those with entries); waits up to ``timeout_s`` for the first entry of
+        any of them (an idle stage blocks here instead of polling), {} after the timeout."""
+        ...
+
     def ack(self, partition: int, entry_ids: Sequence[str]) -> None: ...
 
     def bury(self, partition: int, entries: Sequence[tuple[str, bytes, str]]) -> None:

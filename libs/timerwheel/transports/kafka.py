@@ -102,6 +102,18 @@ _REFUSED = (
 #: Consumers that follow a topic fetch in batches: a fetch answered per record arriving costs
 #: the broker more CPU than anything else at a steady rate; 20 ms is well inside a tick.
 _BATCHED_FETCH = {"fetch_min_bytes": 64 * 1024, "fetch_max_wait_ms": 20}
+#: ... but an idle consumer would then fetch 50 times a second for nothing: while its caller
+#: waits on the poll, the broker holds the fetch until the first record arrives (answered at
+#: once, so no record waits) or ``fetch_max_wait_ms`` passes.
+_LONG_POLL_FETCH = {"fetch_min_bytes": 1, "fetch_max_wait_ms": 500}
+
+
+def _fetch_mode(consumer: Any, waiting: bool) -> None:
+    """Fetch batched (``_BATCHED_FETCH``) while records flow, long polls (``_LONG_POLL_FETCH``)
+    while idle. kafka-python's fetcher reads these settings for each fetch it sends."""
+    config = getattr(getattr(consumer, "_fetcher", None), "config", None)
+    if isinstance(config, dict):
+        config.update(_LONG_POLL_FETCH if waiting else _BATCHED_FETCH)
 
 _READ_FETCH_BYTES = 64 * 1024
 _READ_POLL_RECORDS = 200
@@ -236,6 +248,8 @@ class KafkaConsumerAdapter:
         #: Set-aside partitions being tried again; one that reads past its offset decodes again.
         self._retrying: dict[int, Undecodable] = {}
         self._consumer: Any = None
+        #: The consumer fetches in long polls (``_fetch_mode``): the last poll had a timeout.
+        self._waiting = False
         self._assign()
 
     def _assign(self) -> None:
@@ -251,6 +265,10 @@ class KafkaConsumerAdapter:
         if self.undecodable:
             self._retry_undecodable()
         consumer = self._consumer
+        waiting = timeout_s > 0
+        if waiting != self._waiting:
+            _fetch_mode(consumer, waiting)
+            self._waiting = waiting
         try:
             batches = consumer.poll(timeout_ms=max(0, int(timeout_s * 1000)), max_records=max_records)
         except _UNDECODABLE as exc:
@@ -309,6 +327,7 @@ class KafkaConsumerAdapter:
         old, self._consumer = self._consumer, None
         with suppress(Exception):
             old.close(autocommit=False)
+        self._waiting = False  # a new consumer fetches batched
         self._assign()
 
     def seek(self, partition: int, offset: int) -> None:
@@ -1077,8 +1096,11 @@ class _Follower:
     def _follow(self, consumer: Any) -> None:
         """Until stopped, or until judged useless (then pause and return, to start from the end)."""
         self.hits = self.kept = 0
+        idle = False
         while not self._stop.is_set():
-            batches = consumer.poll(timeout_ms=200, max_records=2_000)
+            _fetch_mode(consumer, idle)
+            batches = consumer.poll(timeout_ms=1000 if idle else 200, max_records=2_000)
+            idle = not batches
             for recs in batches.values():
                 self.kept += self.log._keep(_to_record(r) for r in recs)
             if self.kept >= self.JUDGE_EVERY:

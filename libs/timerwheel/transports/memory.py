@@ -62,6 +62,10 @@ class _Pending:
     since_ms: int
 
 
+#: How often ``MemoryWorkQueue.get_many`` looks again while it waits on several partitions.
+_MANY_SLICE_S = 0.005
+
+
 class _QueuePartition:
     __slots__ = ("lock", "not_empty", "not_full", "waiting", "pending", "next_id", "dead")
 
@@ -147,6 +151,25 @@ class MemoryWorkQueue:
                 qp.pending[entry_id] = _Pending(payload, consumer, now)
                 out.append((entry_id, payload))
             return out
+
+    def get_many(self, partitions: Sequence[int], consumer: str, max_entries: int,
+                 timeout_s: float) -> dict[int, list[tuple[str, bytes]]]:
+        """``get`` of each partition. Waiting on several partitions looks again every
+        ``_MANY_SLICE_S``: the embedded stages do not wait here (in-process wakes end their waits)."""
+        if len(partitions) == 1:
+            got = self.get(partitions[0], consumer, max_entries, timeout_s)
+            return {partitions[0]: got} if got else {}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = {}
+            for p in partitions:
+                got = self.get(p, consumer, max_entries, 0)
+                if got:
+                    out[p] = got
+            left = deadline - time.monotonic()
+            if out or left <= 0 or self._closed or not partitions:
+                return out
+            self.get(partitions[0], consumer, 0, min(left, _MANY_SLICE_S))  # waits for an entry, takes none
 
     def ack(self, partition: int, entry_ids: Sequence[str]) -> None:
         qp = self._part(partition)

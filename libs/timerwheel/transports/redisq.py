@@ -6,7 +6,8 @@ XACKs and XDELs it in one transaction, so ``XLEN`` is exactly "waiting plus pend
 both ``depth`` and the bound ``put`` waits on (RIP-43's bounded BlockingQueue, as flow control).
 The bound check and the XADDs run in one Lua script, so concurrent producers cannot overshoot
 together; a batch is admitted whole while the partition holds fewer than ``bound`` entries.
-``get`` is XREADGROUP with a bounded BLOCK, ``claim_stale`` is XAUTOCLAIM.
+``get`` is XREADGROUP with a bounded BLOCK, ``get_many`` one XREADGROUP over several partitions'
+streams (an idle stage blocks there), ``claim_stale`` is XAUTOCLAIM.
 
 Consumers say they are alive with ``heartbeat``: a key ``tw:alive:{consumer}`` with a TTL
 (every stage process refreshes it from a thread of its own, so a long batch does not lapse it).
@@ -258,6 +259,42 @@ class RedisWorkQueue:
                 got = _entries(raw[0][1]) if raw else []
                 if got or block is None or time.monotonic() >= deadline:
                     return got
+
+    def get_many(self, partitions: Sequence[int], consumer: str, max_entries: int,
+                 timeout_s: float) -> dict[int, list[tuple[str, bytes]]]:
+        """One XREADGROUP over the partitions' streams, BLOCKing up to ``timeout_s`` (in calls of
+        at most ``max_block_s``): an idle stage costs Redis one call per timeout, not one per
+        partition and poll."""
+        if not partitions:
+            return {}
+        keys = {self._check(p): p for p in partitions}
+        streams: Any = dict.fromkeys(keys, ">")
+        deadline = time.monotonic() + timeout_s
+        with _redis_call(f"get from queue {self.name!r} partitions {list(partitions)}"):
+            for p in partitions:
+                if p not in self._ready:
+                    self._ensure_group(p)
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                block = min(self._max_block_ms, left_ms) if left_ms >= 1 else None
+                raw: Any
+                try:
+                    raw = self.client.xreadgroup(self.group, consumer, streams, count=max_entries, block=block)
+                except redis.ResponseError as exc:
+                    if not _is_nogroup(exc):
+                        raise
+                    for p in partitions:  # a stream or its group vanished (FLUSHALL): recreate them all
+                        self._ensure_group(p)
+                    raw = self.client.xreadgroup(self.group, consumer, streams, count=max_entries, block=block)
+                if isinstance(raw, dict):  # RESP3: {key: [entries]}
+                    raw = [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in raw.items()]
+                out: dict[int, list[tuple[str, bytes]]] = {}
+                for key, entries in raw or ():
+                    got = _entries(entries)
+                    if got:
+                        out[keys[_text(key)]] = got
+                if out or block is None or time.monotonic() >= deadline:
+                    return out
 
     def ack(self, partition: int, entry_ids: Sequence[str]) -> None:
         key = self._check(partition)
