@@ -1,4 +1,4 @@
-"""A RetryConsumer process for e2e/test_retry.py, that can kill itself (SIGKILL) at a chosen point.
+"""A RetryConsumer process for e2e/test_retry_consumer.py, that can kill itself (SIGKILL) at a chosen point.
 
     python e2e/retry_worker.py GROUP TOPIC OUTCOMES BATCH MAX_RECONSUME CRASH
 
