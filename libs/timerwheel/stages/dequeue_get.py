@@ -51,6 +51,9 @@ CKPT_POLL_S = 0.01
 #: Slots with at most this many records are read in one pass; larger ones are streamed.
 SMALL_SLOT = 20_000
 GENERATION_BITS = 20
+#: A shard being handed over is released after this even with messages still in flight (their
+#: slots are read again by the next owner: duplicates, never a loss).
+DRAIN_S = 10.0
 
 
 @dataclass
@@ -82,6 +85,9 @@ class GetShard:
     visible: bool = False
     #: Done entries a previous owner took and never acked are still to be claimed (e2e fix).
     reclaim: bool = True
+    #: Being handed over (monotonic time it began): no new slot is opened, the shard is
+    #: released once what was sent came back done (or after DRAIN_S).
+    draining: float | None = None
 
 
 _DELETE = int(Flag.DELETE)
@@ -104,11 +110,13 @@ class DequeueGet:
         self.logger = stage_logger(STAGE)
         self.owned: dict[int, GetShard] = {}
         self._views: dict[int, Shard] = {}
-        self._waiting = set(shard_ids)
+        self.shard_ids = frozenset(shard_ids)
+        self._waiting = set(self.shard_ids)
+        self._wanted = self.ownership.wanted(self.shard_ids)
         self.take_shards()
 
     def take_shards(self) -> None:
-        for shard_id in sorted(self._waiting):
+        for shard_id in sorted(self._waiting & self._wanted):
             shard = self._views.get(shard_id) or self.open_shard(shard_id)
             if shard is None:
                 continue  # enqueue-put has not created the shard yet
@@ -119,21 +127,28 @@ class DequeueGet:
             epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)
             if epoch is None:
                 continue
+            # Read R again now that the lease is ours: a previous owner saves its last R before
+            # it releases, possibly after the read above.
+            ckpt = shard.load_dequeue_checkpoint() or ckpt
             self._waiting.discard(shard_id)
             log = stage_logger(STAGE, shard_id)
             self.owned[shard_id] = GetShard(shard_id, shard, log, epoch, epoch << GENERATION_BITS,
                                             ckpt.read_ms, ckpt.read_ms)
             log.info("owning shard", epoch=epoch, read_ms=ckpt.read_ms)
+        self._count_owned()
 
     def step(self, timeout_s: float) -> int:
         for shard_id in self.ownership.renew_due():
             self._lose(shard_id, "lease lost")
+        self._balance()
         if self._waiting:
             self.take_shards()
         work = 0
         for st in list(self.owned.values()):
             try:
                 work += self._step_shard(st)
+                if st.draining is not None and self._drained(st):
+                    self._hand_over(st)
             except FencedError as exc:
                 self._lose(st.shard_id, str(exc))
         if not work:
@@ -148,6 +163,8 @@ class DequeueGet:
         ckpt = None
         while self._flush_outbox(st) and in_flight < self.ctx.config.max_in_flight:
             if st.reader is None:
+                if st.draining is not None:
+                    break  # being handed over: finish the slot in hand, open no other
                 if ckpt is None:
                     ckpt = self._published(st)
                     if ckpt is None:
@@ -334,12 +351,46 @@ class DequeueGet:
         self.ctx.metrics.set("owner_epoch", st.epoch, shard=st.shard_id, stage=STAGE)
         return moved
 
+    def _balance(self) -> None:
+        """Start handing over the shards another live replica ranks first for
+        (``Ownership.wanted``); keep one that became ours again."""
+        self._wanted = self.ownership.wanted(self.shard_ids)
+        for st in self.owned.values():
+            if st.shard_id not in self._wanted and st.draining is None:
+                st.draining = time.monotonic()
+                st.log.info("handing shard over, draining", in_flight=sum(st.pending.values()))
+            elif st.shard_id in self._wanted and st.draining is not None:
+                st.draining = None
+                st.log.info("shard kept, ranked first again")
+
+    @staticmethod
+    def _drained(st: GetShard) -> bool:
+        assert st.draining is not None
+        idle = st.reader is None and not st.pending and not st.outbox
+        return idle or time.monotonic() - st.draining >= DRAIN_S
+
+    def _hand_over(self, st: GetShard) -> None:
+        """Release a drained shard: R is saved already (``_advance_r``), so its next owner
+        starts where this one stopped."""
+        self.ownership.check(st.shard_id)
+        del self.owned[st.shard_id]
+        self.ownership.release_all_of(st.shard_id)
+        self._waiting.add(st.shard_id)
+        self._count_owned()
+        self.ctx.metrics.inc("handovers", shard=st.shard_id, stage=STAGE)
+        st.log.info("shard handed over", epoch=st.epoch, read_ms=st.read_ms, in_flight=sum(st.pending.values()))
+
+    def _count_owned(self) -> None:
+        """``owned_shards``: what this replica owns now (readiness does not say, see health.py)."""
+        self.ctx.metrics.set("owned_shards", len(self.owned), stage=STAGE)
+
     def _lose(self, shard_id: int, why: str) -> None:
         st = self.owned.pop(shard_id, None)
         if st is not None:
             st.log.warning("shard ownership lost, stopped reading", reason=why)
             self.ctx.metrics.inc("fenced", shard=shard_id, stage=STAGE)
             self._waiting.add(shard_id)
+            self._count_owned()
 
     def caught_up(self) -> bool:
         """Every owned shard has read and seen delivered every slot before W."""
@@ -351,6 +402,6 @@ class DequeueGet:
         return not self._waiting and all(done(st) for st in list(self.owned.values()))
 
     def close(self) -> None:
-        self.ownership.release_all()
+        self.ownership.leave()
         for shard in self._views.values():
             shard.close()

@@ -81,14 +81,16 @@ class EnqueuePut:
         self.open_shard = open_shard
         self.logger = stage_logger(STAGE)
         self.owned: dict[int, PutShard] = {}
-        self._waiting = set(shard_ids)
+        self.shard_ids = frozenset(shard_ids)
+        self._waiting = set(self.shard_ids)
+        self._wanted = self.ownership.wanted(self.shard_ids)
         self._retained = time.monotonic()
         self._blocked: set[int] = set()
         self.take_shards()
 
     def take_shards(self) -> None:
-        """Acquire the shards we do not own yet; recover each before its first write."""
-        for shard_id in sorted(self._waiting):
+        """Acquire the wanted shards we do not own yet; recover each before its first write."""
+        for shard_id in sorted(self._waiting & self._wanted):
             # A lease kept from an earlier try (below) is still ours.
             epoch = self.ownership.epochs.get(shard_id) or self.ownership.acquire(shard_id)
             if epoch is None:
@@ -115,6 +117,7 @@ class EnqueuePut:
                     continue
             self._waiting.discard(shard_id)
             self.owned[shard_id] = self._start(shard_id, shard, epoch)
+        self._count_owned()
 
     def _start(self, shard_id: int, shard: Shard, epoch: int) -> PutShard:
         log = stage_logger(STAGE, shard_id)
@@ -155,6 +158,7 @@ class EnqueuePut:
         """One pass over the owned shards; returns entries written plus W publications."""
         for shard_id in self.ownership.renew_due():
             self._lose(shard_id, "lease lost")
+        self._balance()
         if self._waiting:
             self.take_shards()
         self._retain()
@@ -268,6 +272,38 @@ class EnqueuePut:
         self.ctx.metrics.set("write_ms", st.write_ms, shard=st.shard_id)
         self.ctx.metrics.set("owner_epoch", st.epoch, shard=st.shard_id, stage=STAGE)
 
+    def _balance(self) -> None:
+        """Hand over the shards another live replica ranks first for (``Ownership.wanted``),
+        and let go of a lease kept for a shard still locked by its old owner but no longer ours."""
+        self._wanted = self.ownership.wanted(self.shard_ids)
+        for shard_id in sorted(set(self.owned) - self._wanted):
+            self._hand_over(shard_id)
+        for shard_id in sorted(set(self.ownership.epochs) - set(self.owned) - self._wanted):
+            self.ownership.release_all_of(shard_id)
+            self._blocked.discard(shard_id)
+
+    def _hand_over(self, shard_id: int) -> None:
+        """Publish a last checkpoint, close the shard, then release its lease: its next owner
+        takes it at once and finds everything written so far durable."""
+        st = self.owned[shard_id]
+        try:
+            self.ownership.check(shard_id)
+            self._publish(st)
+        except FencedError as exc:
+            self._lose(shard_id, str(exc))
+            return
+        del self.owned[shard_id]
+        st.shard.close()
+        self.ownership.release_all_of(shard_id)
+        self._waiting.add(shard_id)
+        self._count_owned()
+        self.ctx.metrics.inc("handovers", shard=shard_id, stage=STAGE)
+        st.log.info("shard handed over", epoch=st.epoch, write_ms=st.write_ms)
+
+    def _count_owned(self) -> None:
+        """``owned_shards``: what this replica owns now (readiness does not say, see health.py)."""
+        self.ctx.metrics.set("owned_shards", len(self.owned), stage=STAGE)
+
     def _lose(self, shard_id: int, why: str) -> None:
         st = self.owned.pop(shard_id, None)
         if st is not None:
@@ -275,6 +311,7 @@ class EnqueuePut:
             self.ctx.metrics.inc("fenced", shard=shard_id, stage=STAGE)
             st.shard.close()
             self._waiting.add(shard_id)
+            self._count_owned()
 
     def _retain(self) -> None:
         """Delete TimerLog segments whose records all fire before R (every 30 s)."""
@@ -300,7 +337,7 @@ class EnqueuePut:
             except Exception:  # noqa: BLE001 - best effort on shutdown; recovery covers the rest
                 st.log.error("final checkpoint failed", exc=True)
             st.shard.close()
-        self.ownership.release_all()
+        self.ownership.leave()
 
 
 def _requests(entries: list[tuple[str, bytes]]) -> Iterator[tuple[int, PutRequest]]:
