@@ -165,7 +165,8 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
         def sample() -> None:
             owned = dict(getattr(stage, "owned", None) or {}) if name == "dequeue-get" else {}
             shards = {sid: st.shard for sid, st in owned.items()}
-            sample_gauges(metrics, cfg, sources, shards, bool(shards) and pending_every.due())
+            sample_gauges(metrics, cfg, sources, shards, bool(shards) and pending_every.due(),
+                          now_ms=ctx.clock.now_ms() if shards else None)
 
         Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)
