@@ -115,11 +115,12 @@ def test_status_is_read_from_the_stage_pods_metrics() -> None:
     body = wheel_body()
     applied = rec.ensure(body, cluster, SETTINGS)
     status = rec.observe(body, applied, cluster)  # no metrics yet: shard 0 has no owner
-    assert next(c for c in status["conditions"] if c["type"] == "Degraded")["reason"] == "ShardUnowned"
+    assert next(c for c in status["conditions"] if c["type"] == "Recovering")["reason"] == "ShardsTakingOver"
     cluster.metrics = {"10.1.0.1": owner_metrics("enqueue-put", 3), "10.1.0.2": owner_metrics("dequeue-get", 2)}
     status = rec.observe(body, applied, cluster)
     assert {c["type"]: c["status"] for c in status["conditions"]} == {
-        "Ready": "True", "Progressing": "False", "Degraded": "False"}
+        "Ready": "True", "Progressing": "False", "Degraded": "False", "Scaling": "False", "Recovering": "False",
+        "WindowRolling": "False"}
     assert status["shards"] == [{"shard": 0, "owner": "enqueue-put-0", "reader": "dequeue-get-0", "epoch": 3,
                                  "W": 1_700_000_000_000, "R": 1_700_000_000_000}]
     assert status["observedGeneration"] == 3
