@@ -29,7 +29,8 @@ RECONCILE_INTERVAL_S = 10.0
 def _post(body: kopf.Body, applied: rec.Applied, logger: kopf.Logger) -> None:
     """Every decision as an Event on the TimerWheel, and one log line each."""
     for event in applied.events:
-        (kopf.warn if event.warning else kopf.info)(body, reason=event.reason, message=event.message)
+        # kopf.event, not kopf.info: the settings post only warnings from kopf.info and logs.
+        kopf.event(body, type="Warning" if event.warning else "Normal", reason=event.reason, message=event.message)
         logger.info("%s: %s", event.reason, event.message)
 
 
