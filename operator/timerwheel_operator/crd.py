@@ -314,6 +314,7 @@ _SHARD_STATUS: Schema = {
         "inFlight": {"type": "integer", "format": "int64"},
         "pending": {"type": "integer", "format": "int64", "description": "messages in the wheel from R on"},
         "timerLogBytes": {"type": "integer", "format": "int64"},
+        "openError": {"type": "string", "description": "pods that cannot open the shard, and why"},
     },
 }
 

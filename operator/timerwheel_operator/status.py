@@ -14,7 +14,9 @@ status changes) and ``observedGeneration``.
   next one is taking it (lease, recovery of the TimerLog). Normal for seconds after a scale, a
   rollout or a crash.
 - ``Degraded``: the spec is invalid (``InvalidSpec``), the API server refused an object
-  (``ApplyFailed``) or a shard stayed without an owner for ``RECOVERY_GRACE_S`` (``ShardUnowned``:
+  (``ApplyFailed``), an owner reports it cannot open a shard (``ShardUnopenable``: a torn
+  checkpoint, a lost file, a failed recovery; the error's class, the pod's log has the rest)
+  or a shard stayed without an owner for ``RECOVERY_GRACE_S`` (``ShardUnowned``:
   its owner cannot open it, or no replica runs).
 - ``WindowRolling``: always False in this version (``Immutable``): the API server refuses a
   change of tickMs, rollWindowMs or wheelSpanMs (``crd.WINDOW_IMMUTABLE``).
@@ -143,7 +145,8 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
         recovering = condition("Recovering", False, "AllShardsOwned", "every shard has its owners", generation,
                                previous, now)
     stuck = taking_over and _seconds_between(recovering["lastTransitionTime"], now) >= RECOVERY_GRACE_S
-    degraded = bool(apply_failures) or stuck
+    unopenable = [f"shard {st.shard} ({'; '.join(st.open_errors)})" for st in shards if st.open_errors]
+    degraded = bool(apply_failures) or stuck or bool(unopenable)
     ready = not progressing and not degraded and not taking_over
     if progressing:
         progress = condition("Progressing", True, "RollingOut", "waiting for " + ", ".join(
@@ -155,6 +158,9 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
         failed = "; ".join(f"{k}: {v}" for k, v in sorted(apply_failures.items()))
         degrade = condition("Degraded", True, "ApplyFailed", f"the API server refused {failed}",
                             generation, previous, now)
+    elif unopenable:
+        degrade = condition("Degraded", True, "ShardUnopenable", "cannot be opened by its owner: " + ", ".join(
+            unopenable) + " (see the pod's log: 'shard cannot be opened')", generation, previous, now)
     elif degraded:
         message = f"for {RECOVERY_GRACE_S} s or more, " + recovering["message"]
         degrade = condition("Degraded", True, "ShardUnowned", message, generation, previous, now)

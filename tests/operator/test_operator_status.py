@@ -64,6 +64,14 @@ def test_an_unowned_shard_is_recovering_then_degraded_after_the_grace() -> None:
     assert (c["Degraded"]["status"], c["Recovering"]["status"]) == ("False", "False")
 
 
+def test_a_shard_its_owner_cannot_open_is_degraded_at_once_naming_it() -> None:
+    broken = ShardStatus(1, open_errors=["enqueue-put put-1: OSError"])
+    c = conditions(compute(1, all_rolled(), [owned(0), broken], [], T0))
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "ShardUnopenable")
+    assert "shard 1 (enqueue-put put-1: OSError)" in c["Degraded"]["message"]
+    assert c["Ready"]["status"] == "False"
+
+
 def test_scaling_names_the_stages_until_they_have_their_replicas() -> None:
     stages = all_rolled() | {"dequeue-put": StageState(desired=3, replicas=1, ready=1, updated=1),
                              "enqueue-put": StageState(desired=1, replicas=2, ready=2, updated=2)}

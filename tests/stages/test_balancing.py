@@ -153,3 +153,25 @@ def test_dequeue_get_drains_before_it_hands_a_shard_over_and_the_next_owner_read
         a.close()
         if b is not None:
             b.close()
+
+
+def test_a_shard_that_cannot_be_opened_is_reported_and_the_others_still_taken(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    ctx = StageContext(w.config, w.clock, consumer="put-a")
+    broken = {1}
+
+    def open_writer(shard: int) -> Shard:
+        if shard in broken:
+            raise OSError(f"shard {shard}: enqueue.ckpt: Input/output error")
+        return open_shard(w.config, shard, writer=True)
+
+    put = EnqueuePut(ctx, range(SHARDS), open_writer, w.put_q, w.ownership("enqueue-put", A))
+    try:
+        assert set(put.owned) == set(range(SHARDS)) - {1}
+        assert ctx.metrics.gauge("shard_open_failed", shard=1, stage="enqueue-put", error="OSError") == 1
+        broken.clear()  # repaired (say, by a recovery Job): taken at the next step
+        put.step(0)
+        assert set(put.owned) == set(range(SHARDS))
+        assert ctx.metrics.gauge("shard_open_failed", shard=1, stage="enqueue-put", error="OSError") == 0
+    finally:
+        put.close()

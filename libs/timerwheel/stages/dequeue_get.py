@@ -37,7 +37,7 @@ import numpy.typing as npt
 from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, decoded
+from timerwheel.stages.base import StageContext, Unopenable, decoded
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard, TimerRecord
@@ -113,15 +113,21 @@ class DequeueGet:
         self.shard_ids = frozenset(shard_ids)
         self._waiting = set(self.shard_ids)
         self._wanted = self.ownership.wanted(self.shard_ids)
+        self._unopenable = Unopenable(ctx, STAGE, self.logger)
         self.take_shards()
 
     def take_shards(self) -> None:
         for shard_id in sorted(self._waiting & self._wanted):
-            shard = self._views.get(shard_id) or self.open_shard(shard_id)
-            if shard is None:
-                continue  # enqueue-put has not created the shard yet
-            self._views[shard_id] = shard
-            ckpt = shard.load_dequeue_checkpoint()
+            try:
+                shard = self._views.get(shard_id) or self.open_shard(shard_id)
+                if shard is None:
+                    continue  # enqueue-put has not created the shard yet
+                self._views[shard_id] = shard
+                ckpt = shard.load_dequeue_checkpoint()
+            except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
+                self._unopenable.report(shard_id, exc)
+                continue
+            self._unopenable.clear(shard_id)
             if ckpt is None:
                 continue
             epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)

@@ -33,7 +33,7 @@ from timerwheel import telemetry
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, decoded
+from timerwheel.stages.base import StageContext, Unopenable, decoded
 from timerwheel.stages.codec import PUT_ROW_FIELDS, PutEntry, PutRequest, PutRow
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
@@ -86,6 +86,7 @@ class EnqueuePut:
         self._wanted = self.ownership.wanted(self.shard_ids)
         self._retained = time.monotonic()
         self._blocked: set[int] = set()
+        self._unopenable = Unopenable(ctx, STAGE, self.logger)
         self.take_shards()
 
     def take_shards(self) -> None:
@@ -106,6 +107,12 @@ class EnqueuePut:
                     self.logger.warning("shard still locked by its previous owner, waiting", shard=shard_id,
                                         error=str(exc))
                 continue
+            except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
+                # Keep the lease (nobody else writes a shard in this state) and retry next step;
+                # the operator marks the TimerWheel Degraded naming the shard and the error.
+                self._unopenable.report(shard_id, exc)
+                continue
+            self._unopenable.clear(shard_id)
             self._blocked.discard(shard_id)
             ckpt = shard.load_enqueue_checkpoint()
             if ckpt is not None and ckpt.epoch >= epoch:
