@@ -33,6 +33,7 @@ from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, s
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.base import Stopped
 from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
+from timerwheel.stages.dequeue_get import STOP_DRAIN_S
 from timerwheel.stages.ownership import Ownership
 from timerwheel.transports.base import WorkQueue
 
@@ -105,7 +106,7 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any)
     if name == "dequeue-get":
         return DequeueGet(ctx, shards, lambda s: open_reader_if_exists(cfg, s), queues[Q_FETCH], queues[Q_DONE],
                           Ownership(transports.leases, "dequeue-get", ctx.consumer, cfg.lease_ttl_ms,
-                                    members=transports.leases))
+                                    members=transports.leases), stop_drain_s=STOP_DRAIN_S)
     if name == "dequeue-getmsg":
         return DequeueGetMsg(ctx, log, queues[Q_FETCH], queues[Q_DELIVER], range(cfg.shards))
     if name == "dequeue-put":

@@ -5,6 +5,7 @@ reading no slot again; one that leaves gives its shards back at once (no lease l
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -173,5 +174,38 @@ def test_a_shard_that_cannot_be_opened_is_reported_and_the_others_still_taken(tm
         put.step(0)
         assert set(put.owned) == set(range(SHARDS))
         assert ctx.metrics.gauge("shard_open_failed", shard=1, stage="enqueue-put", error="OSError") == 0
+    finally:
+        put.close()
+
+
+def test_dequeue_get_on_stop_waits_for_what_it_sent_so_the_next_owner_reads_nothing_again(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    put = w.put(A)
+    for s in range(SHARDS):
+        w.put_q.put(s, [_entry(s, range(0, 3), START + 1_000)], 1.0)
+    put.step(0)
+    ctx = StageContext(w.config, w.clock, consumer="get-a")
+    get = DequeueGet(ctx, range(SHARDS), lambda s: open_reader_if_exists(w.config, s), w.fetch_q, w.done_q,
+                     w.ownership("dequeue-get", A), stop_drain_s=5.0)
+    try:
+        w.clock.set(START + 2_000)
+        put.step(0)
+        get.step(0)
+        sent = {s: _fetched(w, s) for s in range(SHARDS)}
+        assert all(sum(len(e.items) for e in sent[s]) == 3 for s in range(SHARDS))
+
+        def report_done() -> None:  # dequeue-put, still running while dequeue-get stops
+            time.sleep(0.2)
+            for s, entries in sent.items():
+                w.done_q.put(s, [DoneEntry(s, e.generation, {e.slot_time: len(e.items)}) for e in entries], 1.0)
+
+        reporter = threading.Thread(target=report_done)
+        reporter.start()
+        get.close()
+        reporter.join()
+        for s in range(SHARDS):
+            ckpt = put.owned[s].shard.load_dequeue_checkpoint()
+            assert ckpt is not None and ckpt.read_ms > START + 1_000, s  # R past the delivered slot
+            assert w.leases.current_epoch("dequeue-get", s) >= 1 and w.leases.acquire("dequeue-get", s, B, 10_000)
     finally:
         put.close()

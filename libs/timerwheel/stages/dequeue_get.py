@@ -54,6 +54,8 @@ GENERATION_BITS = 20
 #: A shard being handed over is released after this even with messages still in flight (their
 #: slots are read again by the next owner: duplicates, never a loss).
 DRAIN_S = 10.0
+#: ... and on stop (SIGTERM) after this: the pod's grace period is 30 s.
+STOP_DRAIN_S = 5.0
 
 
 @dataclass
@@ -100,8 +102,11 @@ def _is_marker(flags: int) -> bool:
 
 class DequeueGet:
     def __init__(self, ctx: StageContext, shard_ids: Iterable[int], open_shard: Callable[[int], Shard | None],
-                 fetch_queue: WorkQueue, done_queue: WorkQueue, ownership: Ownership) -> None:
-        """``open_shard(id)`` opens a read-only view of a shard, or None while it does not exist yet."""
+                 fetch_queue: WorkQueue, done_queue: WorkQueue, ownership: Ownership, stop_drain_s: float = 0.0) -> None:
+        """``open_shard(id)`` opens a read-only view of a shard, or None while it does not exist yet.
+        ``stop_drain_s``: how long ``close`` drains (STOP_DRAIN_S in a stage process, whose
+        dequeue-put keeps running meanwhile; 0 embedded, where it has stopped already)."""
+        self.stop_drain_s = stop_drain_s
         self.ctx = ctx
         self.fetch_q = fetch_queue
         self.done_q = done_queue
@@ -408,6 +413,24 @@ class DequeueGet:
         return not self._waiting and all(done(st) for st in list(self.owned.values()))
 
     def close(self) -> None:
+        """Stopping (SIGTERM): drain like a hand-over, for at most ``stop_drain_s``, so that the next
+        owner reads again as little as possible; then release every shard and leave at once."""
+        deadline = time.monotonic() + self.stop_drain_s
+        for st in self.owned.values() if self.stop_drain_s > 0 else ():
+            st.draining = st.draining or time.monotonic()
+        while self.stop_drain_s > 0 and time.monotonic() < deadline:
+            busy = False
+            for st in list(self.owned.values()):
+                try:
+                    self._step_shard(st)
+                except Exception as exc:  # noqa: BLE001 - best effort: the next owner reads from R
+                    st.log.warning("drain on stop ended", reason=str(exc)[:200])
+                    self.owned.pop(st.shard_id, None)
+                    continue
+                busy = busy or bool(st.reader or st.pending or st.outbox)
+            if not busy:
+                break
+            time.sleep(0.005)
         self.ownership.leave()
         for shard in self._views.values():
             shard.close()
