@@ -17,14 +17,21 @@ def test_every_shard_has_exactly_one_owner_and_all_replicas_agree() -> None:
     assert set(first) == set(SHARDS)
     assert assignment(list(reversed(members)), "enqueue-put", SHARDS) == first  # order does not matter
     counts = {m: sum(1 for o in first.values() if o == m) for m in members}
-    assert all(10 <= n <= 35 for n in counts.values()), counts  # 64/3 each, give or take
+    assert sorted(counts.values()) == [20, 22, 22], counts  # an even share each (bounded loads)
 
 
-def test_a_joining_member_takes_shards_only_from_others_and_a_leaving_one_gives_only_its_own() -> None:
+def test_two_members_of_two_shards_get_one_each_whatever_their_names() -> None:
+    for k in range(50):
+        got = assignment([f"pod-{k}-a", f"pod-{k}-b"], "enqueue-put", range(2))
+        assert sorted(got.values()) == [f"pod-{k}-a", f"pod-{k}-b"], got
+
+
+def test_a_joining_member_takes_about_its_share_and_a_leaving_one_restores_the_assignment() -> None:
     two = assignment(["pod-a", "pod-b"], "dequeue-get", SHARDS)
     three = assignment(["pod-a", "pod-b", "pod-c"], "dequeue-get", SHARDS)
     moved = {s for s in SHARDS if two[s] != three[s]}
-    assert moved and all(three[s] == "pod-c" for s in moved)
+    to_c = {s for s in moved if three[s] == "pod-c"}
+    assert len(to_c) == 22 and len(moved) <= 32, (len(to_c), len(moved))  # about its share, not a reshuffle
     assert assignment(["pod-a", "pod-b"], "dequeue-get", SHARDS) == two  # pod-c left: back as before
 
 

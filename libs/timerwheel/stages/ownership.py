@@ -8,9 +8,11 @@ write batch, so an owner that was paused past its lease (and replaced) fails wit
 Balancing among replicas (``members`` given, production): each replica says it is alive in a
 member set (``MemberStore.beat``, every ``BEAT_EVERY_S``, lapsing after the lease TTL) and
 reads the live members back. Each shard belongs to the member that ranks first for it by
-rendezvous (highest-random-weight) hashing: ``weight(member, role, shard)``, a hash every
-replica computes alike, so all agree on the owner of each shard without talking to each other,
-and a member joining or leaving moves only the shards it gains or held (1/n of them).
+rendezvous (highest-random-weight) hashing with bounded loads: ``weight(member, role, shard)``,
+a hash every replica computes alike, ranks the members per shard, and each shard goes to the
+highest-ranked member not yet holding its even share (``assignment``). All replicas agree
+without talking to each other, every member gets an even share, and a member joining or
+leaving moves about its share of the shards, not a reshuffle.
 
 ``wanted`` is the set of shards this replica ranks first for. A stage releases an owned shard
 that is no longer wanted (after finishing what it has in hand) and only tries to acquire wanted
@@ -45,12 +47,22 @@ def rendezvous_owner(members: Iterable[str], role: str, shard: int) -> str | Non
 
 
 def assignment(members: Sequence[str], role: str, shards: Iterable[int]) -> dict[int, str]:
-    """Shard -> the member that should own it."""
+    """Shard -> the member that should own it: rendezvous with bounded loads. Shards are placed
+    in order, each with the highest-ranked member that holds fewer than ceil(shards / members);
+    plain rendezvous can give two members' two shards to one of them (a chance in four)."""
+    live = sorted(set(members))
+    todo = sorted(set(shards))
+    if not live:
+        return {}
+    cap = -(-len(todo) // len(live))
+    load = dict.fromkeys(live, 0)
     out: dict[int, str] = {}
-    for shard in shards:
-        owner = rendezvous_owner(members, role, shard)
-        if owner is not None:
-            out[shard] = owner
+    for shard in todo:
+        for member in sorted(live, key=lambda m: (weight(m, role, shard), m), reverse=True):
+            if load[member] < cap:
+                out[shard] = member
+                load[member] += 1
+                break
     return out
 
 
@@ -109,8 +121,7 @@ class Ownership:
 
     def wanted(self, shards: Iterable[int]) -> set[int]:
         """The shards of ``shards`` this replica should own: all of them without a member store."""
-        live = self.live_members()
-        return {s for s in shards if rendezvous_owner(live, self.role, s) == self.owner}
+        return {s for s, m in assignment(self.live_members(), self.role, shards).items() if m == self.owner}
 
     def release_all_of(self, shard: int) -> None:
         epoch = self.epochs.pop(shard, None)
