@@ -152,6 +152,8 @@ def _containerd_socket() -> str:
 
 def test_a_new_image_rolls_every_stage_under_load_with_nothing_lost(installed: Release) -> None:
     rel = installed
+    _patch(rel, _replicas(1, 1))  # whatever the test before left
+    _wait("one pod per stage", lambda: all(_all_ready(rel, s, 1) for s in STAGES) and _ready_at_generation(rel), rel)
     tag = f"day2-{rel.pipe.uid}"
     done = subprocess.run(["ctr", "-a", _containerd_socket(), "-n", "k8s.io", "images", "tag", "--force",
                            "docker.io/library/timerwheel:dev", f"docker.io/library/timerwheel:{tag}"],
