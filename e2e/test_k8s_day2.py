@@ -124,9 +124,9 @@ def test_scaling_the_stages_under_load_loses_nothing_and_survives_the_operators_
                           lambda: all(_all_ready(rel, s, 3) for s in ("dequeue-getmsg", "dequeue-put")), rel)
         print(f"FIGURE scale 1 -> 2 (shard owners): the shards carried by both pods {spread:.1f} s after the "
               f"change; stateless 1 -> 3 ready {spread + stateless:.1f} s after it", flush=True)
-        events = rel.kubectl("get", "events", "--field-selector", f"involvedObject.name={WHEEL},reason=Scaled",
-                             "-o", "json").stdout
-        assert "enqueue-put: 1 -> 2 replicas (spec)" in events, events[-2000:]
+        events = [e["message"] for e in rel.get("events", "--field-selector",
+                                                 f"involvedObject.name={WHEEL},reason=Scaled")["items"]]
+        assert "enqueue-put: 1 -> 2 replicas (spec)" in events, events
         time.sleep(10)  # steady on two owners
 
         # Back to one, with the operator deleted right after the change: its successor (a new pod,
