@@ -104,6 +104,20 @@ def is_ready(port: int) -> bool:
         return False
 
 
+def owned_shards(port: int) -> int:
+    """The shards a shard-owning stage owns now (its ``owned_shards`` gauge; 0 if unreadable)."""
+    try:
+        code, body = http_get(port, "/metrics", 1.0)
+    except OSError:
+        return 0
+    if code != 200:
+        return 0
+    for line in body.splitlines():
+        if line.startswith("timerwheel_owned_shards{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
 def tail(path: Path, lines: int = 40) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -290,14 +304,20 @@ class Pipeline:
     def ready(self, name: str) -> bool:
         return is_ready(self.procs[name].port)
 
+    def owns(self, name: str) -> int:
+        """Shards the shard-owning stage ``name`` owns now (readiness does not say: see /readyz)."""
+        return owned_shards(self.procs[name].port)
+
     def wait_ready(self, name: str, timeout_s: float = 60.0) -> None:
+        """Until ``name`` is ready and, the first replica of a shard-owning stage, owns a shard."""
         proc = self.procs[name]
+        owning = proc.stage in ("enqueue-put", "dequeue-get") and "#" not in name
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise AssertionError(f"{name} exited with {proc.popen.returncode if proc.popen else None} "
                                      f"before it was ready:\n{tail(proc.log_path)}")
-            if self.ready(name):
+            if self.ready(name) and (not owning or self.owns(name) > 0):
                 return
             time.sleep(0.1)
         raise AssertionError(f"{name} not ready within {timeout_s} s:\n{tail(proc.log_path)}")

@@ -53,8 +53,8 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
     pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url)
     dest = pipe.new_dest("a", 1)
     try:
-        # Live at once, ready only once its work started: dequeue-get waits for the shards that
-        # enqueue-put creates.
+        # Live at once; ready once it runs, owning a shard or not (readiness is not ownership: a
+        # one-replica rollout would deadlock); it owns none until enqueue-put creates the shards.
         pipe.start("dequeue-get", wait_ready=False)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -64,9 +64,17 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
             except OSError:
                 time.sleep(0.1)
         assert pipe.http("dequeue-get", "/healthz") == (200, "ok\n"), tail(pipe.procs["dequeue-get"].log_path)
-        assert pipe.http("dequeue-get", "/readyz")[0] == 503
+        deadline = time.monotonic() + 30
+        while not pipe.ready("dequeue-get"):
+            assert time.monotonic() < deadline, tail(pipe.procs["dequeue-get"].log_path)
+            time.sleep(0.1)
+        assert pipe.owns("dequeue-get") == 0
         pipe.start_all_missing()
         assert pipe.http("dequeue-get", "/readyz") == (200, "ready\n")
+        deadline = time.monotonic() + 30
+        while (pipe.owns("enqueue-put"), pipe.owns("dequeue-get")) != (2, 2):  # the one replica owns both
+            assert time.monotonic() < deadline, pipe.tails()
+            time.sleep(0.1)
 
         with TimerProducer(pipe) as producer, Collector(pipe, [dest]) as collector:
             sent = [producer.schedule(dest, now_ms() + 500) for _ in range(20)]

@@ -1,7 +1,8 @@
 """``/healthz``, ``/readyz`` and ``/metrics`` over HTTP for each process (port ``TW_HTTP_PORT``).
 
 ``/healthz`` answers 200 while the process loop runs; ``/readyz`` 200 once the stage has
-started its work (owns its shards, or is consuming) and its last step did not fail;
+started and its last step did not fail: able to take work (not "owns a shard": ownership is
+the ``owned_shards`` gauge, see ``production.run_stage``);
 ``/metrics`` is the registry in Prometheus' text format.
 """
 

@@ -6,8 +6,10 @@ serving ``/healthz``, ``/readyz`` and ``/metrics`` on ``TW_HTTP_PORT``, stopping
 on SIGTERM (the batch in hand is finished, enqueue-put publishes a final checkpoint).
 ``timerwheel run --kafka B --redis URL`` runs all five in one process on the same transports.
 
-Scaling: enqueue-put and dequeue-get own shards through Redis leases (``TW_OWN_SHARDS``
-limits which; spare replicas wait as hot standbys and take a shard whose lease lapses);
+Scaling: enqueue-put and dequeue-get own shards through Redis leases, balanced among their live
+replicas by rendezvous hashing over a member set in Redis (``stages.ownership``; ``TW_OWN_SHARDS``
+limits which shards a replica competes for; replicas beyond the shard count wait as hot
+standbys); a stopping owner (SIGTERM) releases its shards, so the next one takes them at once;
 enqueue-get replicas split the timer partitions (``TW_REPLICAS``, ``TW_REPLICA_INDEX``);
 dequeue-getmsg and dequeue-put scale freely as consumers of the work-queue groups.
 """
@@ -40,6 +42,7 @@ from timerwheel.runtime import (
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.base import Stopped
 from timerwheel.stages.codec import CONSUMER_OF, Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
+from timerwheel.stages.dequeue_get import STOP_DRAIN_S
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store.deployment import DeploymentSettings, check_settings
 from timerwheel.transports.base import WorkQueue
@@ -116,10 +119,12 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any)
     if name == "enqueue-put":
         check_timer_topic(cfg, log)
         return EnqueuePut(ctx, shards, lambda s: open_shard(cfg, s, writer=True), queues[Q_PUT],
-                          Ownership(transports.leases, "enqueue-put", ctx.consumer, cfg.lease_ttl_ms))
+                          Ownership(transports.leases, "enqueue-put", ctx.consumer, cfg.lease_ttl_ms,
+                                    members=transports.leases))
     if name == "dequeue-get":
         return DequeueGet(ctx, shards, lambda s: open_reader_if_exists(cfg, s), queues[Q_FETCH], queues[Q_DONE],
-                          Ownership(transports.leases, "dequeue-get", ctx.consumer, cfg.lease_ttl_ms))
+                          Ownership(transports.leases, "dequeue-get", ctx.consumer, cfg.lease_ttl_ms,
+                                    members=transports.leases), stop_drain_s=STOP_DRAIN_S)
     if name == "dequeue-getmsg":
         return DequeueGetMsg(ctx, log, queues[Q_FETCH], queues[Q_DELIVER], range(cfg.shards))
     if name == "dequeue-put":
@@ -135,8 +140,12 @@ def _stop_on_signals(stop: threading.Event) -> None:
 def run_stage(name: str, cfg: TimerConfig) -> int:
     """Run one stage in this process until SIGTERM / SIGINT.
 
-    ``/healthz`` answers from the start; ``/readyz`` once the stage runs, owns its shards (the
-    shard-owning stages) and its last step did not fail. While Kafka or Redis cannot be reached
+    ``/healthz`` answers from the start; ``/readyz`` once the stage runs and its last step did
+    not fail: able to take work, whether or not it owns a shard yet (a shard-owning pod that had
+    to own one to be ready would deadlock a one-replica rollout: the new pod cannot own the shard
+    until the old one is gone). Ownership is the gauge ``owned_shards``, and each owned shard's
+    ``owner_epoch``. On SIGTERM the stage finishes the batch in hand and releases its shards
+    before it exits. While Kafka or Redis cannot be reached
     at start the stage waits for them (a pod restarted during a broker restart must not crash
     loop); settings that are wrong (retention, the data directory's format) stop it at once.
     """
@@ -179,9 +188,10 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
         pending_every = Every(PENDING_EVERY_S)
 
         def sample() -> None:
-            owned = getattr(stage, "owned", {}) if name == "dequeue-get" else {}
-            shards = {sid: st.shard for sid, st in list(owned.items())}
-            sample_gauges(metrics, cfg, sources, shards, bool(shards) and pending_every.due())
+            owned = dict(getattr(stage, "owned", None) or {}) if name == "dequeue-get" else {}
+            shards = {sid: st.shard for sid, st in owned.items()}
+            sample_gauges(metrics, cfg, sources, shards, bool(shards) and pending_every.due(),
+                          now_ms=ctx.clock.now_ms() if shards else None)
 
         Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)
@@ -262,13 +272,7 @@ class _Tracked:
 
 def _ready(running: dict[str, Any]) -> bool:
     runner = running.get("runner")
-    return (runner is not None and runner.steps > 0 and not running["tracked"].failing
-            and _owns(running["stage"]))
-
-
-def _owns(stage: Any) -> bool:
-    owned = getattr(stage, "owned", None)
-    return owned is None or bool(owned)
+    return runner is not None and runner.steps > 0 and not running["tracked"].failing
 
 
 def run_all_in_one(cfg: TimerConfig) -> int:

@@ -199,13 +199,31 @@ class Every:
         return True
 
 
+#: ``due_peak_per_s``: the busiest stretch of this length ahead, over each of these horizons
+#: (the operator's autoscaling reads them, ``timerwheel_operator.autoscale``).
+LOAD_BUCKET_MS = 10_000
+LOAD_HORIZONS_S = (60, 300)
+
+
+def due_peak_per_s(shard: Shard, now_ms: int, horizon_s: int) -> float:
+    """Messages per second of the busiest LOAD_BUCKET_MS in [now, now + horizon): the rate the
+    dequeue stages must sustain when it comes due (rolled hops and cancel markers included)."""
+    counts = [shard.count_range(t, t + LOAD_BUCKET_MS) for t in range(now_ms, now_ms + horizon_s * 1000, LOAD_BUCKET_MS)]
+    return max(counts, default=0) * 1000 / LOAD_BUCKET_MS
+
+
 def sample_gauges(metrics: Metrics, config: TimerConfig, queues: Mapping[str, WorkQueue],
-                  shards: Mapping[int, Shard], pending: bool = True) -> None:
-    """``queue_depth`` per queue and partition; with ``pending``, ``pending`` per shard: the
-    wheel's messages in the slots from R to R + the wheel's span."""
+                  shards: Mapping[int, Shard], pending: bool = True, now_ms: int | None = None) -> None:
+    """``queue_depth`` per queue and partition; with ``now_ms``, ``due_peak_per_s`` per shard and
+    horizon (``ahead_s``); with ``pending``, ``pending`` per shard: the wheel's messages in the
+    slots from R to R + the wheel's span."""
     for name, q in queues.items():
         for p in range(q.partitions):
             metrics.set("queue_depth", q.depth(p), queue=name, partition=p)
+    if now_ms is not None:
+        for shard_id, shard in shards.items():
+            for horizon in LOAD_HORIZONS_S:
+                metrics.set("due_peak_per_s", due_peak_per_s(shard, now_ms, horizon), shard=shard_id, ahead_s=horizon)
     if not pending:
         return
     span = config.wheel_slots * config.tick_ms

@@ -85,10 +85,62 @@ def _stage_schema(stage: str) -> Schema:
         replicas = _int(0, 4096, 1, "pods competing for the shards (at most spec.shards); each shard has one owner")
     else:
         replicas = _int(0, 1000, 1, "consumers of the stage's work queue")
+    props: Schema = {"replicas": replicas, "resources": RESOURCES}
+    if stage not in SHARD_OWNERS and stage != "enqueue-get":
+        props["replicasManagedBy"] = {
+            "type": "string", "enum": ["operator", "external"], "default": "operator",
+            "description": "operator: the operator sets the replicas (spec.stages.*.replicas, or spec.autoscale); "
+                           "external: it never sets them (your HorizontalPodAutoscaler or kubectl scale does)",
+        }
     return {
         "type": "object",
         "description": f"the {stage} stage",
-        "properties": {"replicas": replicas, "resources": RESOURCES},
+        "properties": props,
+    }
+
+
+#: Why the wheel's window cannot change: every shard's wheel file and deployment file were made
+#: with it, and the stages refuse to start on other values. Changing it needs each wheel rebuilt
+#: from its TimerLog while the shards are paused (``timerwheel rebuild-wheel``), which this
+#: operator version does not run: the API server refuses the change instead of letting the
+#: stages crash-loop.
+WINDOW_IMMUTABLE = ("is immutable in this version: the shards' wheels were built with it and the "
+                    "pause-rebuild-resume flow is not implemented; make a new TimerWheel to change it")
+
+
+def _window_immutable(field: str) -> Schema:
+    return {"rule": "self == oldSelf", "message": f"spec.{field} {WINDOW_IMMUTABLE}"}
+
+
+def _autoscale_schema() -> Schema:
+    bounds: Schema = {
+        "type": "object",
+        "properties": {"minReplicas": _int(1, 1000), "maxReplicas": _int(1, 1000)},
+        "x-kubernetes-validations": [{
+            "rule": "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+            "message": "minReplicas must not exceed maxReplicas",
+        }],
+    }
+    return {
+        "type": "object",
+        "description": "the operator scales dequeue-getmsg and dequeue-put ahead of the load the wheel "
+                       "holds (see timerwheel_operator.autoscale); the stages' replicas are then its, not "
+                       "spec.stages.*.replicas",
+        "properties": {
+            "enabled": {"type": "boolean", "default": False},
+            "minReplicas": _int(1, 1000, 1),
+            "maxReplicas": _int(1, 1000, 4),
+            "lookAheadMs": _int(1000, DAY_MS, 60_000, "lead time: a spike due within it is scaled for now "
+                                "(read over 60 s or 300 s ahead, the narrowest covering it)"),
+            "messagesPerSecondPerReplica": _int(1, 10_000_000, 2_000, "what one replica of each stage sustains"),
+            "scaleDownDelayMs": _int(0, DAY_MS, 120_000, "a lower count waits this long after the last change"),
+            "dequeueGetmsg": {**bounds, "description": "min/max for dequeue-getmsg (default: the ones above)"},
+            "dequeuePut": {**bounds, "description": "min/max for dequeue-put (default: the ones above)"},
+        },
+        "x-kubernetes-validations": [{
+            "rule": "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+            "message": "spec.autoscale.minReplicas must not exceed maxReplicas",
+        }],
     }
 
 
@@ -115,14 +167,18 @@ def spec_schema() -> Schema:
             },
             "tickMs": {
                 "type": "integer", "format": "int64", "enum": ticks, "default": 100,
-                "description": f"wheel precision in ms (TW_TICK_MS): one of {', '.join(map(str, ticks))}",
+                "description": f"wheel precision in ms (TW_TICK_MS): one of {', '.join(map(str, ticks))}. "
+                               "Immutable (see WINDOW_IMMUTABLE)",
+                "x-kubernetes-validations": [_window_immutable("tickMs")],
             },
-            "rollWindowMs": _int(10, MAX_MS, 2 * DAY_MS,
-                                 "messages due further than this past W are rolled (TW_ROLL_WINDOW_MS); "
-                                 "a multiple of tickMs, at least 10 ticks"),
-            "wheelSpanMs": _int(0, 2 * MAX_MS, 0,
-                                "span of the wheel (TW_WHEEL_SPAN_MS): 0 means 2 x rollWindowMs, else a multiple "
-                                "of tickMs at least 2 x rollWindowMs"),
+            "rollWindowMs": {**_int(10, MAX_MS, 2 * DAY_MS,
+                                    "messages due further than this past W are rolled (TW_ROLL_WINDOW_MS); "
+                                    "a multiple of tickMs, at least 10 ticks. Immutable"),
+                             "x-kubernetes-validations": [_window_immutable("rollWindowMs")]},
+            "wheelSpanMs": {**_int(0, 2 * MAX_MS, 0,
+                                   "span of the wheel (TW_WHEEL_SPAN_MS): 0 means 2 x rollWindowMs, else a "
+                                   "multiple of tickMs at least 2 x rollWindowMs. Immutable"),
+                            "x-kubernetes-validations": [_window_immutable("wheelSpanMs")]},
             "maxDelayMs": _int(1, MAX_MS, 400 * DAY_MS, "longest accepted delay (TW_MAX_DELAY_MS)"),
             "delayLevels": _str("delay-level table (TW_DELAY_LEVELS)", default=DEFAULT_DELAY_LEVELS,
                                 maxLength=1024, pattern=r"^\s*\d+(ms|s|m|h|d)?(\s+\d+(ms|s|m|h|d)?)*\s*$"),
@@ -199,20 +255,7 @@ def spec_schema() -> Schema:
                                          "unset: tracing off", maxLength=2048, pattern=r"^https?://"),
                 },
             },
-            "autoscale": {
-                "type": "object",
-                "description": "scaling of the dequeue stages ahead of load (read by the next operator version)",
-                "properties": {
-                    "enabled": {"type": "boolean", "default": False},
-                    "minReplicas": _int(1, 1000, 1),
-                    "maxReplicas": _int(1, 1000, 4),
-                    "lookAheadMs": _int(1000, DAY_MS, 60_000, "how far ahead the load of coming slots is read"),
-                },
-                "x-kubernetes-validations": [{
-                    "rule": "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
-                    "message": "spec.autoscale.minReplicas must not exceed maxReplicas",
-                }],
-            },
+            "autoscale": _autoscale_schema(),
         },
         "x-kubernetes-validations": [
             {
@@ -271,6 +314,7 @@ _SHARD_STATUS: Schema = {
         "inFlight": {"type": "integer", "format": "int64"},
         "pending": {"type": "integer", "format": "int64", "description": "messages in the wheel from R on"},
         "timerLogBytes": {"type": "integer", "format": "int64"},
+        "openError": {"type": "string", "description": "pods that cannot open the shard, and why"},
     },
 }
 
@@ -296,6 +340,20 @@ def status_schema() -> Schema:
             "shards": {"type": "array", "items": _SHARD_STATUS},
             "stages": {"type": "object", "properties": {s: _STAGE_STATUS for s in STAGES}},
             "readyStages": {"type": "string", "description": "stages with all replicas ready, e.g. 5/5"},
+            "autoscale": {
+                "type": "object",
+                "description": "the autoscaler's last decision per stage (kept here so that a restarted "
+                               "operator decides alike)",
+                "properties": {s: {
+                    "type": "object",
+                    "properties": {
+                        "replicas": {"type": "integer"},
+                        "reason": {"type": "string"},
+                        "message": {"type": "string"},
+                        "lastChangeMs": {"type": "integer", "format": "int64"},
+                    },
+                } for s in ("dequeue-getmsg", "dequeue-put")},
+            },
             "maxLagMs": {"type": "integer", "format": "int64"},
         },
     }
@@ -324,6 +382,10 @@ def crd() -> dict[str, Any]:
                     {"name": "Tick", "type": "integer", "jsonPath": ".spec.tickMs"},
                     {"name": "Stages", "type": "string", "jsonPath": ".status.readyStages"},
                     {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
+                    {"name": "Scaling", "type": "string",
+                     "jsonPath": ".status.conditions[?(@.type==\"Scaling\")].status"},
+                    {"name": "Degraded", "type": "string",
+                     "jsonPath": ".status.conditions[?(@.type==\"Degraded\")].status"},
                     {"name": "Lag", "type": "integer", "jsonPath": ".status.maxLagMs", "description": "ms"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],

@@ -188,13 +188,16 @@ def pod_template(wheel: Wheel, stage: str) -> dict[str, Any]:
     }
 
 
-def workload(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None) -> Manifest:
+def workload(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None, replicas: int | None = None) -> Manifest:
+    """``replicas``: the count to set (the autoscaler's), else the spec's; none at all for a
+    stage whose replicas are managed externally (server-side apply then leaves them alone)."""
     name = workload_name(wheel.name, stage)
     spec: dict[str, Any] = {
-        "replicas": wheel.stage(stage).replicas,
         "selector": {"matchLabels": selector(wheel.name, stage)},
         "template": pod_template(wheel, stage),
     }
+    if wheel.stage(stage).operator_replicas:
+        spec = {"replicas": wheel.stage(stage).replicas if replicas is None else replicas, **spec}
     if stage in SHARD_OWNERS:
         spec["serviceName"] = name
         spec["podManagementPolicy"] = "Parallel"
@@ -229,12 +232,15 @@ def disruption_budget(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None)
     }
 
 
-def build_all(wheel: Wheel, owner: Mapping[str, Any] | None) -> list[Manifest]:
-    """Everything one TimerWheel becomes, in the order to apply it (claim and settings first)."""
+def build_all(wheel: Wheel, owner: Mapping[str, Any] | None,
+              replicas: Mapping[str, int] | None = None) -> list[Manifest]:
+    """Everything one TimerWheel becomes, in the order to apply it (claim and settings first);
+    ``replicas`` overrides the spec's count of some stages (the autoscaler's decisions)."""
     out: list[Manifest] = []
     if wheel.make_claim:
         out.append(volume_claim(wheel, owner))
     out += [config_map(wheel, owner), service_account(wheel, owner)]
     for stage in STAGES:
-        out += [service(wheel, stage, owner), workload(wheel, stage, owner), disruption_budget(wheel, stage, owner)]
+        out += [service(wheel, stage, owner), workload(wheel, stage, owner, (replicas or {}).get(stage)),
+                disruption_budget(wheel, stage, owner)]
     return out

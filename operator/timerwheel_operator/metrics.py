@@ -5,8 +5,9 @@ The shard-owning stages export, per shard: enqueue-put ``timerwheel_write_ms`` (
 ``timerwheel_write_lag_ms``, ``timerwheel_timerlog_bytes``, ``timerwheel_owner_epoch{stage=
 "enqueue-put"}``; dequeue-get ``timerwheel_read_ms`` (R), ``timerwheel_read_lag_ms``,
 ``timerwheel_in_flight``, ``timerwheel_owner_epoch{stage="dequeue-get"}``; either may export
-``timerwheel_pending`` (sampled every 15 s). A pod that lost a shard may still show its last
-figures, so for each shard the pod with the highest epoch is its owner.
+``timerwheel_pending`` (sampled every 15 s); either ``timerwheel_shard_open_failed`` (1 while it
+cannot open the shard). A pod that lost a shard may still show its last figures, so for each
+shard the pod with the highest epoch is its owner.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class ShardStatus:
     in_flight: int | None = None
     pending: int | None = None
     timerlog_bytes: int | None = None
+    #: "stage pod: ErrorClass" of each pod that reports it cannot open the shard.
+    open_errors: list[str] = field(default_factory=list)
 
     def to_status(self) -> dict[str, int | str]:
         """The CRD's ``status.shards[]`` item (absent figures left out)."""
@@ -89,6 +92,7 @@ class ShardStatus:
             "shard": self.shard, "owner": self.owner, "reader": self.reader, "epoch": self.epoch,
             "W": self.write_ms, "R": self.read_ms, "writeLagMs": self.write_lag_ms, "lagMs": self.lag_ms,
             "inFlight": self.in_flight, "pending": self.pending, "timerLogBytes": self.timerlog_bytes,
+            "openError": "; ".join(self.open_errors) or None,
         }
         return {k: v for k, v in pairs.items() if v is not None}
 
@@ -117,6 +121,7 @@ def shard_status(scrapes: Mapping[str, Iterable[Sample]], shards: int) -> list[S
     shard 0..shards-1 (a shard nobody reports has only its number)."""
     picks: dict[tuple[int, str], _Pick] = {}
     pending: dict[int, float] = {}
+    unopenable: dict[int, list[str]] = {}
     for pod, samples in sorted(scrapes.items()):
         by_shard: dict[int, dict[str, float]] = {}
         epochs: dict[tuple[int, str], int] = {}
@@ -127,6 +132,8 @@ def shard_status(scrapes: Mapping[str, Iterable[Sample]], shards: int) -> list[S
             shard = int(shard_label)
             if s.name == "timerwheel_owner_epoch":
                 epochs[(shard, s.label("stage") or "")] = int(s.value)
+            elif s.name == "timerwheel_shard_open_failed" and s.value >= 1:
+                unopenable.setdefault(shard, []).append(f"{s.label('stage')} {pod}: {s.label('error')}")
             elif s.name == "timerwheel_pending":
                 pending[shard] = max(pending.get(shard, 0.0), s.value)
             elif s.name in _WRITER or s.name in _READER:
@@ -153,5 +160,6 @@ def shard_status(scrapes: Mapping[str, Iterable[Sample]], shards: int) -> list[S
             st.lag_ms = _int(r.values.get("timerwheel_read_lag_ms"))
             st.in_flight = _int(r.values.get("timerwheel_in_flight"))
         st.pending = _int(pending.get(shard))
+        st.open_errors = unopenable.get(shard, [])
         out.append(st)
     return out

@@ -4,15 +4,23 @@
 again changes nothing, so kopf replaying an event or the timer calling it every interval is
 safe). ``observe`` reads the stage workloads and scrapes the stages' ``/metrics`` into the
 status. Neither raises on a bad spec or an unreachable pod: both end up in the status.
+``reconcile`` does both, scraping first when autoscaling is on: the load ahead decides the
+replicas of the dequeue stages (``autoscale.decide``), whose last decision is kept in the status.
+
+Every decision is an Event (``Applied.events``): a stage whose workload runs another replica
+count than the one applied (``Scaled``, from the spec; ``Autoscaled``, from the load). As they
+compare the live workload with the desired count, a replayed event or a restarted operator
+posts nothing new once the workload has its count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from timerwheel_operator import manifests
+from timerwheel_operator.autoscale import Decision, Load, decide
 from timerwheel_operator.crd import SHARD_OWNERS, STAGES
 from timerwheel_operator.kube import Cluster
 from timerwheel_operator.metrics import MetricsParseError, Sample, parse_prometheus, shard_status
@@ -35,43 +43,74 @@ class Settings:
 
 
 @dataclass(frozen=True, slots=True)
+class Event:
+    """A decision to post on the TimerWheel (``kopf.info`` / ``kopf.warn``)."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Applied:
     wheel: Wheel | None
     error: SpecError | None
     failures: dict[str, str]
+    events: list[Event] = field(default_factory=list)
 
 
-def ensure(body: Mapping[str, Any], cluster: Cluster, settings: Settings) -> Applied:
+def _workload_kind(stage: str) -> str:
+    return "StatefulSet" if stage in SHARD_OWNERS else "Deployment"
+
+
+def ensure(body: Mapping[str, Any], cluster: Cluster, settings: Settings,
+           replicas: Mapping[str, int] | None = None, why: Mapping[str, str] | None = None) -> Applied:
     """Apply what the TimerWheel ``body`` implies. A bad spec applies nothing; an object the API
-    server refuses is recorded in ``failures`` (kind/name -> reason) and the rest still applied."""
+    server refuses is recorded in ``failures`` (kind/name -> reason) and the rest still applied.
+    ``replicas`` overrides the spec's count of some stages, for the reason in ``why``."""
     try:
         wheel = read(body, settings.image, settings.pull_policy)
     except SpecError as exc:
         return Applied(None, exc, {})
     failures: dict[str, str] = {}
-    for manifest in manifests.build_all(wheel, body):
+    events = []
+    for stage in STAGES:
+        if not wheel.stage(stage).operator_replicas:
+            continue
+        want = (replicas or {}).get(stage, wheel.stage(stage).replicas)
+        live = cluster.get("apps/v1", _workload_kind(stage), wheel.namespace, workload_name(wheel.name, stage))
+        have = (live or {}).get("spec", {}).get("replicas") if live else None
+        if have is not None and int(have) != want:
+            source = (why or {}).get(stage)
+            events.append(Event("Autoscaled" if source else "Scaled",
+                                f"{stage}: {have} -> {want} replicas ({source or 'spec'})"))
+    for manifest in manifests.build_all(wheel, body, replicas):
         try:
             cluster.apply(manifest)
         except Exception as exc:  # an API refusal of one object must not stop the others
             reason = getattr(exc, "reason", None) or str(exc)
             failures[f"{manifest['kind']}/{manifest['metadata']['name']}"] = str(reason)[:300]
-    return Applied(wheel, None, failures)
+    return Applied(wheel, None, failures, events)
 
 
-def _stage_states(wheel: Wheel, cluster: Cluster) -> dict[str, StageState]:
+def _stage_states(wheel: Wheel, cluster: Cluster, replicas: Mapping[str, int] | None = None) -> dict[str, StageState]:
     out = {}
     for stage in STAGES:
-        kind = "StatefulSet" if stage in SHARD_OWNERS else "Deployment"
-        workload = cluster.get("apps/v1", kind, wheel.namespace, workload_name(wheel.name, stage))
-        out[stage] = StageState.of(wheel.stage(stage).replicas, workload)
+        workload = cluster.get("apps/v1", _workload_kind(stage), wheel.namespace, workload_name(wheel.name, stage))
+        desired = (replicas or {}).get(stage, wheel.stage(stage).replicas)
+        if not wheel.stage(stage).operator_replicas and workload is not None:
+            desired = int((workload.get("spec") or {}).get("replicas") or 0)  # whoever scales it decides
+        out[stage] = StageState.of(desired, workload)
     return out
 
 
-def scrape_all(wheel: Wheel, cluster: Cluster) -> tuple[dict[str, list[Sample]], dict[str, str]]:
-    """``/metrics`` of every running pod of the shard-owning stages: (pod -> samples, pod -> error)."""
+def scrape_all(wheel: Wheel, cluster: Cluster, stages: Sequence[str] = SHARD_OWNERS,
+               ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
+    """``/metrics`` of every running pod of ``stages`` (the shard-owning ones by default):
+    (pod -> samples, pod -> error)."""
     samples: dict[str, list[Sample]] = {}
     errors: dict[str, str] = {}
-    for stage in SHARD_OWNERS:
+    for stage in stages:
         for pod in cluster.pods(wheel.namespace, manifests.selector(wheel.name, stage)):
             name = str(pod.get("metadata", {}).get("name"))
             status = pod.get("status") or {}
@@ -85,8 +124,11 @@ def scrape_all(wheel: Wheel, cluster: Cluster) -> tuple[dict[str, list[Sample]],
     return samples, errors
 
 
-def observe(body: Mapping[str, Any], applied: Applied, cluster: Cluster) -> dict[str, Any]:
-    """The status to write (a merge patch of ``.status``)."""
+def observe(body: Mapping[str, Any], applied: Applied, cluster: Cluster,
+            scraped: tuple[dict[str, list[Sample]], dict[str, str]] | None = None,
+            replicas: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The status to write (a merge patch of ``.status``); ``scraped``: what ``scrape_all``
+    read already this round, ``replicas``: the counts applied instead of the spec's."""
     generation = int(body.get("metadata", {}).get("generation") or 0)
     previous = (body.get("status") or {}).get("conditions") or []
     now = now_rfc3339()
@@ -94,9 +136,82 @@ def observe(body: Mapping[str, Any], applied: Applied, cluster: Cluster) -> dict
         return invalid_spec_status(generation, str(applied.error), previous, now)
     wheel = applied.wheel
     try:
-        stages = _stage_states(wheel, cluster)
-        samples, errors = scrape_all(wheel, cluster)
+        stages = _stage_states(wheel, cluster, replicas)
+        samples, errors = scraped if scraped is not None else scrape_all(wheel, cluster)
     except Exception as exc:  # the API server refused a read: say so, keep the last figures
         return unobserved_status(generation, f"cannot read the stage workloads or pods: {exc}"[:300], previous, now)
     shards = shard_status(samples, wheel.config.shards)
     return compute(generation, stages, shards, previous, now, errors, applied.failures)
+
+
+#: The input queue of each autoscaled stage (its ``queue_depth{queue=...}``).
+INPUT_QUEUE = {"dequeue-getmsg": "fetch", "dequeue-put": "deliver"}
+
+
+def load_of(stage: str, horizon_s: int, samples: Mapping[str, Sequence[Sample]], shards: int) -> Load:
+    """The load an autoscaled stage faces: per shard, the ``due_peak_per_s`` of the pod owning
+    it for dequeue-get (highest epoch), summed; and its input queue's depth (any pod of the
+    stage reports it: the queue is shared), summed over partitions."""
+    shard_pods = {st.shard: st.reader for st in shard_status(samples, shards) if st.reader is not None}
+    peak = 0.0
+    depth: dict[str, int] = {}
+    for pod, pod_samples in samples.items():
+        for x in pod_samples:
+            shard = x.label("shard")
+            if (x.name == "timerwheel_due_peak_per_s" and x.label("ahead_s") == str(horizon_s)
+                    and shard is not None and shard.isdigit() and shard_pods.get(int(shard)) == pod):
+                peak += x.value
+            elif x.name == "timerwheel_queue_depth" and x.label("queue") == INPUT_QUEUE[stage]:
+                key = str(x.label("partition"))
+                depth[key] = max(depth.get(key, 0), int(x.value))
+    return Load(peak_per_s=peak, queue_depth=sum(depth.values()))
+
+
+def autoscale(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, samples: Mapping[str, Sequence[Sample]],
+              now_ms: int) -> dict[str, Decision]:
+    """The autoscaler's decision per autoscaled stage. The current count is the live workload's
+    (else the last decision's, else the spec's); the last change's time is in the status."""
+    last = (body.get("status") or {}).get("autoscale") or {}
+    out = {}
+    for stage, policy in wheel.autoscale.items():
+        live = cluster.get("apps/v1", "Deployment", wheel.namespace, workload_name(wheel.name, stage))
+        current = (live or {}).get("spec", {}).get("replicas") if live else None
+        if current is None:
+            current = (last.get(stage) or {}).get("replicas", wheel.stage(stage).replicas)
+        changed_ms = (last.get(stage) or {}).get("lastChangeMs")
+        load = load_of(stage, policy.horizon_s(), samples, wheel.config.shards)
+        out[stage] = decide(policy, int(current), load, now_ms, None if changed_ms is None else int(changed_ms))
+    return out
+
+
+def reconcile(body: Mapping[str, Any], cluster: Cluster, settings: Settings, now_ms: int) -> tuple[Applied, dict[str, Any]]:
+    """One round: scrape, decide the autoscaled replicas, apply, and the status to write."""
+    try:
+        wheel = read(body, settings.image, settings.pull_policy)
+    except SpecError:
+        applied = ensure(body, cluster, settings)
+        return applied, observe(body, applied, cluster)
+    if not wheel.autoscale:
+        applied = ensure(body, cluster, settings)
+        return applied, observe(body, applied, cluster)
+    stages = [*SHARD_OWNERS, *wheel.autoscale]
+    try:
+        scraped = scrape_all(wheel, cluster, stages)
+    except Exception:  # noqa: BLE001 - cannot read the pods: keep the replicas as they are, observe says why
+        applied = ensure(body, cluster, settings, _kept(body, wheel))
+        return applied, observe(body, applied, cluster, replicas=_kept(body, wheel))
+    decisions = autoscale(wheel, body, cluster, scraped[0], now_ms)
+    replicas = {s: d.replicas for s, d in decisions.items()}
+    applied = ensure(body, cluster, settings, replicas, {s: f"autoscale: {d.message}" for s, d in decisions.items()})
+    status = observe(body, applied, cluster, scraped, replicas)
+    last = (body.get("status") or {}).get("autoscale") or {}
+    status["autoscale"] = {
+        s: {"replicas": d.replicas, "reason": d.reason, "message": d.message[:300],
+            "lastChangeMs": now_ms if d.changed else int((last.get(s) or {}).get("lastChangeMs") or now_ms)}
+        for s, d in decisions.items()}
+    return applied, status
+
+
+def _kept(body: Mapping[str, Any], wheel: Wheel) -> dict[str, int]:
+    last = (body.get("status") or {}).get("autoscale") or {}
+    return {s: int(last[s]["replicas"]) for s in wheel.autoscale if (last.get(s) or {}).get("replicas")}

@@ -8,6 +8,7 @@ operator reports it in the status and an Event instead of failing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from timerwheel.config import DAY_MS, DEFAULT_ALLOW_TOPICS, DEFAULT_DELAY_LEVELS, TimerConfig
 from timerwheel.errors import ConfigError
 
+from timerwheel_operator.autoscale import AUTOSCALED, Policy
 from timerwheel_operator.crd import STAGES, stage_key
 
 #: Port of /healthz, /readyz and /metrics in every stage container (TW_HTTP_PORT).
@@ -47,6 +49,8 @@ class StageSpec:
     name: str
     replicas: int
     resources: Mapping[str, Any]
+    #: False: ``replicasManagedBy: external`` (a user's HPA or kubectl scale sets them).
+    operator_replicas: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +70,32 @@ class Wheel:
     otlp_endpoint: str | None
     image: str
     pull_policy: str
+    #: stage -> its autoscale policy, for the stages the operator autoscales (empty: off).
+    autoscale: Mapping[str, Policy] = dataclasses.field(default_factory=dict)
 
     def stage(self, name: str) -> StageSpec:
         return next(s for s in self.stages if s.name == name)
+
+
+def autoscale_policies(spec: Mapping[str, Any], stages: Mapping[str, StageSpec]) -> dict[str, Policy]:
+    """``spec.autoscale`` read into a policy per autoscaled stage; none when disabled, and none
+    for a stage whose replicas are managed externally (the operator never fights a user's HPA)."""
+    auto = spec.get("autoscale") or {}
+    if not auto.get("enabled"):
+        return {}
+    out = {}
+    for stage, key in AUTOSCALED.items():
+        if not stages[stage].operator_replicas:
+            continue
+        own = auto.get(key) or {}
+        low = int(own.get("minReplicas", auto.get("minReplicas", 1)))
+        high = int(own.get("maxReplicas", auto.get("maxReplicas", 4)))
+        if low > high:
+            raise SpecError(f"spec.autoscale.{key}.minReplicas", f"must not exceed maxReplicas ({low} > {high})")
+        out[stage] = Policy(min_replicas=low, max_replicas=high, lead_ms=int(auto.get("lookAheadMs", 60_000)),
+                            per_replica_per_s=float(auto.get("messagesPerSecondPerReplica", 2_000)),
+                            scale_down_delay_ms=int(auto.get("scaleDownDelayMs", 120_000)))
+    return out
 
 
 def base_name(name: str) -> str:
@@ -136,7 +163,11 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
             raise SpecError(f"spec.stages.{stage_key(stage)}.replicas", f"must be >= 0, got {replicas}")
         if stage == "enqueue-get" and replicas > 1:
             raise SpecError("spec.stages.enqueueGet.replicas", f"must be 0 or 1 for now, got {replicas}")
-        stages.append(StageSpec(stage, replicas, dict(one.get("resources") or {})))
+        managed = str(one.get("replicasManagedBy") or "operator")
+        if managed not in ("operator", "external"):
+            raise SpecError(f"spec.stages.{stage_key(stage)}.replicasManagedBy",
+                            f"must be operator or external, got {managed!r}")
+        stages.append(StageSpec(stage, replicas, dict(one.get("resources") or {}), managed == "operator"))
     storage = dict(spec.get("storage") or {})
     existing = storage.get("existingClaim")
     image_spec = spec.get("image") or {}
@@ -158,4 +189,5 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
         otlp_endpoint=(spec.get("tracing") or {}).get("otlpEndpoint"),
         image=image,
         pull_policy=str(image_spec.get("pullPolicy") or default_pull_policy),
+        autoscale=autoscale_policies(spec, {s.name: s for s in stages}),
     )

@@ -6,9 +6,20 @@ status changes) and ``observedGeneration``.
 
 - ``Ready``: every stage has its desired replicas ready and no shard lacks an owner.
 - ``Progressing``: a stage workload is being created, rolled or scaled.
+- ``Scaling``: a stage's replica count differs from the desired one (``ScalingUp`` /
+  ``ScalingDown``, naming the stages and counts), until the workload has exactly the desired
+  replicas, all ready.
+- ``Recovering``: with every shard-owning stage rolled out, a shard has no enqueue-put or
+  dequeue-get owner reporting it (``ShardsTakingOver``): its old owner let go or died and the
+  next one is taking it (lease, recovery of the TimerLog). Normal for seconds after a scale, a
+  rollout or a crash.
 - ``Degraded``: the spec is invalid (``InvalidSpec``), the API server refused an object
-  (``ApplyFailed``) or, with every stage rolled out, a shard has no enqueue-put or dequeue-get
-  owner reporting it (``ShardUnowned``).
+  (``ApplyFailed``), an owner reports it cannot open a shard (``ShardUnopenable``: a torn
+  checkpoint, a lost file, a failed recovery; the error's class, the pod's log has the rest)
+  or a shard stayed without an owner for ``RECOVERY_GRACE_S`` (``ShardUnowned``:
+  its owner cannot open it, or no replica runs).
+- ``WindowRolling``: always False in this version (``Immutable``): the API server refuses a
+  change of tickMs, rollWindowMs or wheelSpanMs (``crd.WINDOW_IMMUTABLE``).
 """
 
 from __future__ import annotations
@@ -18,8 +29,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from timerwheel_operator.crd import SHARD_OWNERS, STAGES
+from timerwheel_operator.crd import SHARD_OWNERS, STAGES, WINDOW_IMMUTABLE
 from timerwheel_operator.metrics import ShardStatus
+
+#: A shard without an owner this long after Recovering turned True is Degraded.
+RECOVERY_GRACE_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +69,28 @@ class StageState:
 
 def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _seconds_between(earlier: str, later: str) -> float:
+    fmt = "%Y-%m-%dT%H:%M:%SZ"
+    return (dt.datetime.strptime(later, fmt) - dt.datetime.strptime(earlier, fmt)).total_seconds()
+
+
+def window_condition(generation: int, previous: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+    return condition("WindowRolling", False, "Immutable",
+                     f"tickMs, rollWindowMs and wheelSpanMs: each {WINDOW_IMMUTABLE}", generation, previous, now)
+
+
+def scaling_condition(stages: Mapping[str, StageState], generation: int, previous: Sequence[Mapping[str, Any]],
+                      now: str) -> dict[str, Any]:
+    moving = [s for s in STAGES if stages[s].exists and (stages[s].replicas != stages[s].desired
+                                                          or stages[s].ready < stages[s].desired)]
+    if not moving:
+        return condition("Scaling", False, "AtDesired", "every stage has its desired replicas", generation,
+                         previous, now)
+    up = any(stages[s].replicas < stages[s].desired or stages[s].ready < stages[s].desired for s in moving)
+    text = ", ".join(f"{s} {stages[s].replicas} -> {stages[s].desired} ({stages[s].ready} ready)" for s in moving)
+    return condition("Scaling", True, "ScalingUp" if up else "ScalingDown", text, generation, previous, now)
 
 
 def condition(kind: str, ok: bool | None, reason: str, message: str, generation: int,
@@ -100,8 +136,18 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
         if stages["dequeue-get"].desired > 0 and st.reader is None:
             unowned.append(f"{st.shard} (no dequeue-get owner)")
     progressing = bool(waiting)
-    degraded = bool(apply_failures) or (bool(unowned) and not any(s in waiting for s in SHARD_OWNERS))
-    ready = not progressing and not degraded
+    taking_over = bool(unowned) and not any(s in waiting for s in SHARD_OWNERS)
+    note = "; ".join(f"{pod}: {err}" for pod, err in sorted((scrape_errors or {}).items()))
+    if taking_over:
+        recovering = condition("Recovering", True, "ShardsTakingOver", "shards without an owner: " + ", ".join(unowned)
+                               + (f"; metrics unread from {note}" if note else ""), generation, previous, now)
+    else:
+        recovering = condition("Recovering", False, "AllShardsOwned", "every shard has its owners", generation,
+                               previous, now)
+    stuck = taking_over and _seconds_between(recovering["lastTransitionTime"], now) >= RECOVERY_GRACE_S
+    unopenable = [f"shard {st.shard} ({'; '.join(st.open_errors)})" for st in shards if st.open_errors]
+    degraded = bool(apply_failures) or stuck or bool(unopenable)
+    ready = not progressing and not degraded and not taking_over
     if progressing:
         progress = condition("Progressing", True, "RollingOut", "waiting for " + ", ".join(
             f"{s} ({stages[s].ready}/{stages[s].desired} ready)" for s in waiting), generation, previous, now)
@@ -112,22 +158,28 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
         failed = "; ".join(f"{k}: {v}" for k, v in sorted(apply_failures.items()))
         degrade = condition("Degraded", True, "ApplyFailed", f"the API server refused {failed}",
                             generation, previous, now)
+    elif unopenable:
+        degrade = condition("Degraded", True, "ShardUnopenable", "cannot be opened by its owner: " + ", ".join(
+            unopenable) + " (see the pod's log: 'shard cannot be opened')", generation, previous, now)
     elif degraded:
-        note = "; ".join(f"{pod}: {err}" for pod, err in sorted((scrape_errors or {}).items()))
-        message = "shards without an owner: " + ", ".join(unowned) + (f"; metrics unread from {note}" if note else "")
+        message = f"for {RECOVERY_GRACE_S} s or more, " + recovering["message"]
         degrade = condition("Degraded", True, "ShardUnowned", message, generation, previous, now)
     else:
         degrade = condition("Degraded", False, "AsExpected", "every shard has its owners", generation, previous, now)
     if ready:
         ready_c = condition("Ready", True, "AllStagesReady", "every stage is ready and every shard owned",
                             generation, previous, now)
+    elif degraded:
+        ready_c = condition("Ready", False, "Degraded", degrade["message"], generation, previous, now)
+    elif progressing:
+        ready_c = condition("Ready", False, "Progressing", progress["message"], generation, previous, now)
     else:
-        ready_c = condition("Ready", False, "Degraded" if degraded else "Progressing",
-                            degrade["message"] if degraded else progress["message"], generation, previous, now)
+        ready_c = condition("Ready", False, "Recovering", recovering["message"], generation, previous, now)
     lags = [s.lag_ms for s in shards if s.lag_ms is not None]
     status: dict[str, Any] = {
         "observedGeneration": generation,
-        "conditions": [ready_c, progress, degrade],
+        "conditions": [ready_c, progress, degrade, scaling_condition(stages, generation, previous, now), recovering,
+                       window_condition(generation, previous, now)],
         "shards": [s.to_status() for s in shards],
         "stages": {s: {"desired": stages[s].desired, "replicas": stages[s].replicas,
                        "readyReplicas": stages[s].ready} for s in STAGES},

@@ -99,6 +99,21 @@ def test_the_shard_count_is_immutable() -> None:
     assert errors[0].startswith("spec.shards is immutable")
 
 
+@pytest.mark.parametrize("field, old, new", [("tickMs", 100, 1000), ("rollWindowMs", 86_400_000, 3_600_000),
+                                             ("wheelSpanMs", 0, 345_600_000)])
+def test_a_change_of_the_wheel_window_is_refused_naming_the_field(field: str, old: int, new: int) -> None:
+    assert api_server_errors({**GOOD, field: old}, old_spec={**GOOD, field: old}) == []
+    errors = api_server_errors({**GOOD, field: new}, old_spec={**GOOD, field: old})
+    assert any(e.startswith(f"spec.{field} is immutable") and "pause-rebuild-resume" in e for e in errors), errors
+
+
+def test_autoscale_bounds_per_stage_are_checked() -> None:
+    assert api_server_errors({**GOOD, "autoscale": {"enabled": True, "dequeuePut": {"minReplicas": 2,
+                                                                                    "maxReplicas": 8}}}) == []
+    errors = api_server_errors({**GOOD, "autoscale": {"dequeueGetmsg": {"minReplicas": 5, "maxReplicas": 2}}})
+    assert errors == ["minReplicas must not exceed maxReplicas"]
+
+
 def test_the_name_rule_keeps_workload_names_short() -> None:
     rule = crd_schema()["x-kubernetes-validations"][0]
     assert str(MAX_NAME) in rule["rule"] and rule["message"].startswith("metadata.name")

@@ -60,3 +60,12 @@ def test_a_reader_figure_never_comes_from_a_writer_pod() -> None:
     scrapes = {"put-0": parse_prometheus(stage_metrics("enqueue-put", 0, 1, read_ms=5, write_ms=9))}
     (s0,) = shard_status(scrapes, 1)
     assert s0.read_ms is None and s0.write_ms == 9
+
+
+def test_a_shard_an_owner_cannot_open_is_named_with_the_pod_and_error() -> None:
+    m = Metrics()
+    m.set("shard_open_failed", 1, shard=1, stage="enqueue-put", error="OSError")
+    m.set("shard_open_failed", 0, shard=0, stage="enqueue-put", error="OSError")  # opened since
+    s0, s1 = shard_status({"put-0": parse_prometheus(m.render_prometheus())}, 2)
+    assert s0.open_errors == [] and "openError" not in s0.to_status()
+    assert s1.to_status()["openError"] == "enqueue-put put-0: OSError"

@@ -46,15 +46,47 @@ def test_a_stage_rolling_out_is_progressing_not_ready() -> None:
     assert conditions(compute(1, missing, [owned(0)], [], T0))["Progressing"]["status"] == "True"
 
 
-def test_an_unowned_shard_is_degraded_once_the_owners_are_rolled_out() -> None:
-    status = compute(1, all_rolled(), [owned(0), ShardStatus(1)], [], T0, {"put-1": "timed out"})
-    c = conditions(status)
-    assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "ShardUnowned"
-    assert "1 (no enqueue-put owner)" in c["Degraded"]["message"] and "put-1: timed out" in c["Degraded"]["message"]
-    assert c["Ready"]["status"] == "False"
-    # while an owner is still starting, that is progress, not degradation
+def test_an_unowned_shard_is_recovering_then_degraded_after_the_grace() -> None:
+    first = compute(1, all_rolled(), [owned(0), ShardStatus(1)], [], T0, {"put-1": "timed out"})
+    c = conditions(first)
+    assert (c["Recovering"]["status"], c["Recovering"]["reason"]) == ("True", "ShardsTakingOver")
+    assert "1 (no enqueue-put owner)" in c["Recovering"]["message"] and "put-1: timed out" in c["Recovering"]["message"]
+    assert c["Degraded"]["status"] == "False" and c["Ready"]["status"] == "False"
+    assert c["Ready"]["reason"] == "Recovering"
+    # still unowned a minute later: Degraded, naming the shard
+    later = conditions(compute(1, all_rolled(), [owned(0), ShardStatus(1)], first["conditions"], T1))
+    assert (later["Degraded"]["status"], later["Degraded"]["reason"]) == ("True", "ShardUnowned")
+    assert "1 (no enqueue-put owner)" in later["Degraded"]["message"]
+    assert later["Recovering"]["lastTransitionTime"] == T0
+    # while an owner is still starting, that is progress, not recovery
     starting = all_rolled() | {"enqueue-put": StageState(desired=1, replicas=1, ready=0, updated=1)}
-    assert conditions(compute(1, starting, [ShardStatus(0)], [], T0))["Degraded"]["status"] == "False"
+    c = conditions(compute(1, starting, [ShardStatus(0)], [], T0))
+    assert (c["Degraded"]["status"], c["Recovering"]["status"]) == ("False", "False")
+
+
+def test_a_shard_its_owner_cannot_open_is_degraded_at_once_naming_it() -> None:
+    broken = ShardStatus(1, open_errors=["enqueue-put put-1: OSError"])
+    c = conditions(compute(1, all_rolled(), [owned(0), broken], [], T0))
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "ShardUnopenable")
+    assert "shard 1 (enqueue-put put-1: OSError)" in c["Degraded"]["message"]
+    assert c["Ready"]["status"] == "False"
+
+
+def test_scaling_names_the_stages_until_they_have_their_replicas() -> None:
+    stages = all_rolled() | {"dequeue-put": StageState(desired=3, replicas=1, ready=1, updated=1),
+                             "enqueue-put": StageState(desired=1, replicas=2, ready=2, updated=2)}
+    c = conditions(compute(4, stages, [owned(0)], [], T0))
+    assert (c["Scaling"]["status"], c["Scaling"]["reason"]) == ("True", "ScalingUp")
+    assert "dequeue-put 1 -> 3 (1 ready)" in c["Scaling"]["message"] and "enqueue-put 2 -> 1" in c["Scaling"]["message"]
+    down = all_rolled() | {"dequeue-put": StageState(desired=1, replicas=3, ready=3, updated=3)}
+    assert conditions(compute(4, down, [owned(0)], [], T0))["Scaling"]["reason"] == "ScalingDown"
+    done = conditions(compute(4, all_rolled(), [owned(0)], [], T0))
+    assert (done["Scaling"]["status"], done["Scaling"]["observedGeneration"]) == ("False", 4)
+
+
+def test_the_window_is_reported_immutable() -> None:
+    c = conditions(compute(1, all_rolled(), [owned(0)], [], T0))
+    assert (c["WindowRolling"]["status"], c["WindowRolling"]["reason"]) == ("False", "Immutable")
 
 
 def test_a_refused_object_is_degraded() -> None:

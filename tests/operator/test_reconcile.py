@@ -34,7 +34,10 @@ class FakeCluster:
             raise RuntimeError(f"{manifest['kind']} is forbidden")
         obj = copy.deepcopy(dict(manifest))
         if obj["kind"] in ("Deployment", "StatefulSet"):
-            n = obj["spec"]["replicas"]
+            # Server-side apply without replicas leaves them as they are (the API's default: 1).
+            before = self.objects.get((obj["kind"], obj["metadata"]["name"]), {}).get("spec", {})
+            n = obj["spec"].setdefault("replicas", before.get("replicas", 1))
+            obj["spec"]["external"] = "replicas" not in manifest["spec"]
             obj["metadata"]["generation"] = 1
             obj["status"] = {"replicas": n, "readyReplicas": n, "updatedReplicas": n, "observedGeneration": 1}
         self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
@@ -115,11 +118,12 @@ def test_status_is_read_from_the_stage_pods_metrics() -> None:
     body = wheel_body()
     applied = rec.ensure(body, cluster, SETTINGS)
     status = rec.observe(body, applied, cluster)  # no metrics yet: shard 0 has no owner
-    assert next(c for c in status["conditions"] if c["type"] == "Degraded")["reason"] == "ShardUnowned"
+    assert next(c for c in status["conditions"] if c["type"] == "Recovering")["reason"] == "ShardsTakingOver"
     cluster.metrics = {"10.1.0.1": owner_metrics("enqueue-put", 3), "10.1.0.2": owner_metrics("dequeue-get", 2)}
     status = rec.observe(body, applied, cluster)
     assert {c["type"]: c["status"] for c in status["conditions"]} == {
-        "Ready": "True", "Progressing": "False", "Degraded": "False"}
+        "Ready": "True", "Progressing": "False", "Degraded": "False", "Scaling": "False", "Recovering": "False",
+        "WindowRolling": "False"}
     assert status["shards"] == [{"shard": 0, "owner": "enqueue-put-0", "reader": "dequeue-get-0", "epoch": 3,
                                  "W": 1_700_000_000_000, "R": 1_700_000_000_000}]
     assert status["observedGeneration"] == 3
@@ -162,3 +166,65 @@ def test_operator_settings_are_validated() -> None:
     assert settings_from_env({"TIMERWHEEL_IMAGE": "x:1", "TIMERWHEEL_IMAGE_PULL_POLICY": "Never"}).pull_policy == "Never"
     with pytest.raises(SettingsError, match="^TIMERWHEEL_IMAGE_PULL_POLICY: "):
         settings_from_env({"TIMERWHEEL_IMAGE_PULL_POLICY": "Sometimes"})
+
+
+def _reader_with_load(peak_60: float, epoch: int = 2) -> str:
+    m = Metrics()
+    m.set("owner_epoch", epoch, shard=0, stage="dequeue-get")
+    m.set("read_ms", 1_700_000_000_000, shard=0)
+    m.set("due_peak_per_s", peak_60, shard=0, ahead_s=60)
+    m.set("due_peak_per_s", 0, shard=0, ahead_s=300)
+    return m.render_prometheus()
+
+
+def _queue(queue: str, depth: int) -> str:
+    m = Metrics()
+    m.set("queue_depth", depth, queue=queue, partition=0)
+    return m.render_prometheus()
+
+
+AUTO = {"enabled": True, "minReplicas": 1, "maxReplicas": 5, "messagesPerSecondPerReplica": 1000,
+        "scaleDownDelayMs": 60_000, "dequeuePut": {"maxReplicas": 3}}
+
+
+def test_autoscale_scales_the_dequeue_stages_ahead_of_the_load_and_records_each_decision() -> None:
+    cluster = FakeCluster()
+    body = wheel_body(autoscale=AUTO)
+    rec.reconcile(body, cluster, SETTINGS, 1_000)
+    cluster.metrics = {"10.1.0.1": owner_metrics("enqueue-put", 3), "10.1.0.2": _reader_with_load(3_000),
+                       "10.1.0.3": _queue("fetch", 0), "10.1.0.4": _queue("deliver", 0)}
+    applied, status = rec.reconcile(body, cluster, SETTINGS, 2_000)
+    replicas = {s: cluster.objects[("Deployment", f"timerwheel-orders-{s}")]["spec"]["replicas"]
+                for s in ("dequeue-getmsg", "dequeue-put")}
+    assert replicas == {"dequeue-getmsg": 4, "dequeue-put": 3}  # 3,000/s at 80 % of 1,000/s; put's max is 3
+    assert sorted(e.reason for e in applied.events) == ["Autoscaled", "Autoscaled"]
+    assert any(e.message.startswith("dequeue-getmsg: 1 -> 4 replicas (autoscale: 1 -> 4: peak 3000/s")
+               for e in applied.events)
+    assert status["autoscale"]["dequeue-getmsg"] == {"replicas": 4, "reason": "ScaleUp", "lastChangeMs": 2_000,
+                                                      "message": status["autoscale"]["dequeue-getmsg"]["message"]}
+    assert status["stages"]["dequeue-getmsg"]["desired"] == 4
+    # The spike is gone: the count is held for the delay, then lowered; each round is a level check.
+    body["status"] = status
+    cluster.metrics["10.1.0.2"] = _reader_with_load(0)
+    applied, status = rec.reconcile(body, cluster, SETTINGS, 30_000)
+    assert status["autoscale"]["dequeue-getmsg"]["reason"] == "HoldDown" and not applied.events
+    body["status"] = status
+    applied, status = rec.reconcile(body, cluster, SETTINGS, 62_000)
+    assert cluster.objects[("Deployment", "timerwheel-orders-dequeue-getmsg")]["spec"]["replicas"] == 1
+    assert status["autoscale"]["dequeue-getmsg"]["lastChangeMs"] == 62_000
+    assert [e.message.split(" (")[0] for e in applied.events] == ["dequeue-getmsg: 4 -> 1 replicas",
+                                                                  "dequeue-put: 3 -> 1 replicas"]
+
+
+def test_a_spec_scale_is_an_event_once_and_an_external_stage_keeps_its_replicas() -> None:
+    cluster = FakeCluster()
+    rec.ensure(wheel_body(), cluster, SETTINGS)
+    body = wheel_body(stages={"enqueuePut": {"replicas": 2}, "dequeuePut": {"replicasManagedBy": "external"}})
+    applied = rec.ensure(body, cluster, SETTINGS)
+    assert [(e.reason, e.message) for e in applied.events] == [("Scaled", "enqueue-put: 1 -> 2 replicas (spec)")]
+    assert not rec.ensure(body, cluster, SETTINGS).events  # the workload has its count now: nothing new
+    put = cluster.objects[("Deployment", "timerwheel-orders-dequeue-put")]
+    assert put["spec"]["external"]  # the applied manifest leaves the replicas to the user's HPA
+    autoscaled = rec.reconcile(wheel_body(autoscale=AUTO, stages={"dequeuePut": {"replicasManagedBy": "external"}}),
+                               cluster, SETTINGS, 1_000)[1]
+    assert set(autoscaled["autoscale"]) == {"dequeue-getmsg"}  # never fights the user's HPA

@@ -305,3 +305,18 @@ def test_owner_names_may_contain_colons(client: redis.Redis) -> None:
     assert leases.holder("r", 0) == ("pod:10.0.0.1:8080", 1)
     assert leases.renew("r", 0, "pod:10.0.0.1:8080", 1, ttl_ms=10_000)
     assert not leases.renew("r", 0, "pod:10.0.0.1", 1, ttl_ms=10_000)
+
+
+# -- members (shard balancing) -------------------------------------------------------------------
+
+
+def test_members_are_listed_while_their_beat_lasts_and_leave_at_once(client: redis.Redis) -> None:
+    members = RedisLeaseStore(client, prefix=f"t-{uuid.uuid4().hex[:8]}")
+    assert members.beat("enqueue-put", "pod-a", ttl_ms=10_000) == ["pod-a"]
+    assert members.beat("enqueue-put", "pod-b", ttl_ms=150) == ["pod-a", "pod-b"]
+    assert members.beat("dequeue-get", "pod-c", ttl_ms=10_000) == ["pod-c"]  # roles are separate
+    time.sleep(0.3)
+    assert members.beat("enqueue-put", "pod-a", ttl_ms=10_000) == ["pod-a"]  # pod-b's beat lapsed
+    members.beat("enqueue-put", "pod-b", ttl_ms=10_000)
+    members.leave("enqueue-put", "pod-b")
+    assert members.beat("enqueue-put", "pod-a", ttl_ms=10_000) == ["pod-a"]

@@ -204,6 +204,32 @@ def refused_record(record: OutRecord, reason: str, dlq_topic: str) -> OutRecord:
     return OutRecord(dlq_topic, key, b"", tuple(headers))
 
 
+class Unopenable:
+    """The shards a shard-owning stage cannot open (a torn checkpoint, a lost file, a failed
+    recovery): ``shard_open_failed{shard, stage, error}`` is 1 while it fails (``error``: the
+    exception's class; the message is logged once per shard and error), 0 once it opened. The
+    operator reads it and marks the TimerWheel Degraded naming the shard."""
+
+    def __init__(self, ctx: StageContext, stage: str, log: StageLogger) -> None:
+        self.ctx = ctx
+        self.stage = stage
+        self.log = log
+        self.failing: dict[int, str] = {}
+
+    def report(self, shard: int, exc: BaseException) -> None:
+        error = type(exc).__name__
+        if self.failing.get(shard) != error:
+            self.clear(shard)
+            self.failing[shard] = error
+            self.log.error("shard cannot be opened, retrying", shard=shard, error=f"{error}: {exc}"[:500])
+        self.ctx.metrics.set("shard_open_failed", 1, shard=shard, stage=self.stage, error=error)
+
+    def clear(self, shard: int) -> None:
+        error = self.failing.pop(shard, None)
+        if error is not None:
+            self.ctx.metrics.set("shard_open_failed", 0, shard=shard, stage=self.stage, error=error)
+
+
 #: Entries pending this long are claimed by another consumer, even from a live one (stuck).
 CLAIM_IDLE_MS = 30_000
 #: ... and this long, from a consumer whose heartbeat lapsed (a dead process).

@@ -37,7 +37,7 @@ import numpy.typing as npt
 from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, decoded, get_by
+from timerwheel.stages.base import StageContext, Unopenable, decoded, get_by
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import (
@@ -63,6 +63,11 @@ W_STILL_MS = 3_000
 #: How long a step with messages in flight, or a full fetch queue, waits when it found nothing to do.
 BUSY_WAIT_S = 0.005
 GENERATION_BITS = 20
+#: A shard being handed over is released after this even with messages still in flight (their
+#: slots are read again by the next owner: duplicates, never a loss).
+DRAIN_S = 10.0
+#: ... and on stop (SIGTERM) after this: the pod's grace period is 30 s.
+STOP_DRAIN_S = 5.0
 
 
 @dataclass
@@ -94,6 +99,9 @@ class GetShard:
     visible: bool = False
     #: Done entries a previous owner took and never acked are still to be claimed (e2e fix).
     reclaim: bool = True
+    #: Being handed over (monotonic time it began): no new slot is opened, the shard is
+    #: released once what was sent came back done (or after DRAIN_S).
+    draining: float | None = None
 
 
 _DELETE = int(Flag.DELETE)
@@ -106,8 +114,11 @@ def _is_marker(flags: int) -> bool:
 
 class DequeueGet:
     def __init__(self, ctx: StageContext, shard_ids: Iterable[int], open_shard: Callable[[int], Shard | None],
-                 fetch_queue: WorkQueue, done_queue: WorkQueue, ownership: Ownership) -> None:
-        """``open_shard(id)`` opens a read-only view of a shard, or None while it does not exist yet."""
+                 fetch_queue: WorkQueue, done_queue: WorkQueue, ownership: Ownership, stop_drain_s: float = 0.0) -> None:
+        """``open_shard(id)`` opens a read-only view of a shard, or None while it does not exist yet.
+        ``stop_drain_s``: how long ``close`` drains (STOP_DRAIN_S in a stage process, whose
+        dequeue-put keeps running meanwhile; 0 embedded, where it has stopped already)."""
+        self.stop_drain_s = stop_drain_s
         self.ctx = ctx
         self.fetch_q = fetch_queue
         self.done_q = done_queue
@@ -116,7 +127,10 @@ class DequeueGet:
         self.logger = stage_logger(STAGE)
         self.owned: dict[int, GetShard] = {}
         self._views: dict[int, Shard] = {}
-        self._waiting = set(shard_ids)
+        self.shard_ids = frozenset(shard_ids)
+        self._waiting = set(self.shard_ids)
+        self._wanted = self.ownership.wanted(self.shard_ids)
+        self._unopenable = Unopenable(ctx, STAGE, self.logger)
         #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
         self.refused: dict[int, str] = {}
         #: The last step did nothing (the next one may wait, see ``StageContext.wait_on_inputs``).
@@ -124,15 +138,20 @@ class DequeueGet:
         self.take_shards()
 
     def take_shards(self) -> None:
-        for shard_id in sorted(self._waiting):
-            shard = self._views.get(shard_id) or self.open_shard(shard_id)
-            if shard is None:
-                continue  # enqueue-put has not created the shard yet
-            self._views[shard_id] = shard
+        for shard_id in sorted(self._waiting & self._wanted):
             try:
-                ckpt = shard.load_dequeue_checkpoint()
-            except CorruptCheckpointError:
-                ckpt = None
+                shard = self._views.get(shard_id) or self.open_shard(shard_id)
+                if shard is None:
+                    continue  # enqueue-put has not created the shard yet
+                self._views[shard_id] = shard
+                try:
+                    ckpt = shard.load_dequeue_checkpoint()
+                except CorruptCheckpointError:
+                    ckpt = None
+            except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
+                self._unopenable.report(shard_id, exc)
+                continue
+            self._unopenable.clear(shard_id)
             why = recovery_needed(shard.directory) if ckpt is None else None
             if why is not None:
                 if self.refused.get(shard_id) != why:
@@ -145,15 +164,20 @@ class DequeueGet:
             epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)
             if epoch is None:
                 continue
+            # Read R again now that the lease is ours: a previous owner saves its last R before
+            # it releases, possibly after the read above.
+            ckpt = shard.load_dequeue_checkpoint() or ckpt
             self._waiting.discard(shard_id)
             log = stage_logger(STAGE, shard_id)
             self.owned[shard_id] = GetShard(shard_id, shard, log, epoch, epoch << GENERATION_BITS,
                                             ckpt.read_ms, ckpt.read_ms)
             log.info("owning shard", epoch=epoch, read_ms=ckpt.read_ms)
+        self._count_owned()
 
     def step(self, timeout_s: float) -> int:
         for shard_id in self.ownership.renew_due():
             self._lose(shard_id, "lease lost")
+        self._balance()
         if self._waiting:
             self.take_shards()
         wait = self.ctx.wait_on_inputs and bool(self.owned)
@@ -163,6 +187,8 @@ class DequeueGet:
         for st in list(self.owned.values()):
             try:
                 work += self._step_shard(st, done.get(st.shard_id, []))
+                if st.draining is not None and self._drained(st):
+                    self._hand_over(st)
             except FencedError as exc:
                 self._lose(st.shard_id, str(exc))
         self._idle = not work
@@ -198,6 +224,8 @@ class DequeueGet:
         ckpt = None
         while self._flush_outbox(st) and in_flight < self.ctx.config.max_in_flight:
             if st.reader is None:
+                if st.draining is not None:
+                    break  # being handed over: finish the slot in hand, open no other
                 if ckpt is None:
                     ckpt = self._published(st)
                     if ckpt is None:
@@ -385,12 +413,46 @@ class DequeueGet:
         self.ctx.metrics.set("owner_epoch", st.epoch, shard=st.shard_id, stage=STAGE)
         return moved
 
+    def _balance(self) -> None:
+        """Start handing over the shards another live replica ranks first for
+        (``Ownership.wanted``); keep one that became ours again."""
+        self._wanted = self.ownership.wanted(self.shard_ids)
+        for st in self.owned.values():
+            if st.shard_id not in self._wanted and st.draining is None:
+                st.draining = time.monotonic()
+                st.log.info("handing shard over, draining", in_flight=sum(st.pending.values()))
+            elif st.shard_id in self._wanted and st.draining is not None:
+                st.draining = None
+                st.log.info("shard kept, ranked first again")
+
+    @staticmethod
+    def _drained(st: GetShard) -> bool:
+        assert st.draining is not None
+        idle = st.reader is None and not st.pending and not st.outbox
+        return idle or time.monotonic() - st.draining >= DRAIN_S
+
+    def _hand_over(self, st: GetShard) -> None:
+        """Release a drained shard: R is saved already (``_advance_r``), so its next owner
+        starts where this one stopped."""
+        self.ownership.check(st.shard_id)
+        del self.owned[st.shard_id]
+        self.ownership.release_all_of(st.shard_id)
+        self._waiting.add(st.shard_id)
+        self._count_owned()
+        self.ctx.metrics.inc("handovers", shard=st.shard_id, stage=STAGE)
+        st.log.info("shard handed over", epoch=st.epoch, read_ms=st.read_ms, in_flight=sum(st.pending.values()))
+
+    def _count_owned(self) -> None:
+        """``owned_shards``: what this replica owns now (readiness does not say, see health.py)."""
+        self.ctx.metrics.set("owned_shards", len(self.owned), stage=STAGE)
+
     def _lose(self, shard_id: int, why: str) -> None:
         st = self.owned.pop(shard_id, None)
         if st is not None:
             st.log.warning("shard ownership lost, stopped reading", reason=why)
             self.ctx.metrics.inc("fenced", shard=shard_id, stage=STAGE)
             self._waiting.add(shard_id)
+            self._count_owned()
 
     def caught_up(self) -> bool:
         """Every owned shard has read and seen delivered every slot before W."""
@@ -402,6 +464,24 @@ class DequeueGet:
         return not self._waiting and all(done(st) for st in list(self.owned.values()))
 
     def close(self) -> None:
-        self.ownership.release_all()
+        """Stopping (SIGTERM): drain like a hand-over, for at most ``stop_drain_s``, so that the next
+        owner reads again as little as possible; then release every shard and leave at once."""
+        deadline = time.monotonic() + self.stop_drain_s
+        for st in self.owned.values() if self.stop_drain_s > 0 else ():
+            st.draining = st.draining or time.monotonic()
+        while self.stop_drain_s > 0 and time.monotonic() < deadline:
+            busy = False
+            for st in list(self.owned.values()):
+                try:
+                    self._step_shard(st)
+                except Exception as exc:  # noqa: BLE001 - best effort: the next owner reads from R
+                    st.log.warning("drain on stop ended", reason=str(exc)[:200])
+                    self.owned.pop(st.shard_id, None)
+                    continue
+                busy = busy or bool(st.reader or st.pending or st.outbox)
+            if not busy:
+                break
+            time.sleep(0.005)
+        self.ownership.leave()
         for shard in self._views.values():
             shard.close()

@@ -38,7 +38,7 @@ from timerwheel import telemetry
 from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, decoded, get_by
+from timerwheel.stages.base import StageContext, Unopenable, decoded, get_by
 from timerwheel.stages.codec import PUT_ROW_FIELDS, PutEntry, PutRequest, PutRow
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import (
@@ -104,7 +104,9 @@ class EnqueuePut:
         self.open_shard = open_shard
         self.logger = stage_logger(STAGE)
         self.owned: dict[int, PutShard] = {}
-        self._waiting = set(shard_ids)
+        self.shard_ids = frozenset(shard_ids)
+        self._waiting = set(self.shard_ids)
+        self._wanted = self.ownership.wanted(self.shard_ids)
         self._retained = time.monotonic()
         self._blocked: set[int] = set()
         #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
@@ -112,11 +114,12 @@ class EnqueuePut:
         self._refused_at: dict[int, float] = {}
         #: The last step found no entry (the next one may wait on the queue).
         self._idle = False
+        self._unopenable = Unopenable(ctx, STAGE, self.logger)
         self.take_shards()
 
     def take_shards(self) -> None:
-        """Acquire the shards we do not own yet; recover each before its first write."""
-        for shard_id in sorted(self._waiting):
+        """Acquire the wanted shards we do not own yet; recover each before its first write."""
+        for shard_id in sorted(self._waiting & self._wanted):
             if shard_id in self.refused and time.monotonic() - self._refused_at.get(shard_id, 0.0) < RECOVERY_RETRY_S:
                 continue
             # A lease kept from an earlier try (below) is still ours.
@@ -141,6 +144,12 @@ class EnqueuePut:
             except CorruptCheckpointError as exc:
                 self._refuse(shard_id, f"{exc}; the shard is not started: run `{recovery_command(self._dir(shard_id))}`")
                 continue
+            except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
+                # Keep the lease (nobody else writes a shard in this state) and retry next step;
+                # the operator marks the TimerWheel Degraded naming the shard and the error.
+                self._unopenable.report(shard_id, exc)
+                continue
+            self._unopenable.clear(shard_id)
             self._blocked.discard(shard_id)
             self.refused.pop(shard_id, None)
             ckpt = shard.load_enqueue_checkpoint()
@@ -153,6 +162,7 @@ class EnqueuePut:
                     continue
             self._waiting.discard(shard_id)
             self.owned[shard_id] = self._start(shard_id, shard, epoch)
+        self._count_owned()
 
     def _dir(self, shard_id: int) -> str:
         return shard_dir(self.ctx.config.data_dir, shard_id)
@@ -205,6 +215,7 @@ class EnqueuePut:
         """One pass over the owned shards; returns entries written plus W publications."""
         for shard_id in self.ownership.renew_due():
             self._lose(shard_id, "lease lost")
+        self._balance()
         if self._waiting:
             self.take_shards()
         self._retain()
@@ -360,6 +371,38 @@ class EnqueuePut:
         self.ctx.metrics.set("write_ms", st.write_ms, shard=st.shard_id)
         self.ctx.metrics.set("owner_epoch", st.epoch, shard=st.shard_id, stage=STAGE)
 
+    def _balance(self) -> None:
+        """Hand over the shards another live replica ranks first for (``Ownership.wanted``),
+        and let go of a lease kept for a shard still locked by its old owner but no longer ours."""
+        self._wanted = self.ownership.wanted(self.shard_ids)
+        for shard_id in sorted(set(self.owned) - self._wanted):
+            self._hand_over(shard_id)
+        for shard_id in sorted(set(self.ownership.epochs) - set(self.owned) - self._wanted):
+            self.ownership.release_all_of(shard_id)
+            self._blocked.discard(shard_id)
+
+    def _hand_over(self, shard_id: int) -> None:
+        """Publish a last checkpoint, close the shard, then release its lease: its next owner
+        takes it at once and finds everything written so far durable."""
+        st = self.owned[shard_id]
+        try:
+            self.ownership.check(shard_id)
+            self._publish(st)
+        except FencedError as exc:
+            self._lose(shard_id, str(exc))
+            return
+        del self.owned[shard_id]
+        st.shard.close()
+        self.ownership.release_all_of(shard_id)
+        self._waiting.add(shard_id)
+        self._count_owned()
+        self.ctx.metrics.inc("handovers", shard=shard_id, stage=STAGE)
+        st.log.info("shard handed over", epoch=st.epoch, write_ms=st.write_ms)
+
+    def _count_owned(self) -> None:
+        """``owned_shards``: what this replica owns now (readiness does not say, see health.py)."""
+        self.ctx.metrics.set("owned_shards", len(self.owned), stage=STAGE)
+
     def _lose(self, shard_id: int, why: str) -> None:
         st = self.owned.pop(shard_id, None)
         if st is not None:
@@ -367,6 +410,7 @@ class EnqueuePut:
             self.ctx.metrics.inc("fenced", shard=shard_id, stage=STAGE)
             st.shard.close()
             self._waiting.add(shard_id)
+            self._count_owned()
 
     def _retain(self) -> None:
         """Delete TimerLog segments whose records all fire before R (every 30 s)."""
@@ -392,7 +436,7 @@ class EnqueuePut:
             except Exception:  # noqa: BLE001 - best effort on shutdown; recovery covers the rest
                 st.log.error("final checkpoint failed", exc=True)
             st.shard.close()
-        self.ownership.release_all()
+        self.ownership.leave()
 
 
 def _get_many(ctx: StageContext, queue: WorkQueue, partitions: list[int], max_entries: int,

@@ -4,7 +4,8 @@
 ``GroupCommitLog`` adds consumer groups (``GroupConsumer``) for ``timerwheel.retry``.
 ``WorkQueue`` is a partitioned, bounded, at-least-once queue with acks (Redis Streams in
 production, in-process queues embedded). ``LeaseStore`` grants shard ownership with a
-monotonically increasing epoch (fencing).
+monotonically increasing epoch (fencing); ``MemberStore`` lists the live replicas of a
+shard-owning stage, among which the shards are balanced.
 """
 
 from __future__ import annotations
@@ -174,3 +175,15 @@ class LeaseStore(Protocol):
     def release(self, role: str, shard: int, owner: str, epoch: int) -> None: ...
 
     def current_epoch(self, role: str, shard: int) -> int: ...
+
+
+class MemberStore(Protocol):
+    """The live replicas of a shard-owning stage (``role``), for balancing shards among them.
+
+    ``beat`` says ``member`` is alive for the next ``ttl_ms`` and returns every member whose
+    last beat has not lapsed (``member`` included); ``leave`` removes ``member`` at once.
+    """
+
+    def beat(self, role: str, member: str, ttl_ms: int) -> list[str]: ...
+
+    def leave(self, role: str, member: str) -> None: ...

@@ -277,6 +277,21 @@ class MemoryLeaseStore:
         self._clock: Clock = clock or SystemClock()
         self._lock = threading.Lock()
         self._leases: dict[tuple[str, int], _Lease] = {}
+        self._members: dict[str, dict[str, int]] = {}
+
+    def beat(self, role: str, member: str, ttl_ms: int) -> list[str]:
+        """``member`` of ``role`` is alive for ``ttl_ms``; returns the live members (MemberStore)."""
+        _check_ttl(ttl_ms)
+        with self._lock:
+            now = self._clock.now_ms()
+            live = {m: until for m, until in self._members.get(role, {}).items() if until > now}
+            live[member] = now + ttl_ms
+            self._members[role] = live
+            return sorted(live)
+
+    def leave(self, role: str, member: str) -> None:
+        with self._lock:
+            self._members.get(role, {}).pop(member, None)
 
     def acquire(self, role: str, shard: int, owner: str, ttl_ms: int, floor: int = 0) -> int | None:
         _check_ttl(ttl_ms)

@@ -29,6 +29,10 @@ only while the owner key is absent (free, released or expired), INCRs the counte
 acquired since (lost means expired *and* taken), and ``release`` clears both; all three are Lua
 scripts, atomic in Redis.
 
+Members (``MemberStore``, shard balancing): a sorted set per role, ``{prefix}:members:{role}``,
+member -> the Redis server's time (ms) at which its beat lapses; the server's clock, so pods'
+clocks need not agree. ``beat`` adds or renews, drops the lapsed and lists the rest in one script.
+
 Epochs after FLUSHALL: the counter is lost with everything else. ``acquire(..., floor=N)`` grants
 an epoch greater than ``N``; callers pass the epoch recorded in their shard checkpoint
 (``enqueue.ckpt`` / ``dequeue.ckpt`` hold the owner epoch), so epochs stay monotonic across a
@@ -99,6 +103,17 @@ _RELEASE = """
 if redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
+"""
+
+
+# KEYS[1] the role's member set; ARGV member, ttl_ms. Returns the live members.
+_BEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 10)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 
 
@@ -429,6 +444,7 @@ class RedisLeaseStore:
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._beat = client.register_script(_BEAT)
 
     def _keys(self, role: str, shard: int) -> list[str]:
         """Owner key (TTL), epoch counter, grant; one hash tag, so one Redis Cluster slot."""
@@ -461,6 +477,18 @@ class RedisLeaseStore:
         with _redis_call(f"epoch of lease {role}/{shard}"):
             value = self.client.get(self._keys(role, shard)[1])
         return int(value) if value is not None else 0
+
+    def beat(self, role: str, member: str, ttl_ms: int) -> list[str]:
+        """``member`` of ``role`` is alive for ``ttl_ms``; returns the live members (MemberStore)."""
+        if ttl_ms < 1:
+            raise ValueError(f"members of {role}: ttl_ms must be >= 1, got {ttl_ms}")
+        with _redis_call(f"member beat of {member!r} in {role}"):
+            got = self._beat(keys=[f"{self.prefix}:members:{role}"], args=[member, ttl_ms])
+        return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in got)
+
+    def leave(self, role: str, member: str) -> None:
+        with _redis_call(f"leave of {member!r} from {role}"):
+            self.client.zrem(f"{self.prefix}:members:{role}", member)
 
     def holder(self, role: str, shard: int) -> tuple[str, int] | None:
         """(owner, epoch) holding the lease now, or None: for status reports."""

@@ -14,6 +14,7 @@ on the deletion event, and the owner references delete what the TimerWheel made.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import kopf
@@ -25,23 +26,33 @@ from timerwheel_operator.runtime import cluster, settings
 RECONCILE_INTERVAL_S = 10.0
 
 
+def _post(body: kopf.Body, applied: rec.Applied, logger: kopf.Logger) -> None:
+    """Every decision as an Event on the TimerWheel, and one log line each."""
+    for event in applied.events:
+        # kopf.event, not kopf.info: the settings post only warnings from kopf.info and logs.
+        kopf.event(body, type="Warning" if event.warning else "Normal", reason=event.reason, message=event.message)
+        logger.info("%s: %s", event.reason, event.message)
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def spec_changed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-    applied = rec.ensure(body, cluster(), settings())
+    applied, status = rec.reconcile(body, cluster(), settings(), int(time.time() * 1000))
     if applied.error is not None:
         kopf.warn(body, reason="InvalidSpec", message=str(applied.error))
         logger.warning("invalid spec, nothing applied: %s", applied.error)
     for what, why in sorted(applied.failures.items()):
         kopf.warn(body, reason="ApplyFailed", message=f"{what}: {why}")
-    patch.status.update(rec.observe(body, applied, cluster()))
+    _post(body, applied, logger)
+    patch.status.update(status)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL_S, initial_delay=RECONCILE_INTERVAL_S)
-def level(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    applied = rec.ensure(body, cluster(), settings())
-    patch.status.update(rec.observe(body, applied, cluster()))
+def level(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    applied, status = rec.reconcile(body, cluster(), settings(), int(time.time() * 1000))
+    _post(body, applied, logger)
+    patch.status.update(status)
 
 
 def _without_finalizer(registry: kopf.OperatorRegistry, fn: Any) -> None:
