@@ -471,9 +471,10 @@ class DequeueGet:
             st.draining = st.draining or time.monotonic()
         while self.stop_drain_s > 0 and time.monotonic() < deadline:
             busy = False
+            done = self.done_q.get_many(list(self.owned), self.ctx.consumer, 1000, 0) if self.owned else {}
             for st in list(self.owned.values()):
                 try:
-                    self._step_shard(st)
+                    self._step_shard(st, done.get(st.shard_id, []))
                 except Exception as exc:  # noqa: BLE001 - best effort: the next owner reads from R
                     st.log.warning("drain on stop ended", reason=str(exc)[:200])
                     self.owned.pop(st.shard_id, None)
