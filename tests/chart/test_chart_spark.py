@@ -10,7 +10,6 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from test_chart import CHART, KUBE_VERSION, SCHEMA_VERSION, helm, run, template
-
 from timerwheel.cli import make_parser
 
 __all__ = ["helm"]

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from kafka_util import Writer, unique
-
 from timerwheel.cli import main
 
 NOW = 1_800_000_000_000

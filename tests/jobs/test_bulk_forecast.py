@@ -14,7 +14,6 @@ import pandas as pd
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 from kafka_util import unique
-
 from timerwheel.cli import main
 from timerwheel.config import TimerConfig
 from timerwheel.records import Record

@@ -104,7 +104,7 @@ def figures(j: Any, now_ms: int, grace_ms: int, by: list[str]) -> Any:
 
 
 def _as_summary(row: dict[str, Any]) -> dict[str, Any]:
-    out = {k: int(row[k] or 0) for k in FIGURES}
+    out: dict[str, Any] = {k: int(row[k] or 0) for k in FIGURES}
     out["lateness_ms"] = {k: (None if row[k] is None else int(row[k])) for k in (*PERCENTILES, "max")}
     return out
 

@@ -67,8 +67,8 @@ def timer_headers(rows: Any) -> Any:
 
 def judged(rows: Any, config: TimerConfig, now_ms: int) -> Any:
     """``rows`` with ``headers_out`` (the timer record's headers) and ``reason`` (null: valid)."""
-    from pyspark.sql import functions as F
     from pyspark.sql import Window
+    from pyspark.sql import functions as F
 
     size = (F.coalesce(F.octet_length("key"), F.lit(0)) + F.coalesce(F.octet_length("value"), F.lit(0))
             + F.aggregate("headers_out", F.lit(0), lambda a, x: a + F.char_length(x["key"]) + F.octet_length(x["value"])))

@@ -82,11 +82,11 @@ def _verdicts(spark: Any, narrowed: Any, config: TimerConfig) -> Any:
 
 
 def _parse_udf(config: TimerConfig) -> Any:
-    from pyspark.sql.functions import pandas_udf
+    from pyspark.sql.pandas.functions import pandas_udf
 
     names = [field(h) for h in CONTROL]
 
-    @pandas_udf(RESULT_FIELDS)  # type: ignore[call-overload,misc]
+    @pandas_udf(RESULT_FIELDS)  # type: ignore[call-overload,untyped-decorator]  # a struct result: not in its overloads
     def parse(partition: pd.Series, offset: pd.Series, ts: pd.Series, size: pd.Series, h: pd.DataFrame) -> pd.DataFrame:
         from timerwheel.errors import InvalidTimerMessage
         from timerwheel.records import Record
