@@ -21,40 +21,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 POM="$ROOT/scripts/spark/pom.xml"
 CACHE="${TW_CACHE_DIR:-$HOME/.cache/timerwheel}"
 
-need_tools() {
-    local missing=()
-    command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
-    command -v mvn >/dev/null || missing+=(maven)
-    ((${#missing[@]} == 0)) && return 0
-    [[ $(id -u) == 0 ]] || die "missing ${missing[*]}: install them (apt-get install ${missing[*]})"
-    apt_install "${missing[@]}"
-}
-
 jars_dir() { echo "$CACHE/spark/$(sha256sum "$POM" | cut -c1-12)/jars"; }
 
-# Written to a temp dir and renamed, so an interrupted download never leaves a half-filled cache.
 fetch() {
-    local jars tmp
-    jars="$(jars_dir)"
-    [[ -f "$jars/.complete" ]] && return 0
-    need_tools
-    log "fetching Spark's Kafka connector ($(grep -o '<spark.version>[^<]*' "$POM" | cut -d'>' -f2)) with Maven into $jars (first run only)"
-    mkdir -p "$(dirname "$jars")"
-    tmp="$jars.tmp.$$"
-    rm -rf "$tmp"
-    mkdir -p "$tmp"
-    if ! mvn -q -B -f "$POM" dependency:copy-dependencies -DincludeScope=runtime \
-        -DoutputDirectory="$tmp" >"$tmp.log" 2>&1; then
-        cat "$tmp.log" >&2
-        rm -rf "$tmp" "$tmp.log"
-        die "Maven could not fetch spark-sql-kafka-0-10 (is Maven Central reachable?)"
-    fi
-    rm -f "$tmp.log"
-    ls "$tmp"/spark-sql-kafka-0-10_2.13-*.jar >/dev/null 2>&1 || die "Maven fetched no spark-sql-kafka-0-10 jar into $tmp"
-    touch "$tmp/.complete"
-    rm -rf "$jars"
-    mv "$tmp" "$jars" 2>/dev/null || rm -rf "$tmp"  # a concurrent fetch may have won: its copy is the same
-    [[ -f "$jars/.complete" ]] || die "no complete jar directory at $jars"
+    [[ -f "$(jars_dir)/.complete" ]] && return 0
+    need_java_maven
+    maven_fetch "$POM" "$(jars_dir)" "Spark's Kafka connector ($(grep -o '<spark.version>[^<]*' "$POM" | cut -d'>' -f2))" \
+        'spark-sql-kafka-0-10_2.13-*.jar'
 }
 
 case "${1:-}" in

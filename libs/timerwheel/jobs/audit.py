@@ -23,6 +23,7 @@ from typing import Any
 
 from timerwheel.config import TimerConfig
 from timerwheel.jobs import spark as sp
+from timerwheel.jobs.plot import line_chart
 from timerwheel.jobs.records import last_header, narrow, requests
 from timerwheel.log import stage_logger
 from timerwheel.wire import H_DELIVERED_AT, H_ID
@@ -135,24 +136,12 @@ def audit(reqs: Any, raw_dest: Any, now_ms: int, grace_ms: int) -> dict[str, Any
 
 
 def _plot(hourly_pd: Any, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 5))
+    series = []
     for topic, rows in hourly_pd.sort_values("hour_ms").groupby("topic"):
         hours = [time.strftime("%m-%d %H:00", time.gmtime(h / 1000)) for h in rows["hour_ms"]]
-        for name, style in (("p50", "-"), ("p99", "--")):
-            ax.plot(hours, rows[name], style, marker="o", label=f"{topic} {name}")
-    ax.set_xlabel("hour of the delivery time (UTC)")
-    ax.set_ylabel("lateness (ms)")
-    ax.set_title("timerwheel delivery lateness per topic and hour")
-    ax.legend(fontsize="small")
-    fig.autofmt_xdate()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        series += [(f"{topic} {name}", hours, rows[name], style) for name, style in (("p50", "-"), ("p99", "--"))]
+    line_chart(series, "hour of the delivery time (UTC)", "lateness (ms)",
+               "timerwheel delivery lateness per topic and hour", path)
 
 
 def main(bootstrap: str, out: str, config: TimerConfig, topics: list[str] | None, grace_ms: int,

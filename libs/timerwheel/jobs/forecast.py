@@ -16,6 +16,7 @@ from typing import Any
 from timerwheel.config import TimerConfig
 from timerwheel.jobs import spark as sp
 from timerwheel.jobs.audit import scheduled, timer_requests
+from timerwheel.jobs.plot import line_chart
 from timerwheel.log import stage_logger
 
 MINUTE_MS = 60_000
@@ -35,24 +36,10 @@ def due_per_minute(sched: Any, cancels: Any, now_ms: int, hours: int, shards: in
 
 
 def _plot(per_minute: Any, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 5))
     by_topic = per_minute.groupby(["topic", "minute_ms"], as_index=False)["due"].sum()
-    for topic, rows in by_topic.sort_values("minute_ms").groupby("topic"):
-        ax.plot([time.strftime("%m-%d %H:%M", time.gmtime(m / 1000)) for m in rows["minute_ms"]], rows["due"],
-                marker=".", label=str(topic))
-    ax.set_xlabel("minute (UTC)")
-    ax.set_ylabel("messages due")
-    ax.set_title("timerwheel: messages due per minute")
-    ax.legend(fontsize="small")
-    fig.autofmt_xdate()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    series = [(str(topic), [time.strftime("%m-%d %H:%M", time.gmtime(m / 1000)) for m in rows["minute_ms"]],
+               rows["due"], "-") for topic, rows in by_topic.sort_values("minute_ms").groupby("topic")]
+    line_chart(series, "minute (UTC)", "messages due", "timerwheel: messages due per minute", path)
 
 
 def main(bootstrap: str, out: str, config: TimerConfig, hours: int, now_ms: int | None, master: str) -> dict[str, Any]:
