@@ -54,6 +54,7 @@ def session(master: str = "local[*]", app: str = "timerwheel") -> Any:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (SparkSession.builder.master(master).appName(app)
                .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")  # progress bars are not log lines
                .config("spark.sql.session.timeZone", "UTC")
                # small local jobs: a shuffle of 200 partitions costs more than the work
                .config("spark.sql.shuffle.partitions", os.environ.get("TW_SPARK_SHUFFLE_PARTITIONS", "8"))
