@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= ./data
 
-.PHONY: setup run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image down clean
+.PHONY: setup setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image down clean
 
 setup: $(VENV)/.installed
 
@@ -15,6 +15,15 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $@
 
+## The Spark jobs' extra (PySpark, ~450 MB) and Spark's Kafka connector (scripts/spark.sh, cached in
+## ~/.cache/timerwheel/spark or $$TW_CACHE_DIR): make test and make bench need them, make run does not.
+setup-spark: $(VENV)/.spark-installed
+
+$(VENV)/.spark-installed: $(VENV)/.installed scripts/spark/pom.xml
+	$(BIN)/pip install -q -e '.[dev,spark]'
+	PYTHON=$(BIN)/python scripts/spark.sh fetch
+	@touch $@
+
 ## Command 1: the embedded service in the foreground, data in ./data.
 run: setup
 	$(BIN)/timerwheel run --embedded --data-dir $(DATA)
@@ -23,21 +32,21 @@ demo: setup
 	$(BIN)/timerwheel demo
 
 ## Command 2: the whole suite. Fixtures start Kafka and Redis through scripts/ when needed.
-test: setup
+test: setup-spark
 	$(BIN)/pytest -q -p no:cacheprovider
 
-test-fast: setup
+test-fast: setup-spark
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
 ## The tests on the real local Kubernetes cluster only (the first run builds it: ~30 min).
 test-k8s: setup
 	$(BIN)/pytest -q -p no:cacheprovider -m k8s e2e
 
-lint: setup
+lint: setup-spark
 	$(BIN)/ruff check $(wildcard libs tests e2e bench services operator)
 	$(BIN)/mypy
 
-bench: setup
+bench: setup-spark
 	$(BIN)/python -m bench
 
 kafka-up:

@@ -1,11 +1,11 @@
-"""Run every benchmark in turn: ``python -m bench [name ...]`` (names: store, embedded, production)."""
+"""Run every benchmark in turn: ``python -m bench [name ...]`` (names: store, embedded, production, spark)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-ALL = ("store", "embedded", "production")
+ALL = ("store", "embedded", "production", "spark")
 
 
 def main() -> None:

@@ -123,3 +123,38 @@ finally:
     s.close()
 EOF
 }
+
+# Java 17 and Maven (what kafka.sh and spark.sh fetch jars with), installed with apt-get as root.
+need_java_maven() {
+    local missing=()
+    command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+    command -v mvn >/dev/null || missing+=(maven)
+    ((${#missing[@]} == 0)) && return 0
+    [[ $(id -u) == 0 ]] || die "missing ${missing[*]}: install them (apt-get install ${missing[*]})"
+    apt_install "${missing[@]}"
+}
+
+# maven_fetch POM DIR WHAT GLOB: the runtime jars of POM's dependencies into DIR, once (DIR/.complete).
+# Written to a temp dir and renamed, so an interrupted download never leaves a half-filled cache
+# behind; GLOB names a jar that must be there, WHAT the download in messages.
+maven_fetch() {
+    local pom="$1" dir="$2" what="$3" glob="$4" tmp
+    [[ -f "$dir/.complete" ]] && return 0
+    log "fetching $what with Maven into ${dir#"$ROOT"/} (first run only)"
+    mkdir -p "$(dirname "$dir")"
+    tmp="$dir.tmp.$$"
+    rm -rf "$tmp"
+    mkdir -p "$tmp"
+    if ! mvn -q -B -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
+        -DoutputDirectory="$tmp" >"$tmp.log" 2>&1; then
+        cat "$tmp.log" >&2
+        rm -rf "$tmp" "$tmp.log"
+        die "Maven could not fetch $what (is Maven Central reachable?)"
+    fi
+    rm -f "$tmp.log"
+    compgen -G "$tmp/$glob" >/dev/null || die "Maven fetched no $glob into $tmp"
+    touch "$tmp/.complete"
+    rm -rf "$dir"
+    mv "$tmp" "$dir" 2>/dev/null || rm -rf "$tmp"  # a concurrent fetch may have won: its copy is the same
+    [[ -f "$dir/.complete" ]] || die "no complete jar directory at $dir"
+}

@@ -50,42 +50,15 @@ POM="$ROOT/scripts/kafka/pom.xml"
 HEAP="${TW_KAFKA_HEAP:--Xmx512m -Xms512m}"
 START_TIMEOUT="${TW_KAFKA_START_TIMEOUT:-120}"
 
-need_tools() {
-    local missing=()
-    command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
-    command -v mvn >/dev/null || missing+=(maven)
-    ((${#missing[@]} == 0)) && return 0
-    [[ $(id -u) == 0 ]] || die "missing ${missing[*]}: install them (apt-get install ${missing[*]})"
-    apt_install "${missing[@]}"
-}
-
 libs_dir() {
     local hash
     hash="$(sha256sum "$POM" | cut -c1-12)"
     echo "$ROOT/.cache/kafka/$hash/libs"
 }
 
-# Fetch the broker jars once per pom version. Written to a temp dir and renamed, so an
-# interrupted download never leaves a half-filled cache behind.
+# Fetch the broker jars once per pom version.
 fetch() {
-    local libs tmp
-    libs="$(libs_dir)"
-    [[ -f "$libs/.complete" ]] && return 0
-    log "fetching Apache Kafka ($(grep -o '<kafka.version>[^<]*' "$POM" | cut -d'>' -f2)) with Maven into ${libs#"$ROOT"/} (first run only)"
-    tmp="$libs.tmp.$$"
-    rm -rf "$tmp"
-    mkdir -p "$tmp"
-    if ! mvn -q -B -f "$POM" dependency:copy-dependencies -DincludeScope=runtime \
-        -DoutputDirectory="$tmp" >"$tmp.log" 2>&1; then
-        cat "$tmp.log" >&2
-        rm -rf "$tmp" "$tmp.log"
-        die "Maven could not fetch the Kafka broker (is Maven Central reachable?)"
-    fi
-    rm -f "$tmp.log"
-    ls "$tmp"/kafka_2.13-*.jar >/dev/null 2>&1 || die "Maven fetched no kafka_2.13 jar into $tmp"
-    touch "$tmp/.complete"
-    rm -rf "$libs"
-    mv "$tmp" "$libs"
+    maven_fetch "$POM" "$(libs_dir)" "Apache Kafka ($(grep -o '<kafka.version>[^<]*' "$POM" | cut -d'>' -f2))" 'kafka_2.13-*.jar'
 }
 
 # Only our broker: the pid must still be a kafka.Kafka JVM reading our config.
@@ -343,7 +316,7 @@ cmd_up() {
         fi
         log "the broker (pid $(cat "$PID_FILE" 2>/dev/null)) does not answer: restarting it"
     fi
-    need_tools
+    need_java_maven
     fetch
     stop_broker # a hung or half-started broker of ours
     if [[ -f "$STATE/port" ]] && ! { port_free "$(port)" && port_free "$(cat "$STATE/controller-port")"; }; then

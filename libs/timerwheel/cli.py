@@ -251,7 +251,69 @@ def make_parser() -> argparse.ArgumentParser:
                                                    "running stages, its work queues cleared")
     dr.add_argument("--dry-run", action="store_true", help="compute and report only; write nothing")
     _config_args(dr)
+    _spark_args(sub)
     return parser
+
+
+def _spark_args(sub: Any) -> None:
+    """The Spark jobs (timerwheel.jobs; the .[spark] extra): audit, bulk-schedule, forecast."""
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--kafka", metavar="BOOTSTRAP", required=True, help="Kafka bootstrap servers (host:port,...)")
+        p.add_argument("--timer-topic", help=f"the timer topic (default $TW_TIMER_TOPIC or {_DEFAULTS.timer_topic})")
+        p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+
+    audit = sub.add_parser("audit", help="Spark: join what was scheduled with what was delivered; summary.json and lists")
+    common(audit)
+    audit.add_argument("--out", required=True, metavar="DIR", help="output directory (summary.json, Parquet, PNG)")
+    audit.add_argument("--dlq-topic", help=f"the dead-letter topic (default $TW_DLQ_TOPIC or {_DEFAULTS.dlq_topic})")
+    audit.add_argument("--topics", help="comma-separated destination topics (default: every one the timer topic names)")
+    audit.add_argument("--grace-ms", type=_duration, default=60_000, help="a message due longer ago than this and "
+                       "not delivered is lost, else pending (default 60000)")
+    audit.add_argument("--now-ms", type=_time, help="the audit's now (default: the current time)")
+    bulk = sub.add_parser("bulk-schedule", help="Spark: schedule the rows of a Parquet / CSV / JSON file")
+    common(bulk)
+    bulk.add_argument("--input", required=True, metavar="PATH", help="rows: id, topic, key, value, "
+                      "deliver_at_ms | delay_ms [, partition, headers]")
+    bulk.add_argument("--format", choices=["parquet", "csv", "json"], default="parquet", help="(default parquet)")
+    bulk.add_argument("--rejects", required=True, metavar="DIR", help="invalid rows go here (Parquet, with reason)")
+    fc = sub.add_parser("forecast", help="Spark: messages due per minute ahead, per topic and shard")
+    common(fc)
+    fc.add_argument("--out", required=True, metavar="DIR", help="output directory (Parquet, PNG, peak.json)")
+    fc.add_argument("--hours", type=int, default=24, help="hours ahead (default 24)")
+    fc.add_argument("--shards", type=int, help="shards (default $TW_SHARDS or 1)")
+    fc.add_argument("--now-ms", type=_time, help="the forecast's now (default: the current time)")
+
+
+def cmd_spark_job(args: argparse.Namespace) -> int:
+    """audit, bulk-schedule and forecast: the config as the service builds it, then the job."""
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        raise CliError(f"{args.command} needs PySpark: pip install 'timerwheel[spark]' (make setup-spark)") from None
+    from timerwheel.jobs import spark as sp
+
+    extra: dict[str, Any] = {}
+    if getattr(args, "shards", None) is not None:
+        extra["shards"] = args.shards
+    cfg = build_config(args, **extra)
+    try:
+        if args.command == "audit":
+            from timerwheel.jobs import audit
+
+            topics = [t for t in args.topics.split(",") if t] if args.topics else None
+            summary = audit.main(args.kafka, args.out, cfg, topics, args.grace_ms, args.now_ms, args.master)
+            print(json.dumps(summary["total"], sort_keys=True))
+        elif args.command == "bulk-schedule":
+            from timerwheel.jobs import bulk
+
+            print(json.dumps(bulk.main(args.kafka, args.input, args.format, args.rejects, cfg, args.master)))
+        else:
+            from timerwheel.jobs import forecast
+
+            print(json.dumps(forecast.main(args.kafka, args.out, cfg, args.hours, args.now_ms, args.master)))
+    except sp.KafkaUnreachable as exc:
+        raise CliError(str(exc)) from None
+    return 0
 
 
 def _data_dir(cfg: TimerConfig, args: argparse.Namespace) -> Path:
@@ -588,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"run": cmd_run, "schedule": cmd_schedule, "cancel": cmd_cancel, "reschedule": cmd_reschedule,
                 "consume": cmd_consume, "inspect": cmd_inspect, "pending": cmd_pending, "demo": cmd_demo,
                 "stage": cmd_stage, "recover": cmd_repair, "rebuild-wheel": cmd_repair,
-                "recover-from-kafka": cmd_recover_from_kafka}
+                "recover-from-kafka": cmd_recover_from_kafka,
+                "audit": cmd_spark_job, "bulk-schedule": cmd_spark_job, "forecast": cmd_spark_job}
     try:
         return handlers[args.command](args)
     except (CliError, ConfigError, FormatMismatchError) as exc:

@@ -374,6 +374,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
 #: Variables read outside TimerConfig.
 OTHER_ENV_VARS = {
     "TW_LOG_LEVEL": "log level of the JSON log lines on stderr (default INFO)",
+    "TW_SPARK_JARS": "Spark jobs: a directory of Spark's Kafka connector jars (default: scripts/spark.sh's cache)",
+    "TW_SPARK_DRIVER_MEMORY": "Spark jobs: the driver's memory on local[*] (default 1g)",
+    "TW_SPARK_SHUFFLE_PARTITIONS": "Spark jobs: spark.sql.shuffle.partitions (default 8)",
 }
 
 #: Variables of the project's own scripts, tests and benchmarks (README "Tests and tooling");
@@ -392,7 +395,7 @@ TOOLING_ENV_VARS = {
     "TW_KAFKA_SASL_SSL_PASSWORD_FILE": "scripts/kafka.sh: (written to its .env) that user's password file",
     "TW_REDIS_INSTANCE": "scripts/redis.sh: a second, independent server (.run/redis-<instance>/)",
     "TW_REDIS_TLS": "scripts/redis.sh: the server requires TLS and a password (rediss://)",
-    "TW_CACHE_DIR": "scripts/k8s.sh, helm.sh, image.py: build cache (default ~/.cache/timerwheel)",
+    "TW_CACHE_DIR": "scripts/k8s.sh, helm.sh, image.py, spark.sh: build cache (default ~/.cache/timerwheel)",
     "TW_HELM_VERSION": "scripts/helm.sh: the helm version to build (default v3.22.0)",
     "TW_LISTEN_HOST": "scripts/kafka.sh, redis.sh: an address of this machine to listen on too",
     "TW_KAFKA_EXTERNAL_BOOTSTRAP": "scripts/kafka.sh env: the listener on TW_LISTEN_HOST",

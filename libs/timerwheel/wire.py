@@ -252,6 +252,11 @@ class TimerRules:
                                              record.partition, record.offset, size))
         return self._parse(record, now_ms, hdr, record.size)
 
+    def parse_sized(self, record: Record, now_ms: int, headers: dict[str, bytes], size: int) -> TimerRequest:
+        """``parse`` of a record known by its control headers and its size alone (``record``'s key,
+        value and user headers may be left out): the Spark jobs keep those in Spark."""
+        return self._parse(record, now_ms, headers, size)
+
     def _parse(self, record: Record, now_ms: int, hdr: dict[str, bytes], size: int) -> TimerRequest:
         """``parse`` with every check in turn, each with its reason."""
         if size > self.config.max_record_bytes:

@@ -84,6 +84,28 @@ def values_schema() -> Schema:
                 "name": {"type": "string", "maxLength": 28, "pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"},
                 "spec": json_schema_of(spec_schema()),
             }, ["create", "spec"], "the TimerWheel the chart makes (its spec is the CRD's)"),
+            "spark": _obj({
+                "image": _obj({
+                    "repository": {"type": "string", "minLength": 1},
+                    "tag": {"type": "string"},
+                    "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+                }, ["repository", "pullPolicy"], "the Spark image (services/spark/Dockerfile)"),
+                "master": {"type": "string", "minLength": 1},
+                "resources": _obj({"requests": _QUANTITIES, "limits": _QUANTITIES}),
+                "dataClaim": {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"},
+                "audit": _obj({
+                    "enabled": {"type": "boolean"},
+                    "schedule": {"type": "string", "minLength": 9},
+                    "graceMs": {"type": "integer", "minimum": 0},
+                    "topics": {"type": "string", "pattern": r"^([a-zA-Z0-9._-]{1,249}(,[a-zA-Z0-9._-]{1,249})*)?$"},
+                }),
+                "bulk": _obj({
+                    "enabled": {"type": "boolean"},
+                    "input": {"type": "string", "minLength": 1},
+                    "format": {"type": "string", "enum": ["parquet", "csv", "json"]},
+                    "rejects": {"type": "string", "minLength": 1},
+                }),
+            }, None, "optional Spark jobs: the audit CronJob and the bulk-schedule Job"),
             "tests": _obj({
                 "enabled": {"type": "boolean"},
                 "topic": {"type": "string", "pattern": r"^[a-zA-Z0-9._-]{1,249}$"},

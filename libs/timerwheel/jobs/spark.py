@@ -1,0 +1,115 @@
+"""The Spark session and Kafka through Spark's own connector (``spark-sql-kafka-0-10``).
+
+The connector's jars come from ``scripts/spark.sh`` (Maven, cached outside the work tree) and are
+passed as ``spark.jars``; ``TW_SPARK_JARS`` names a directory of them instead (the Spark image sets
+it), and without either Spark resolves the connector itself (``spark.jars.packages``). One session
+per process: ``session`` returns the active one if there is one, so tests share a single JVM.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from timerwheel.errors import TimerwheelError
+
+#: The connector's Maven coordinate, at the PySpark version (pyproject.toml pins it).
+CONNECTOR = "org.apache.spark:spark-sql-kafka-0-10_2.13"
+_SPARK_SH = Path(__file__).resolve().parents[3] / "scripts" / "spark.sh"
+
+
+class KafkaUnreachable(TimerwheelError):
+    """The bootstrap servers did not answer."""
+
+
+def connector_jars() -> list[str]:
+    """The connector's jars: ``TW_SPARK_JARS`` (a directory), else ``scripts/spark.sh jars`` of
+    this checkout; empty when neither exists (Spark then fetches the package itself)."""
+    directory = os.environ.get("TW_SPARK_JARS", "")
+    if directory:
+        jars = sorted(str(p) for p in Path(directory).glob("*.jar"))
+        if not jars:
+            raise TimerwheelError(f"TW_SPARK_JARS: no jar in {directory}")
+        return jars
+    if _SPARK_SH.exists():
+        out = subprocess.run([str(_SPARK_SH), "jars"], check=True, capture_output=True, text=True).stdout
+        return [j for j in out.strip().split(",") if j]
+    return []
+
+
+def session(master: str = "local[*]", app: str = "timerwheel") -> Any:
+    """The active SparkSession, else a new one on ``master`` with the connector on its class path."""
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    import pyspark
+
+    # The UDFs' workers must run this interpreter, which has timerwheel installed (PySpark's
+    # default is whatever "python3" is on the PATH).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = (SparkSession.builder.master(master).appName(app)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")  # progress bars are not log lines
+               .config("spark.sql.session.timeZone", "UTC")
+               # small local jobs: a shuffle of 200 partitions costs more than the work
+               .config("spark.sql.shuffle.partitions", os.environ.get("TW_SPARK_SHUFFLE_PARTITIONS", "8"))
+               .config("spark.driver.memory", os.environ.get("TW_SPARK_DRIVER_MEMORY", "1g")))
+    jars = connector_jars()
+    if jars:
+        builder = builder.config("spark.jars", ",".join(jars))
+    else:
+        builder = builder.config("spark.jars.packages", f"{CONNECTOR}:{pyspark.__version__}")
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def kafka_topics(bootstrap: str, timeout_s: float = 10.0) -> set[str]:
+    """The broker's topics; ``KafkaUnreachable`` if it does not answer within ``timeout_s``.
+    Checked before Spark starts: Spark's own client retries for minutes and then prints pages."""
+    from kafka import KafkaAdminClient
+
+    ms = int(timeout_s * 1000)
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms)
+    except Exception as exc:  # kafka-python raises NoBrokersAvailable, ValueError, socket errors
+        raise KafkaUnreachable(f"--kafka: cannot reach Kafka at {bootstrap}: {exc.__class__.__name__}") from None
+    try:
+        return set(admin.list_topics())
+    finally:
+        admin.close()
+
+
+def read_topics(spark: Any, bootstrap: str, topics: list[str]) -> Any:
+    """Every record of ``topics`` now (a batch read, earliest to latest), headers included:
+    columns topic, partition, offset, timestamp, key, value, headers (array of key, value)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if not topics:
+        schema = T.StructType([
+            T.StructField("key", T.BinaryType()), T.StructField("value", T.BinaryType()),
+            T.StructField("topic", T.StringType()), T.StructField("partition", T.IntegerType()),
+            T.StructField("offset", T.LongType()), T.StructField("timestamp", T.TimestampType()),
+            T.StructField("timestampType", T.IntegerType()),
+            T.StructField("headers", T.ArrayType(T.StructType([T.StructField("key", T.StringType()),
+                                                               T.StructField("value", T.BinaryType())]))),
+        ])
+        df = spark.createDataFrame([], schema)
+    else:
+        df = (spark.read.format("kafka").option("kafka.bootstrap.servers", bootstrap)
+              .option("subscribe", ",".join(sorted(topics))).option("includeHeaders", "true")
+              .option("startingOffsets", "earliest").option("endingOffsets", "latest")
+              .option("failOnDataLoss", "false").load())
+    return df.withColumn("timestamp_ms", F.unix_millis("timestamp"))
+
+
+def write_topic(df: Any, bootstrap: str, topic: str) -> None:
+    """Append ``df`` (key, value, headers[, partition]) to ``topic`` through Spark's Kafka sink."""
+    (df.write.format("kafka").option("kafka.bootstrap.servers", bootstrap).option("topic", topic)
+     .option("kafka.enable.idempotence", "true").save())

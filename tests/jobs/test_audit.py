@@ -1,0 +1,149 @@
+"""timerwheel audit against records the test writes straight to Kafka, every kind, with the truth
+computed here: every figure of summary.json must equal it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafka_util import Writer, unique
+from timerwheel.cli import main
+
+NOW = 1_800_000_000_000
+GRACE = 60_000
+TS = NOW - 3_600_000  # the timer records' timestamps: an hour before the audit's now
+
+
+def _nearest_rank(values: list[int], q: float) -> int | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[math.ceil(q * len(s)) - 1]
+
+
+def _truth(sched: dict[str, tuple[str, int]], cancelled: set[str], deliveries: dict[str, list[int]]) -> dict[str, Any]:
+    """The figures of one group: sched id -> (topic, deliver_ms), deliveries id -> delivered-at of each copy."""
+    late = [min(deliveries[i]) - d for i, (_, d) in sched.items() if i in deliveries]
+    open_ = [d for i, (_, d) in sched.items() if i not in cancelled and i not in deliveries]
+    return {
+        "scheduled": len(sched),
+        "cancelled": sum(1 for i in sched if i in cancelled),
+        "delivered": sum(1 for i in sched if i in deliveries),
+        "duplicated": sum(len(deliveries[i]) - 1 for i in sched if i in deliveries),
+        "lost": sum(1 for d in open_ if d <= NOW - GRACE),
+        "pending": sum(1 for d in open_ if d > NOW - GRACE),
+        "cancelled_delivered": sum(1 for i in sched if i in cancelled and i in deliveries),
+        "early": sum(1 for x in late if x < 0),
+        "lateness_ms": {"p50": _nearest_rank(late, 0.5), "p95": _nearest_rank(late, 0.95),
+                        "p99": _nearest_rank(late, 0.99), "max": max(late) if late else None},
+    }
+
+
+def test_audit_summary_equals_the_truth_of_what_was_written(spark: Any, kafka_bootstrap: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    timer, dlq, a, b, missing = (unique("audit-timer"), unique("audit-dlq"), unique("audit-a"), unique("audit-b"),
+                                 unique("audit-missing"))
+    w = Writer(kafka_bootstrap)
+    sched: dict[str, tuple[str, int]] = {}
+
+    def schedule(mid: str | None, topic: str, *time_headers: tuple[str, bytes], deliver: int) -> str:
+        hs = [("tw-topic", topic.encode()), *time_headers] + ([("tw-id", mid.encode())] if mid else [])
+        p, o = w.send(timer, hs, TS)
+        resolved = mid or f"{p}-{o}"
+        sched.setdefault(resolved, (topic, deliver))
+        return resolved
+
+    # 40 on A, 25 on B, due from 2 h before now to 1 h after (absolute times)
+    for i in range(40):
+        d = NOW - 7_200_000 + i * 270_000
+        schedule(f"a{i}", a, ("tw-deliver-at", str(d).encode()), deliver=d)
+    for i in range(25):
+        d = NOW - 5_000_000 + i * 250_000
+        schedule(f"b{i}", b, ("tw-deliver-at", str(d).encode()), deliver=d)
+    # the other two ways to say when, and a record without tw-id
+    schedule("a-delay", a, ("tw-delay-ms", b"1000"), deliver=TS + 1000)
+    schedule("a-level", a, ("tw-delay-level", b"3"), deliver=TS + 10_000)  # level 3 = 10 s
+    no_id = schedule(None, b, ("tw-deliver-at", str(NOW - 900_000).encode()), deliver=NOW - 900_000)
+    # a producer's retry (same id twice) and a roll hop of a0: neither is scheduled again
+    schedule("a1", a, ("tw-deliver-at", str(NOW - 7_200_000 + 270_000).encode()), deliver=0)
+    w.send(timer, [("tw-topic", a.encode()), ("tw-deliver-at", str(NOW - 7_200_000).encode()), ("tw-id", b"a0"),
+                   ("tw-roll", b"1")], TS)
+    # cancels: a2..a6 and b3 (a2, a3 get delivered all the same), and one for an id never scheduled
+    cancelled = {"a2", "a3", "a4", "a5", "a6", "b3"}
+    for mid in [*sorted(cancelled), "ghost"]:
+        w.send(timer, [("tw-cancel", mid.encode()), ("tw-deliver-at", str(NOW).encode())], TS)
+    # invalid timer records: no topic, unparsable time, a denied destination
+    w.send(timer, [("tw-deliver-at", str(NOW).encode()), ("tw-id", b"x1")], TS)
+    w.send(timer, [("tw-topic", a.encode()), ("tw-deliver-at", b"soon"), ("tw-id", b"x2")], TS)
+    w.send(timer, [("tw-topic", b"__denied"), ("tw-deliver-at", str(NOW).encode()), ("tw-id", b"x3")], TS)
+    # deliveries: most on time with varied lateness, some early, some duplicated, some missing
+    deliveries: dict[str, list[int]] = {}
+
+    def deliver(mid: str, topic: str, at: int) -> None:
+        w.send(topic, [("tw-id", mid.encode()), ("tw-delivered-at", str(at).encode())], at)
+        deliveries.setdefault(mid, []).append(at)
+
+    for i in range(40):
+        mid = f"a{i}"
+        if i in (4, 5, 6) or i >= 36:  # cancelled and not delivered, or missing (lost or pending)
+            continue
+        d = sched[mid][1]
+        deliver(mid, a, d + (i * 37) % 900 - (200 if i % 11 == 0 else 0))  # i % 11 == 0: early
+        if i % 7 == 0:
+            deliver(mid, a, d + 5000)  # a duplicate
+            if i == 14:
+                deliver(mid, a, d + 9000)
+    for i in range(0, 25, 2):
+        deliver(f"b{i}", b, sched[f"b{i}"][1] + 100 + i)
+    deliver("a-delay", a, TS + 1500)
+    deliver(no_id, b, NOW - 900_000 + 40)
+    # bad or unknown deliveries: without tw-id, and an id nobody scheduled
+    w.send(a, [("tw-delivered-at", str(NOW).encode())], NOW)
+    w.send(b, [("tw-id", b"stranger"), ("tw-delivered-at", str(NOW).encode())], NOW)
+    w.send(dlq, [("tw-error", b"x")], NOW)
+    w.send(dlq, [("tw-error", b"y")], NOW)
+    w.close()
+
+    out = tmp_path / "audit"
+    rc = main(["audit", "--kafka", kafka_bootstrap, "--out", str(out), "--timer-topic", timer, "--dlq-topic", dlq,
+               "--now-ms", str(NOW), "--grace-ms", str(GRACE), "--master", "local[2]"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+
+    by_topic = {t: {i: v for i, v in sched.items() if v[0] == t} for t in (a, b)}
+    assert summary["now_ms"] == NOW and summary["grace_ms"] == GRACE
+    assert summary["dead_lettered"] == 2
+    assert summary["total"] == _truth(sched, cancelled, deliveries)
+    assert summary["topics"] == {t: _truth(s, cancelled, deliveries) for t, s in by_topic.items()}
+    assert summary["bad_input"] == {"invalid_timer_records": 3, "deliveries_without_id": 1,
+                                    "deliveries_of_unknown_ids": 1, "unknown_topics": []}
+    # the lists: the lost ids, the duplicated ones, the cancelled but delivered
+    import pandas as pd
+
+    lost = set(pd.read_parquet(out / "lost")["id"])
+    assert lost == {i for i, (_, d) in sched.items() if i not in cancelled and i not in deliveries and d <= NOW - GRACE}
+    assert set(pd.read_parquet(out / "duplicated")["id"]) == {i for i, c in deliveries.items() if len(c) > 1}
+    assert set(pd.read_parquet(out / "cancelled_delivered")["id"]) == {"a2", "a3"}
+    hourly = pd.read_parquet(out / "hourly")
+    assert int(hourly["scheduled"].sum()) == len(sched)
+    assert (out / "lateness.png").stat().st_size > 10_000
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary["total"]
+    # --topics naming a topic that does not exist: reported, not a crash
+    rc = main(["audit", "--kafka", kafka_bootstrap, "--out", str(tmp_path / "audit2"), "--timer-topic", timer,
+               "--dlq-topic", dlq, "--topics", f"{a},{missing}", "--now-ms", str(NOW)])
+    assert rc == 0
+    second = json.loads((tmp_path / "audit2" / "summary.json").read_text())
+    assert second["bad_input"]["unknown_topics"] == [missing]
+    assert second["topics"][a] == summary["topics"][a]
+
+
+def test_audit_of_an_unreachable_kafka_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    pytest.importorskip("pyspark")
+    rc = main(["audit", "--kafka", "127.0.0.1:1", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == ["timerwheel: error: --kafka: cannot reach Kafka at 127.0.0.1:1: KafkaTimeoutError"]

@@ -1,0 +1,121 @@
+"""The Spark reading of timer records agrees with ``TimerRules.parse``, record by record, on
+generated records: every kind, and the edges of each limit (both of the job's paths: the SQL
+expressions of the common record and the UDF for the rest)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from timerwheel.config import TimerConfig
+from timerwheel.errors import InvalidTimerMessage
+from timerwheel.jobs.records import narrow, requests
+from timerwheel.records import Record
+from timerwheel.wire import MAX_EPOCH_MS, TimerRules
+
+NOW = 1_800_000_000_000
+CONFIG = TimerConfig(max_delay_ms=10 * 86_400_000, max_record_bytes=2000,
+                     allow_topics=("orders.*", "pay"), delay_levels_ms=(1000, 5000, 60_000))
+
+
+def _edge_headers() -> list[list[tuple[str, bytes]]]:
+    at = str(NOW + 5000).encode()
+    t = ("tw-topic", b"orders")
+    return [
+        [t, ("tw-deliver-at", at)],
+        [t, ("tw-deliver-at", at), ("tw-id", b"abc")],
+        [t, ("tw-deliver-at", at), ("tw-id", b"")],
+        [t, ("tw-deliver-at", at), ("tw-id", b"x" * 1024)],
+        [t, ("tw-deliver-at", at), ("tw-id", b"x" * 1025)],
+        [t, ("tw-deliver-at", at), ("tw-id", b"\xff\xfebad-utf8")],
+        [t, ("tw-deliver-at", at), ("tw-id", "caf\u00e9".encode())],
+        [t, ("tw-deliver-at", b"0")],
+        [t, ("tw-deliver-at", b"-5")],
+        [t, ("tw-deliver-at", b" 12345 ")],
+        [t, ("tw-deliver-at", b"12a")],
+        [t, ("tw-deliver-at", b"")],
+        [t, ("tw-deliver-at", str(MAX_EPOCH_MS).encode())],
+        [t, ("tw-deliver-at", str(MAX_EPOCH_MS + 1).encode())],
+        [t, ("tw-deliver-at", b"0000000000000000001000")],
+        [t, ("tw-deliver-at", b"000000000000000001000")],
+        [t, ("tw-deliver-at", b"99999999999999999999999")],
+        [t, ("tw-deliver-at", str(NOW + 10 * 86_400_000).encode())],
+        [t, ("tw-deliver-at", str(NOW + 10 * 86_400_000 + 1).encode())],
+        [t, ("tw-deliver-at", b"1"), ("tw-deliver-at", at)],  # the last wins
+        [t],
+        [("tw-deliver-at", at)],
+        [("tw-topic", b""), ("tw-deliver-at", at)],
+        [("tw-topic", b"__internal"), ("tw-deliver-at", at)],
+        [("tw-topic", b"__timer"), ("tw-deliver-at", at)],
+        [("tw-topic", b"other"), ("tw-deliver-at", at)],
+        [("tw-topic", b"pay"), ("tw-deliver-at", at)],
+        [("tw-topic", b"bad topic"), ("tw-deliver-at", at)],
+        [("tw-topic", b"orders\xff"), ("tw-deliver-at", at)],
+        [t, ("tw-delay-ms", b"2500")],
+        [t, ("tw-delay-ms", b"x")],
+        [t, ("tw-delay-ms", str(10 * 86_400_000 + 1).encode())],
+        [t, ("tw-delay-level", b"1")],
+        [t, ("tw-delay-level", b"3")],
+        [t, ("tw-delay-level", b"4")],
+        [t, ("tw-delay-level", b"0")],
+        [t, ("tw-deliver-at", at), ("tw-delay-ms", b"5")],
+        [("tw-cancel", b"abc"), ("tw-deliver-at", at)],
+        [("tw-cancel", b""), ("tw-deliver-at", at)],
+        [("tw-cancel", b"abc")],
+        [t, ("tw-deliver-at", at), ("tw-id", b"r1"), ("tw-roll", b"2"), ("tw-enqueued-at", b"17")],
+        [t, ("tw-deliver-at", at), ("tw-roll", b"zz")],
+        [t, ("tw-deliver-at", at), ("tw-partition", b"3")],
+        [t, ("tw-deliver-at", at), ("tw-partition", b"-3")],
+        [t, ("tw-deliver-at", at), ("user", b"u" * 1900)],
+        [t, ("tw-deliver-at", at), ("user", b"u" * 1960)],
+    ]
+
+
+def _generated(n: int, seed: int) -> list[Record]:
+    rnd = random.Random(seed)
+    out = [Record("__timer", 1, i, NOW - 1000, b"k", b"v", tuple(hs)) for i, hs in enumerate(_edge_headers())]
+    topics = [b"orders", b"orders-eu", b"pay", b"__x", b"other"]
+    for i in range(len(out), n):
+        kind = rnd.random()
+        hs: list[tuple[str, bytes]] = [("tw-topic", rnd.choice(topics))]
+        if kind < 0.6:
+            hs.append(("tw-deliver-at", str(NOW + rnd.randint(-10_000, 12 * 86_400_000)).encode()))
+        elif kind < 0.75:
+            hs.append(("tw-delay-ms", str(rnd.randint(0, 11 * 86_400_000)).encode()))
+        elif kind < 0.85:
+            hs.append(("tw-delay-level", str(rnd.randint(0, 4)).encode()))
+        else:
+            hs = [("tw-cancel", f"id-{rnd.randint(0, 50)}".encode()), ("tw-deliver-at", str(NOW).encode())]
+        if rnd.random() < 0.5:
+            hs.append(("tw-id", f"id-{i}".encode()))
+        if rnd.random() < 0.1:
+            hs.append(("tw-roll", str(rnd.randint(0, 3)).encode()))
+        value = b"v" * rnd.choice([0, 10, 1990])
+        out.append(Record("__timer", rnd.randint(0, 3), i, NOW - rnd.randint(0, 5000), None, value, tuple(hs)))
+    return out
+
+
+def _expected(rules: TimerRules, r: Record) -> tuple[Any, ...]:
+    try:
+        req = rules.parse(r, r.timestamp_ms)
+    except InvalidTimerMessage as exc:
+        return (r.partition, r.offset, exc.reason, None, None, None, None, None)
+    return (r.partition, r.offset, None, req.cancel, req.message_id, req.topic or None, req.deliver_ms, req.roll)
+
+
+def test_spark_reads_timer_records_as_timer_rules_parse_does(spark: Any) -> None:
+    records = _generated(600, seed=15)
+    rows = [(r.partition, r.offset, r.timestamp_ms, r.key, r.value, [(k, v) for k, v in r.headers]) for r in records]
+    raw = spark.createDataFrame(rows, "partition int, offset long, timestamp_ms long, key binary, value binary, "
+                                      "headers array<struct<key: string, value: binary>>")
+    got = {(r.partition, r.offset): tuple(r) for r in
+           requests(narrow(raw).cache(), CONFIG)
+           .select("partition", "offset", "error", "cancel", "id", "topic", "deliver_ms", "roll").collect()}
+    rules = TimerRules(CONFIG)
+    expected = {(r.partition, r.offset): _expected(rules, r) for r in records}
+    assert len(got) == len(records)
+    mismatches = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+    assert not mismatches
+    # both paths ran: valid common records and everything else
+    assert sum(1 for v in expected.values() if v[2] is None) > 100
+    assert sum(1 for v in expected.values() if v[2] is not None) > 50
