@@ -21,7 +21,7 @@ from timerwheel.log import StageLogger
 from timerwheel.metrics import Metrics
 from timerwheel.records import OutRecord
 from timerwheel.stages.codec import CONSUMER_OF
-from timerwheel.transports.base import CommitLog, WorkQueue
+from timerwheel.transports.base import CommitLog, WorkQueue, entry_bytes
 from timerwheel.wire import H_ERROR, H_ID, H_SOURCE, TimerRules
 
 T = TypeVar("T")
@@ -39,6 +39,10 @@ class StageContext:
     stop: threading.Event = field(default_factory=threading.Event)
     #: Consumer name in work-queue groups; unique per process.
     consumer: str = "embedded"
+    #: Called every ``release_every`` bytes of records handled (``processed``); stage processes
+    #: give freed memory back with it (``timerwheel.heap.release``).
+    release: Callable[[], None] | None = None
+    release_every: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         self.rules = TimerRules(self.config)
@@ -47,6 +51,17 @@ class StageContext:
         self._idle: dict[str, int] = {}
         #: Bumped by a shard's enqueue-put when it publishes a new W (see ``published``).
         self.published_w: dict[int, int] = {}
+        self._handled = 0
+
+    def processed(self, nbytes: int) -> None:
+        """A stage handled ``nbytes`` of records (read, produced): every ``release_every``
+        bytes, ``release`` runs (a burst of large bodies must not stay in the heap)."""
+        if self.release is None:
+            return
+        self._handled += nbytes
+        if self._handled >= self.release_every:
+            self._handled = 0
+            self.release()
 
     def wake(self, *stages: str) -> None:
         """Wake these stages of this process if idle: there is new work for them. No names: all."""
@@ -192,7 +207,10 @@ class QueueStage:
 
     ``step`` takes up to ``max_entries`` entries per partition, and every CLAIM_EVERY_S also the
     entries a dead consumer left pending (after DEAD_IDLE_MS once its heartbeat lapsed, after
-    CLAIM_IDLE_MS in any case); subclasses ``handle_batches`` them and ack them.
+    CLAIM_IDLE_MS in any case); subclasses ``handle_batches`` them and ack them. A step stops
+    taking entries at TW_BATCH_BYTES of them (``entry_bytes``), and asks a partition for as many
+    as the mean entry seen so far leaves room for: deliver entries of large records are taken one
+    by one, small ones ``max_entries`` at a time. The partitions take turns in being first.
     """
 
     stage = ""
@@ -203,6 +221,9 @@ class QueueStage:
         self.partitions = list(partitions)
         self.max_entries = max_entries
         self._claimed = time.monotonic()
+        #: Mean bytes of the entries taken lately (0 before any: the first step takes max_entries).
+        self._entry_bytes = 0
+        self._first = 0  # the partition asked first in the next step
 
     def step(self, timeout_s: float) -> int:
         claim = time.monotonic() - self._claimed >= CLAIM_EVERY_S
@@ -211,13 +232,25 @@ class QueueStage:
         work = 0
         consumer = self.ctx.consumer
         batches: dict[int, list[tuple[str, bytes]]] = {}
-        for p in self.partitions:
-            entries = self.source.get(p, consumer, self.max_entries, 0)
+        budget = self.ctx.config.batch_bytes
+        taken = 0
+        n = len(self.partitions)
+        for k in range(n):
+            p = self.partitions[(self._first + k) % n]
+            want = max(1, min(self.max_entries, (budget - taken) // max(1, self._entry_bytes)))
+            entries = self.source.get(p, consumer, want, 0)
             if claim:
-                entries += self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, self.max_entries, DEAD_IDLE_MS)
+                entries += self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, want, DEAD_IDLE_MS)
             if entries:
                 batches[p] = entries
                 work += len(entries)
+                nbytes = sum(entry_bytes(payload) for _, payload in entries)
+                mean = nbytes // len(entries)
+                self._entry_bytes = (self._entry_bytes + mean) // 2 if self._entry_bytes else mean
+                taken += nbytes
+                if taken >= budget:
+                    self._first = (self._first + k + 1) % n
+                    break
         if batches:
             self.handle_batches(batches)
         else:

@@ -13,8 +13,8 @@ What it guarantees:
   end, or an offset the log skips (compaction, transaction markers). A record that exists but
   cannot be fetched in time (broker down) raises ``KafkaLogError`` instead: never ``None``,
   which would send a live message to the dead-letter topic.
-- Records a ``read`` walks past without wanting them are kept (``read_cache_records`` of them,
-  the oldest dropped first) and served to a later ``read`` without a fetch. Messages due close
+- Records a ``read`` walks past without wanting them are kept (``read_cache_records`` of them
+  and ``read_cache_bytes`` at most, TW_READ_CACHE_BYTES, the oldest dropped first) and served to a later ``read`` without a fetch. Messages due close
   together were produced close together: at 1,000 msg/s with delays of 0.2-5 s, each slot's
   wanted offsets are spread thinly over the last five seconds of the log, so without this every
   slot decoded those seconds again (~50 records walked per record wanted, more than a core).
@@ -356,6 +356,8 @@ class KafkaCommitLog:
         read_timeout_s: float = 15.0,
         read_gap: int = 50,
         read_cache_records: int = 50_000,
+        read_cache_bytes: int = 32 * 1024 * 1024,
+        fetch_bytes: int = 4 * 1024 * 1024,
         max_request_size: int = 1024 * 1024,
         stall_timeout_s: float = 8.0,
         compression: str = "none",
@@ -395,7 +397,13 @@ class KafkaCommitLog:
         #: ``append`` gives up on acknowledgements after this long and replaces the producer.
         self._stall_timeout_s = min(stall_timeout_s, self._delivery_timeout_ms / 1000 + 5)
         self._read_gap = read_gap
-        self._read_cache_records = read_cache_records
+        self._read_cache_records = read_cache_records if read_cache_bytes > 0 else 0
+        #: ... and at most this many bytes of them (``Record.size``): large bodies fill it by bytes.
+        self._read_cache_bytes = read_cache_bytes
+        self._passed_bytes = 0
+        #: A consumer's fetch returns about this many bytes at most (TW_BATCH_BYTES): what a poll
+        #: can hold in memory, whatever the record sizes.
+        self._fetch_bytes = fetch_bytes
         #: (topic, partition, offset) -> a record ``read`` walked past: see the module docstring.
         self._passed: OrderedDict[tuple[str, int, int], Record] = OrderedDict()
         self._passed_lock = threading.Lock()  # short holds: the follower inserts while a read fetches
@@ -432,6 +440,8 @@ class KafkaCommitLog:
         from timerwheel.security import kafka_client_options
 
         options.setdefault("compression", cfg.kafka_compression)
+        options.setdefault("read_cache_bytes", cfg.read_cache_bytes)
+        options.setdefault("fetch_bytes", cfg.batch_bytes)
         return cls(bootstrap or cfg.kafka_bootstrap, security=kafka_client_options(cfg), **options)
 
     def _get_producer(self) -> Any:
@@ -453,6 +463,8 @@ class KafkaCommitLog:
             max_request_size=self._max_request_size,
             delivery_timeout_ms=self._delivery_timeout_ms,
             max_block_ms=self._request_timeout_ms,
+            # Pooled buffers are kept up to this: twice a batch's bytes, at least two records.
+            buffer_memory=max(2 * self._fetch_bytes, 2 * self._max_request_size),
             **self._common(),
         )
 
@@ -464,8 +476,8 @@ class KafkaCommitLog:
             "auto_offset_reset": "earliest",
             "max_poll_records": 10_000,
             "fetch_max_wait_ms": 100,
-            "max_partition_fetch_bytes": 1024 * 1024,
-            "fetch_max_bytes": 16 * 1024 * 1024,
+            "max_partition_fetch_bytes": min(1024 * 1024, self._fetch_bytes),
+            "fetch_max_bytes": self._fetch_bytes,
             "allow_auto_create_topics": False,
             # Transactions: aborted records are never returned, and a consumer stops at the last
             # stable offset (an open transaction's records wait until it ends).
@@ -833,6 +845,7 @@ class KafkaCommitLog:
                 for partition, by_offset in wanted.items():
                     for offset in [o for o in by_offset if (topic, partition, o) in passed]:
                         kept = passed.pop((topic, partition, offset))
+                        self._passed_bytes -= kept.size
                         hits += 1
                         for i in by_offset.pop(offset):
                             out[i] = kept
@@ -849,11 +862,17 @@ class KafkaCommitLog:
         n = 0
         with self._passed_lock:
             passed = self._passed
+            nbytes = self._passed_bytes
             for rec in records:
-                passed[(rec.topic, rec.partition, rec.offset)] = rec
+                old = passed.get(key := (rec.topic, rec.partition, rec.offset))
+                if old is not None:
+                    nbytes -= old.size
+                passed[key] = rec
+                nbytes += rec.size
                 n += 1
-            while len(passed) > self._read_cache_records:
-                passed.popitem(last=False)
+            while passed and (len(passed) > self._read_cache_records or nbytes > self._read_cache_bytes):
+                nbytes -= passed.popitem(last=False)[1].size
+            self._passed_bytes = nbytes
         return n
 
     def follow(self, topic: str) -> None:
