@@ -169,6 +169,8 @@ class DequeueGet:
             items = tuple(itertools.islice(reader.items, batch))
             taken = len(items)
             items = self._cut(reader, items)
+            if len(items) < taken:
+                taken = batch  # the rest went back to the reader: the slot is not done
             if items:
                 tp = None
                 if telemetry.tracer() is not None:

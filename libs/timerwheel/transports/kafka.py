@@ -463,8 +463,6 @@ class KafkaCommitLog:
             max_request_size=self._max_request_size,
             delivery_timeout_ms=self._delivery_timeout_ms,
             max_block_ms=self._request_timeout_ms,
-            # Pooled buffers are kept up to this: twice a batch's bytes, at least two records.
-            buffer_memory=max(2 * self._fetch_bytes, 2 * self._max_request_size),
             **self._common(),
         )
 

@@ -1,0 +1,73 @@
+"""Memory bounded in bytes (issue 16): bursts of large records due at once, five stage processes.
+
+Before the byte bounds, a burst of 800 KB values due in the same second grew every process and
+Redis linearly with the burst (500 records: Redis 1 GiB, dequeue-getmsg 829 MiB; 1,500: 3 GiB and
+1.9 GiB): the bounds counted entries and records, not bytes. Here one pipeline, with small byte
+settings, takes a tiny burst (the baseline), then 300 and 900 records of 800 KB each due at once;
+the peaks of each stage process's RSS and of Redis ``used_memory`` are sampled per burst. Each
+stays under a bound derived from the settings, the larger burst's peaks are not proportionally
+larger (flat), and every message is delivered exactly once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from harness import STAGES, Collector, PeakSampler, Pipeline, TimerProducer, make_report, now_ms
+
+pytestmark = pytest.mark.e2e
+
+MiB = 2**20
+VALUE = b"v" * 800_000
+QUEUE_BYTES = 8 * MiB
+BATCH_BYTES = 2 * MiB
+READ_CACHE_BYTES = 8 * MiB
+SHARDS = 2
+#: A stage process holds, beyond its baseline, a few queues' and batches' worth: a deliver
+#: entry taken, decoded and produced (dequeue-put), a read group, its encoding and the read-ahead
+#: (dequeue-getmsg), a Kafka fetch and its records (enqueue-get), each a copy or two.
+PROCESS_BOUND = 4 * QUEUE_BYTES + 4 * BATCH_BYTES + READ_CACHE_BYTES
+#: Redis holds the deliver queue's partitions (each at most QUEUE_BYTES and one admitted put of a
+#: group), plus an entry in flight to a reader and from a writer per partition.
+REDIS_BOUND = SHARDS * (QUEUE_BYTES + 3 * BATCH_BYTES)
+
+
+def burst(pipe: Pipeline, producer: TimerProducer, dest: str, n: int) -> set[str]:
+    """n records of 800 KB, all due in the same second once they are written; their ids."""
+    due = now_ms() + 4_000 + n * 15  # ~60 records/s written here under load
+    return {producer.schedule(dest, due, value=VALUE).message_id for _ in range(n)}
+
+
+def test_peaks_stay_flat_as_a_burst_of_large_records_grows(tmp_path: Path, kafka_bootstrap: str,
+                                                          redis_url: str) -> None:
+    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, batch_size=500, max_in_flight=20_000,
+                    queue_bytes=QUEUE_BYTES, batch_bytes=BATCH_BYTES, read_cache_bytes=READ_CACHE_BYTES)
+    pipe.create_timer_topic()
+    dest = pipe.new_dest("large", 4)
+    peaks: dict[int, dict[str, float]] = {}
+    with (pipe.running(), TimerProducer(pipe) as producer, Collector(pipe, [dest], keep_values=False) as collector,
+          PeakSampler(pipe) as sampler):
+        for n in (10, 300, 900):
+            ids = burst(pipe, producer, dest, n)
+            producer.flush()
+            missing = collector.wait_for(ids, timeout_s=120, pipe=pipe)
+            assert not missing, f"{len(missing)} of {n} not delivered\n{pipe.tails()}"
+            peaks[n] = sampler.take()
+            print(f"burst of {n} x 800 KB: peak MiB {peaks[n]}", flush=True)
+        rep = make_report("memory-bounds", producer, collector)
+        pipe.stop_cleanly()
+    assert not rep.lost and rep.duplicated == 0 and not rep.unexpected, rep.line()
+
+    base = peaks[10]
+    for name in (*STAGES, "redis"):
+        bound = (REDIS_BOUND if name == "redis" else PROCESS_BOUND) / MiB
+        for n in (300, 900):
+            assert peaks[n][name] <= base[name] + bound, (
+                f"{name}: peak {peaks[n][name]} MiB for {n} records exceeds baseline {base[name]} + {bound:.0f} MiB "
+                f"(settings-derived bound); peaks {peaks}")
+        # 600 more records (480 MB) than the 300 burst: a peak that grew with the burst would add
+        # hundreds of MiB; flat means within a quarter of the bound of the smaller burst's peak.
+        assert peaks[900][name] <= peaks[300][name] + bound / 4, (
+            f"{name}: peak grew with the burst, {peaks[300][name]} MiB for 300 -> {peaks[900][name]} for 900; "
+            f"peaks {peaks}")
