@@ -10,6 +10,10 @@
   there, and the output says so (``sustained_asked_rate=false``).
 * ``production.burst``: N messages (default 200,000) due in the same second: time to drain,
   messages/s, and the peak RSS (VmHWM) of each stage process.
+* ``production.large_burst`` (issue 16): 500, 1,500 and 5,000 records of 800 KB due in the same
+  second (``TW_BENCH_LARGE_BURSTS``) with the byte bounds' defaults, and 500 with byte bounds far
+  above the burst (``TW_BENCH_LARGE_UNBOUNDED``; as before the bounds: keep it small, it grows
+  linearly): drain messages/s, peak RSS of each stage process, peak Redis ``used_memory``.
 * ``production.compressed``: the throughput run three times in a row, with the timer topic's
   batches written uncompressed, lz4 and zstd (as producers in the field write them): messages/s of
   each and the ratio of each codec to uncompressed.
@@ -29,7 +33,7 @@
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, compressed, sasl_ssl, lateness, burst, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+list of throughput, compressed, sasl_ssl, lateness, burst, large_burst, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
 else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
 """
 
@@ -57,7 +61,7 @@ sys.path.insert(0, str(ROOT / "e2e"))
 
 sys.path.insert(0, str(ROOT / "tests"))
 
-from harness import STAGES, Pipeline, now_ms  # noqa: E402 - the e2e harness runs the processes
+from harness import STAGES, PeakSampler, Pipeline, now_ms  # noqa: E402 - the e2e harness runs the processes
 from two_mounts import TwoMounts, two_mounts  # noqa: E402 - two bindfs mounts: two nodes on one machine
 
 PARTITIONS = 4
@@ -106,13 +110,13 @@ def _producer(kafka: str, compression: str | None = None, options: dict[str, Any
 
 
 def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int, compression: str | None = None,
-         options: dict[str, Any] | None = None) -> float:
+         options: dict[str, Any] | None = None, value: bytes = VALUE) -> float:
     """Write n timer records due at ``deliver_at`` across the timer partitions; returns seconds."""
     producer = _producer(kafka, compression, options)
     t0 = time.perf_counter()
     due = str(deliver_at).encode()
     for i in range(n):
-        producer.send(topic, key=b"%d" % i, value=VALUE, partition=i % PARTITIONS,
+        producer.send(topic, key=b"%d" % i, value=value, partition=i % PARTITIONS,
                       headers=[("tw-topic", dest.encode()), ("tw-deliver-at", due), ("tw-id", b"m%d" % i)])
     producer.flush()
     elapsed = time.perf_counter() - t0
@@ -429,6 +433,51 @@ def burst(kafka: str, redis_url: str, n: int) -> None:
         close(pipe)
 
 
+#: ``production.large_burst``: the record value, and byte bounds far above any burst (what the
+#: pipeline did before TW_QUEUE_BYTES, TW_BATCH_BYTES and TW_READ_CACHE_BYTES: entry counts only).
+LARGE_VALUE = b"L" * 800_000
+UNBOUNDED = {"queue_bytes": 2**40, "batch_bytes": 2**40, "read_cache_bytes": 2**40}
+
+
+def large_burst(kafka: str, redis_url: str, n: int, variant: str) -> None:
+    """n records of 800 KB due in the same second (issue 16): drain messages/s, the peak RSS of
+    each stage process (VmHWM) and the peak of Redis ``used_memory`` (sampled every 20 ms).
+    ``variant``: "defaults" (the byte bounds' defaults) or "unbounded" (``UNBOUNDED``)."""
+    settings = UNBOUNDED if variant == "unbounded" else {}
+    pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000, **settings)
+    dest = pipe.dest("large")
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
+    try:
+        pipe.create_timer_topic()
+        pipe.create_topic(dest, PARTITIONS)
+        pipe.start_all(120)
+        with PeakSampler(pipe) as sampler:
+            due = now_ms() + 10_000 + n * 20
+            t0 = time.monotonic()
+            fill_s = fill(kafka, pipe.timer_topic, dest, n, due, value=LARGE_VALUE)
+            while sum(sum(pipe.checkpoint(s)["next_offsets"].values()) for s in range(2)) < n:
+                time.sleep(0.2)
+            enqueue_s = time.monotonic() - t0
+            left_ms = due - now_ms()
+            if left_ms > 0:
+                time.sleep(left_ms / 1000)
+            start = time.monotonic()
+            t1 = wait_delivered(consumer, dest, n, 1800)
+            if t1 is None:
+                raise RuntimeError(f"large burst: not all {n} delivered within 1800 s\n{pipe.tails()}")
+            sampled = sampler.take()
+        drain = t1 - start
+        rss = {name: round(pipe.vm_hwm_kb(name) / 1024, 1) for name in STAGES}
+        say(f"large burst ({variant}): {n:,} x 800 KB produced in {fill_s:.1f} s, drained in {drain:.1f} s "
+            f"({n / drain:,.1f} msg/s); peak RSS MiB {rss}; Redis used_memory peak {sampled['redis']} MiB")
+        emit("production.large_burst", n / drain, "messages/s", messages=n, value_bytes=len(LARGE_VALUE),
+             variant=variant, drain_s=round(drain, 2), enqueue_s=round(enqueue_s, 2),
+             due_late_s=round(max(0, -left_ms) / 1000, 1), peak_rss_mb=rss, redis_used_memory_peak_mb=sampled["redis"])
+    finally:
+        consumer.close()
+        close(pipe)
+
+
 def _slot_reads(kafka: str, rate: int, seconds: float, cache: int) -> dict[str, Any]:
     from timerwheel.records import OutRecord
     from timerwheel.transports.kafka import KafkaCommitLog
@@ -512,7 +561,8 @@ def shared_volume(kafka: str, redis_url: str, n: int, rate: int, seconds: float)
 
 def main() -> None:
     only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY",
-                                           "throughput,compressed,sasl_ssl,lateness,burst,slot_reads,shared_volume"
+                                           "throughput,compressed,sasl_ssl,lateness,burst,large_burst,slot_reads,"
+                                           "shared_volume"
                                            ).split(",")))
     kafka, redis_url = servers(("redis",) if only == {"sasl_ssl"} else ("kafka", "redis"))
     if "throughput" in only:
@@ -525,6 +575,11 @@ def main() -> None:
         lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
     if "burst" in only:
         burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000))
+    if "large_burst" in only:
+        for n in (int(x) for x in os.environ.get("TW_BENCH_LARGE_BURSTS", "500,1500,5000").split(",") if x):
+            large_burst(kafka, redis_url, n, "defaults")
+        for n in (int(x) for x in os.environ.get("TW_BENCH_LARGE_UNBOUNDED", "500").split(",") if x):
+            large_burst(kafka, redis_url, n, "unbounded")
     if "slot_reads" in only:
         slot_reads(kafka, _env_int("TW_BENCH_PROD_RATE", 1_000), 20.0)
     if "shared_volume" in only:
