@@ -395,42 +395,54 @@ def lateness(kafka: str, redis_url: str, rate: int, seconds: float) -> None:
          sustained_asked_rate=sustained, seconds=seconds, tick_ms=100)
 
 
-def burst(kafka: str, redis_url: str, n: int) -> None:
-    pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000)
-    dest = pipe.dest("burst")
+def _due_burst(kafka: str, pipe: Pipeline, consumer: KafkaConsumer, dest: str, n: int, due: int, what: str,
+               value: bytes = VALUE) -> tuple[float, float, int, float]:
+    """Write n records due at ``due``, wait until they are in the TimerLogs and then until they
+    are delivered: (seconds to produce, to enqueue, ms left before due when enqueued, to drain)."""
+    t0 = time.monotonic()
+    fill_s = fill(kafka, pipe.timer_topic, dest, n, due, value=value)
+    while sum(sum(pipe.checkpoint(s)["next_offsets"].values()) for s in range(2)) < n:
+        time.sleep(0.2)
+    enqueue_s = time.monotonic() - t0
+    left_ms = due - now_ms()
+    say(f"{what}: {n:,} records produced in {fill_s:.1f} s, in the TimerLogs after {enqueue_s:.1f} s, "
+        f"{left_ms / 1000:.1f} s before they are due")
+    if left_ms > 0:
+        time.sleep(left_ms / 1000)
+    start = time.monotonic()
+    t1 = wait_delivered(consumer, dest, n, 1800)
+    if t1 is None:
+        raise RuntimeError(f"{what}: not all {n} delivered within 1800 s\n{pipe.tails()}")
+    return fill_s, enqueue_s, left_ms, t1 - start
+
+
+@contextmanager
+def _burst_pipeline(kafka: str, redis_url: str, name: str,
+                    **settings: Any) -> Iterator[tuple[Pipeline, str, KafkaConsumer]]:
+    """The five stages running, a destination topic ``name`` and a consumer to count it."""
+    pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000, **settings)
+    dest = pipe.dest(name)
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
     try:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
         pipe.start_all(120)
+        yield pipe, dest, consumer
+    finally:
+        consumer.close()
+        close(pipe)
+
+
+def burst(kafka: str, redis_url: str, n: int) -> None:
+    with _burst_pipeline(kafka, redis_url, "burst") as (pipe, dest, consumer):
         # Due far enough ahead that every record is in the TimerLog when the second comes.
         due = now_ms() + 10_000 + n // 5  # the enqueue side took ~6,000 msg/s here; due_late_s says if not
-        t0 = time.monotonic()
-        fill_s = fill(kafka, pipe.timer_topic, dest, n, due)
-        while True:
-            written = sum(sum(pipe.checkpoint(s)["next_offsets"].values()) for s in range(2))
-            if written >= n:
-                break
-            time.sleep(0.2)
-        enqueue_s = time.monotonic() - t0
-        left_ms = due - now_ms()
-        say(f"burst: {n:,} records produced in {fill_s:.1f} s, in the TimerLogs after {enqueue_s:.1f} s, "
-            f"{left_ms / 1000:.1f} s before they are due")
-        if left_ms > 0:
-            time.sleep(left_ms / 1000)
-        start = time.monotonic()
-        t1 = wait_delivered(consumer, dest, n, 1800)
-        if t1 is None:
-            raise RuntimeError(f"burst: not all {n} delivered within 1800 s\n{pipe.tails()}")
-        drain = t1 - start
+        _fill_s, enqueue_s, left_ms, drain = _due_burst(kafka, pipe, consumer, dest, n, due, "burst")
         rss = {name: round(pipe.vm_hwm_kb(name) / 1024, 1) for name in STAGES}
         say(f"burst drained in {drain:.1f} s ({n / drain:,.0f} msg/s); peak RSS MiB {rss}")
         emit("production.burst", n / drain, "messages/s", messages=n, drain_s=round(drain, 2),
              enqueue_s=round(enqueue_s, 2), enqueue_per_s=round(n / enqueue_s), due_late_s=round(max(0, -left_ms) / 1000, 1),
              peak_rss_mb=rss)
-    finally:
-        consumer.close()
-        close(pipe)
 
 
 #: ``production.large_burst``: the record value, and byte bounds far above any burst (what the
@@ -444,38 +456,17 @@ def large_burst(kafka: str, redis_url: str, n: int, variant: str) -> None:
     each stage process (VmHWM) and the peak of Redis ``used_memory`` (sampled every 20 ms).
     ``variant``: "defaults" (the byte bounds' defaults) or "unbounded" (``UNBOUNDED``)."""
     settings = UNBOUNDED if variant == "unbounded" else {}
-    pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000, **settings)
-    dest = pipe.dest("large")
-    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
-    try:
-        pipe.create_timer_topic()
-        pipe.create_topic(dest, PARTITIONS)
-        pipe.start_all(120)
+    with _burst_pipeline(kafka, redis_url, "large", **settings) as (pipe, dest, consumer):
         with PeakSampler(pipe) as sampler:
-            due = now_ms() + 10_000 + n * 20
-            t0 = time.monotonic()
-            fill_s = fill(kafka, pipe.timer_topic, dest, n, due, value=LARGE_VALUE)
-            while sum(sum(pipe.checkpoint(s)["next_offsets"].values()) for s in range(2)) < n:
-                time.sleep(0.2)
-            enqueue_s = time.monotonic() - t0
-            left_ms = due - now_ms()
-            if left_ms > 0:
-                time.sleep(left_ms / 1000)
-            start = time.monotonic()
-            t1 = wait_delivered(consumer, dest, n, 1800)
-            if t1 is None:
-                raise RuntimeError(f"large burst: not all {n} delivered within 1800 s\n{pipe.tails()}")
+            fill_s, enqueue_s, left_ms, drain = _due_burst(kafka, pipe, consumer, dest, n, now_ms() + 10_000 + n * 20,
+                                                           f"large burst ({variant})", LARGE_VALUE)
             sampled = sampler.take()
-        drain = t1 - start
         rss = {name: round(pipe.vm_hwm_kb(name) / 1024, 1) for name in STAGES}
         say(f"large burst ({variant}): {n:,} x 800 KB produced in {fill_s:.1f} s, drained in {drain:.1f} s "
             f"({n / drain:,.1f} msg/s); peak RSS MiB {rss}; Redis used_memory peak {sampled['redis']} MiB")
         emit("production.large_burst", n / drain, "messages/s", messages=n, value_bytes=len(LARGE_VALUE),
              variant=variant, drain_s=round(drain, 2), enqueue_s=round(enqueue_s, 2),
              due_late_s=round(max(0, -left_ms) / 1000, 1), peak_rss_mb=rss, redis_used_memory_peak_mb=sampled["redis"])
-    finally:
-        consumer.close()
-        close(pipe)
 
 
 def _slot_reads(kafka: str, rate: int, seconds: float, cache: int) -> dict[str, Any]:
