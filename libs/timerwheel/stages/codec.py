@@ -189,8 +189,9 @@ class DeliverEntry:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the records it carries: what an in-process queue counts (TW_QUEUE_BYTES)."""
-        return sum(item.record.size for item in self.items if item.record is not None)
+        """Bytes of the record values it carries (they dominate; headers are small): what an
+        in-process queue counts (TW_QUEUE_BYTES)."""
+        return sum(len(item.record.value or b"") for item in self.items if item.record is not None)
 
     @classmethod
     def decode(cls, data: bytes) -> DeliverEntry:

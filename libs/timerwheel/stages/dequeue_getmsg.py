@@ -114,7 +114,7 @@ class DequeueGetMsg(QueueStage):
                           for i in f.items if i.cancel_partition >= 0})
         found = self.log.read(self.ctx.config.timer_topic, positions + markers)
         marker_records = dict(zip(markers, found[len(positions):], strict=True))
-        sizes = [r.size for r in found[:len(positions)] if r is not None]
+        sizes = [len(r.value or b"") for r in found[:len(positions)] if r is not None]  # the values dominate
         if sizes:
             self._record_bytes = max(1, sum(sizes) // len(sizes))
             self.ctx.processed(sum(sizes))
