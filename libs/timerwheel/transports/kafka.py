@@ -103,6 +103,8 @@ _REFUSED = (
 _BATCHED_FETCH = {"fetch_min_bytes": 64 * 1024, "fetch_max_wait_ms": 20}
 
 _READ_FETCH_BYTES = 64 * 1024
+#: A consumer's fetch is TW_BATCH_BYTES, at most this (more buys nothing, and Kafka's field is an int32).
+_FETCH_MAX_BYTES = 16 * 1024 * 1024
 _READ_POLL_RECORDS = 200
 
 
@@ -475,7 +477,7 @@ class KafkaCommitLog:
             "max_poll_records": 10_000,
             "fetch_max_wait_ms": 100,
             "max_partition_fetch_bytes": min(1024 * 1024, self._fetch_bytes),
-            "fetch_max_bytes": self._fetch_bytes,
+            "fetch_max_bytes": min(_FETCH_MAX_BYTES, self._fetch_bytes),
             "allow_auto_create_topics": False,
             # Transactions: aborted records are never returned, and a consumer stops at the last
             # stable offset (an open transaction's records wait until it ends).
