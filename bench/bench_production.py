@@ -14,6 +14,7 @@
   second (``TW_BENCH_LARGE_BURSTS``) with the byte bounds' defaults, and 500 with byte bounds far
   above the burst (``TW_BENCH_LARGE_UNBOUNDED``; as before the bounds: keep it small, it grows
   linearly): drain messages/s, peak RSS of each stage process, peak Redis ``used_memory``.
+  ``TW_BENCH_LARGE_SETTINGS`` (``batch_bytes=8388608,queue_bytes=...``) sets settings of both.
 * ``production.compressed``: the throughput run three times in a row, with the timer topic's
   batches written uncompressed, lz4 and zstd (as producers in the field write them): messages/s of
   each and the ratio of each codec to uncompressed.
@@ -455,7 +456,10 @@ def large_burst(kafka: str, redis_url: str, n: int, variant: str) -> None:
     """n records of 800 KB due in the same second (issue 16): drain messages/s, the peak RSS of
     each stage process (VmHWM) and the peak of Redis ``used_memory`` (sampled every 20 ms).
     ``variant``: "defaults" (the byte bounds' defaults) or "unbounded" (``UNBOUNDED``)."""
-    settings = UNBOUNDED if variant == "unbounded" else {}
+    settings: dict[str, Any] = dict(UNBOUNDED) if variant == "unbounded" else {}
+    for pair in filter(None, os.environ.get("TW_BENCH_LARGE_SETTINGS", "").split(",")):  # e.g. batch_bytes=8388608
+        key, _, value = pair.partition("=")
+        settings[key.strip()] = value.strip()
     with _burst_pipeline(kafka, redis_url, "large", **settings) as (pipe, dest, consumer):
         with PeakSampler(pipe) as sampler:
             fill_s, enqueue_s, left_ms, drain = _due_burst(kafka, pipe, consumer, dest, n, now_ms() + 10_000 + n * 20,

@@ -65,8 +65,12 @@ def test_large_records_flow_in_batches_and_queues_bounded_in_bytes(
     assert sum(tw.commit_log.end_offsets("big").values()) == N
     # A fetch entry stops at TW_BATCH_BYTES of source records: two of ~100 KB, not 500.
     assert sum(fetch_items) == N and max(fetch_items) == 2, fetch_items
-    # dequeue-getmsg reads at most a batch's bytes at once; dequeue-put produces at most two.
+    # dequeue-getmsg reads at most a batch's bytes at once. dequeue-put's first step knows no
+    # entry size yet and takes what a partition holds (at most TW_QUEUE_BYTES and a put); from
+    # then on a step stops at a batch's bytes, and its last entry may pass them by one entry.
     assert 0 < max(read_bytes) <= BATCH_BYTES, read_bytes
-    assert 0 < max(produced_bytes) <= 2 * BATCH_BYTES, produced_bytes
+    produced = [b for b in produced_bytes if b]  # the others are the client's appends to the timer topic
+    assert produced[0] <= QUEUE_BYTES + BATCH_BYTES, produced
+    assert 0 < max(produced[1:]) <= 2 * BATCH_BYTES, produced
     # The deliver queue held at most TW_QUEUE_BYTES and one admitted put of a batch.
     assert 0 < peak <= QUEUE_BYTES + BATCH_BYTES, peak

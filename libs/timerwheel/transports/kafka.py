@@ -413,6 +413,11 @@ class KafkaCommitLog:
         self._max_request_size = max_request_size
         self._producer: Any = None
         self._reader: Any = None
+        #: The reader of large records (``_read_record_bytes`` above _READ_FETCH_BYTES), made when needed.
+        self._large_reader: Any = None
+        #: Mean value bytes of the records the last read fetched: with large records, a 64 KiB
+        #: partition fetch returns one record per round trip; they are read in fetches of TW_BATCH_BYTES.
+        self._read_record_bytes = 0
         self._admin: Any = None
         self._producer_lock = threading.Lock()
         self._reader_lock = threading.Lock()
@@ -498,6 +503,17 @@ class KafkaCommitLog:
                 retry_backoff_ms=20,
             )
         return self._reader
+
+    def _get_large_reader(self) -> Any:
+        if self._large_reader is None:
+            self._check_open()
+            self._large_reader = self._new_consumer(
+                "reader-large",
+                max_partition_fetch_bytes=min(_FETCH_MAX_BYTES, self._fetch_bytes),
+                enable_incremental_fetch_sessions=False,
+                retry_backoff_ms=20,
+            )
+        return self._large_reader
 
     def _get_admin(self) -> Any:
         if self._admin is None:
@@ -886,7 +902,8 @@ class KafkaCommitLog:
         self._follower.start()
 
     def _read_locked(self, topic: str, wanted: dict[int, dict[int, list[int]]], out: list[Record | None]) -> None:
-        reader = self._get_reader()
+        large = self._read_record_bytes > _READ_FETCH_BYTES
+        reader = self._get_large_reader() if large else self._get_reader()
         tps = {p: TopicPartition(topic, p) for p in wanted}
         unknown = [tp for tp in tps.values() if tp not in self._bounds]
         if unknown:
@@ -965,6 +982,9 @@ class KafkaCommitLog:
                         reader.seek(tp, offsets[k])
                 if finished and pending:
                     reader.assign(list(pending))
+        sizes = [len(r.value or b"") for r in out if r is not None]
+        if sizes:
+            self._read_record_bytes = sum(sizes) // len(sizes)
 
     # -- consumers ---------------------------------------------------------------------------
 
@@ -992,9 +1012,10 @@ class KafkaCommitLog:
                 _close_producer(self._tx_producer, 5)
                 self._tx_producer = None
         with self._reader_lock:
-            if self._reader is not None:
-                self._reader.close(autocommit=False)
-                self._reader = None
+            for reader in (self._reader, self._large_reader):
+                if reader is not None:
+                    reader.close(autocommit=False)
+            self._reader = self._large_reader = None
         with self._admin_lock:
             if self._admin is not None:
                 self._admin.close()
