@@ -36,6 +36,9 @@ PROCESS_BOUND = 8 * QUEUE_BYTES + 4 * BATCH_BYTES + READ_CACHE_BYTES
 #: Redis holds the deliver queue's partitions (each at most QUEUE_BYTES and one admitted put of a
 #: group), plus an entry in flight to a reader and from a writer per partition.
 REDIS_BOUND = SHARDS * (QUEUE_BYTES + 3 * BATCH_BYTES)
+#: enqueue-get also holds what kafka-python buffered of fetch responses while the stage hands a
+#: poll on (measured +48 to +74 MiB above its baseline with 2 MiB fetches, flat in the burst).
+BOUNDS = {"enqueue-get": PROCESS_BOUND + 8 * BATCH_BYTES, "redis": REDIS_BOUND}
 
 
 #: A burst fails only when no record of it was delivered for this long (the machine may be loaded).
@@ -81,7 +84,7 @@ def test_peaks_stay_flat_as_a_burst_of_large_records_grows(tmp_path: Path, kafka
 
     base = peaks[10]
     for name in (*STAGES, "redis"):
-        bound = (REDIS_BOUND if name == "redis" else PROCESS_BOUND) / MiB
+        bound = BOUNDS.get(name, PROCESS_BOUND) / MiB
         for n in (SMALL, LARGE):
             assert peaks[n][name] <= base[name] + bound, (
                 f"{name}: peak {peaks[n][name]} MiB for {n} records exceeds baseline {base[name]} + {bound:.0f} MiB "
