@@ -28,8 +28,8 @@ READ_CACHE_BYTES = 8 * MiB
 SHARDS = 2
 #: A stage process holds, beyond its baseline, a few queues' and batches' worth: a deliver
 #: entry taken, decoded and produced (dequeue-put), a read group, its encoding and the read-ahead
-#: (dequeue-getmsg), Kafka fetches and their records (enqueue-get, measured up to +72 MiB here,
-#: the most of the five), each a copy or two, and what the allocator keeps between trims.
+#: (dequeue-getmsg), Kafka fetches and their records (enqueue-get, see BOUNDS), each a copy or
+#: two, and what the allocator keeps between trims.
 #: Before the byte bounds a burst of 600 made dequeue-getmsg and dequeue-put peak far above it
 #: (linear: ~0.5 x the burst's bytes each).
 PROCESS_BOUND = 8 * QUEUE_BYTES + 4 * BATCH_BYTES + READ_CACHE_BYTES
