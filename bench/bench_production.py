@@ -10,6 +10,11 @@
   there, and the output says so (``sustained_asked_rate=false``).
 * ``production.burst``: N messages (default 200,000) due in the same second: time to drain,
   messages/s, and the peak RSS (VmHWM) of each stage process.
+* ``production.large_burst`` (issue 16): 500, 1,500 and 5,000 records of 800 KB due in the same
+  second (``TW_BENCH_LARGE_BURSTS``) with the byte bounds' defaults, and 500 with byte bounds far
+  above the burst (``TW_BENCH_LARGE_UNBOUNDED``; as before the bounds: keep it small, it grows
+  linearly): drain messages/s, peak RSS of each stage process, peak Redis ``used_memory``.
+  ``TW_BENCH_LARGE_SETTINGS`` (``batch_bytes=8388608,queue_bytes=...``) sets settings of both.
 * ``production.compressed``: the throughput run three times in a row, with the timer topic's
   batches written uncompressed, lz4 and zstd (as producers in the field write them): messages/s of
   each and the ratio of each codec to uncompressed.
@@ -33,7 +38,7 @@
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, compressed, sasl_ssl, lateness, burst, idle, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
+list of throughput, compressed, sasl_ssl, lateness, burst, large_burst, idle, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
 else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
 """
 
@@ -63,7 +68,7 @@ sys.path.insert(0, str(ROOT / "e2e"))
 
 sys.path.insert(0, str(ROOT / "tests"))
 
-from harness import STAGES, Pipeline, now_ms  # noqa: E402 - the e2e harness runs the processes
+from harness import STAGES, PeakSampler, Pipeline, now_ms  # noqa: E402 - the e2e harness runs the processes
 from two_mounts import TwoMounts, two_mounts  # noqa: E402 - two bindfs mounts: two nodes on one machine
 
 PARTITIONS = 4
@@ -112,13 +117,13 @@ def _producer(kafka: str, compression: str | None = None, options: dict[str, Any
 
 
 def fill(kafka: str, topic: str, dest: str, n: int, deliver_at: int, compression: str | None = None,
-         options: dict[str, Any] | None = None) -> float:
+         options: dict[str, Any] | None = None, value: bytes = VALUE) -> float:
     """Write n timer records due at ``deliver_at`` across the timer partitions; returns seconds."""
     producer = _producer(kafka, compression, options)
     t0 = time.perf_counter()
     due = str(deliver_at).encode()
     for i in range(n):
-        producer.send(topic, key=b"%d" % i, value=VALUE, partition=i % PARTITIONS,
+        producer.send(topic, key=b"%d" % i, value=value, partition=i % PARTITIONS,
                       headers=[("tw-topic", dest.encode()), ("tw-deliver-at", due), ("tw-id", b"m%d" % i)])
     producer.flush()
     elapsed = time.perf_counter() - t0
@@ -444,42 +449,81 @@ def idle(kafka: str, redis_url: str, seconds: float, rate: int) -> None:
         close(pipe)
 
 
-def burst(kafka: str, redis_url: str, n: int) -> None:
-    pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000)
-    dest = pipe.dest("burst")
+def _due_burst(kafka: str, pipe: Pipeline, consumer: KafkaConsumer, dest: str, n: int, due: int, what: str,
+               value: bytes = VALUE) -> tuple[float, float, int, float]:
+    """Write n records due at ``due``, wait until they are in the TimerLogs and then until they
+    are delivered: (seconds to produce, to enqueue, ms left before due when enqueued, to drain)."""
+    t0 = time.monotonic()
+    fill_s = fill(kafka, pipe.timer_topic, dest, n, due, value=value)
+    while sum(sum(pipe.checkpoint(s)["next_offsets"].values()) for s in range(2)) < n:
+        time.sleep(0.2)
+    enqueue_s = time.monotonic() - t0
+    left_ms = due - now_ms()
+    say(f"{what}: {n:,} records produced in {fill_s:.1f} s, in the TimerLogs after {enqueue_s:.1f} s, "
+        f"{left_ms / 1000:.1f} s before they are due")
+    if left_ms > 0:
+        time.sleep(left_ms / 1000)
+    start = time.monotonic()
+    t1 = wait_delivered(consumer, dest, n, 1800)
+    if t1 is None:
+        raise RuntimeError(f"{what}: not all {n} delivered within 1800 s\n{pipe.tails()}")
+    return fill_s, enqueue_s, left_ms, t1 - start
+
+
+@contextmanager
+def _burst_pipeline(kafka: str, redis_url: str, name: str,
+                    **settings: Any) -> Iterator[tuple[Pipeline, str, KafkaConsumer]]:
+    """The five stages running, a destination topic ``name`` and a consumer to count it."""
+    pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000, **settings)
+    dest = pipe.dest(name)
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
     try:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
         pipe.start_all(120)
+        yield pipe, dest, consumer
+    finally:
+        consumer.close()
+        close(pipe)
+
+
+def burst(kafka: str, redis_url: str, n: int) -> None:
+    with _burst_pipeline(kafka, redis_url, "burst") as (pipe, dest, consumer):
         # Due far enough ahead that every record is in the TimerLog when the second comes.
         due = now_ms() + 10_000 + n // 5  # the enqueue side took ~6,000 msg/s here; due_late_s says if not
-        t0 = time.monotonic()
-        fill_s = fill(kafka, pipe.timer_topic, dest, n, due)
-        while True:
-            written = sum(sum(pipe.checkpoint(s)["next_offsets"].values()) for s in range(2))
-            if written >= n:
-                break
-            time.sleep(0.2)
-        enqueue_s = time.monotonic() - t0
-        left_ms = due - now_ms()
-        say(f"burst: {n:,} records produced in {fill_s:.1f} s, in the TimerLogs after {enqueue_s:.1f} s, "
-            f"{left_ms / 1000:.1f} s before they are due")
-        if left_ms > 0:
-            time.sleep(left_ms / 1000)
-        start = time.monotonic()
-        t1 = wait_delivered(consumer, dest, n, 1800)
-        if t1 is None:
-            raise RuntimeError(f"burst: not all {n} delivered within 1800 s\n{pipe.tails()}")
-        drain = t1 - start
+        _fill_s, enqueue_s, left_ms, drain = _due_burst(kafka, pipe, consumer, dest, n, due, "burst")
         rss = {name: round(pipe.vm_hwm_kb(name) / 1024, 1) for name in STAGES}
         say(f"burst drained in {drain:.1f} s ({n / drain:,.0f} msg/s); peak RSS MiB {rss}")
         emit("production.burst", n / drain, "messages/s", messages=n, drain_s=round(drain, 2),
              enqueue_s=round(enqueue_s, 2), enqueue_per_s=round(n / enqueue_s), due_late_s=round(max(0, -left_ms) / 1000, 1),
              peak_rss_mb=rss)
-    finally:
-        consumer.close()
-        close(pipe)
+
+
+#: ``production.large_burst``: the record value, and byte bounds far above any burst (what the
+#: pipeline did before TW_QUEUE_BYTES, TW_BATCH_BYTES and TW_READ_CACHE_BYTES: entry counts only).
+LARGE_VALUE = b"L" * 800_000
+UNBOUNDED = {"queue_bytes": 2**40, "batch_bytes": 2**40, "read_cache_bytes": 2**40}
+
+
+def large_burst(kafka: str, redis_url: str, n: int, variant: str) -> None:
+    """n records of 800 KB due in the same second (issue 16): drain messages/s, the peak RSS of
+    each stage process (VmHWM) and the peak of Redis ``used_memory`` (sampled every 20 ms).
+    ``variant``: "defaults" (the byte bounds' defaults) or "unbounded" (``UNBOUNDED``)."""
+    settings: dict[str, Any] = dict(UNBOUNDED) if variant == "unbounded" else {}
+    for pair in filter(None, os.environ.get("TW_BENCH_LARGE_SETTINGS", "").split(",")):  # e.g. batch_bytes=8388608
+        key, _, value = pair.partition("=")
+        settings[key.strip()] = value.strip()
+    with _burst_pipeline(kafka, redis_url, "large", **settings) as (pipe, dest, consumer):
+        with PeakSampler(pipe) as sampler:
+            fill_s, enqueue_s, left_ms, drain = _due_burst(kafka, pipe, consumer, dest, n, now_ms() + 10_000 + n * 20,
+                                                           f"large burst ({variant})", LARGE_VALUE)
+            sampled = sampler.take()
+        rss = {name: round(pipe.vm_hwm_kb(name) / 1024, 1) for name in STAGES}
+        say(f"large burst ({variant}): {n:,} x 800 KB produced in {fill_s:.1f} s, drained in {drain:.1f} s "
+            f"({n / drain:,.1f} msg/s); peak RSS MiB {rss}; Redis used_memory peak {sampled['redis']} MiB")
+        emit("production.large_burst", n / drain, "messages/s", messages=n, value_bytes=len(LARGE_VALUE),
+             variant=variant, drain_s=round(drain, 2), enqueue_s=round(enqueue_s, 2),
+             due_late_s=round(max(0, -left_ms) / 1000, 1), peak_rss_mb=rss, redis_used_memory_peak_mb=sampled["redis"])
 
 
 def _slot_reads(kafka: str, rate: int, seconds: float, cache: int) -> dict[str, Any]:
@@ -565,7 +609,7 @@ def shared_volume(kafka: str, redis_url: str, n: int, rate: int, seconds: float)
 
 def main() -> None:
     only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY",
-                                           "throughput,compressed,sasl_ssl,lateness,burst,idle,slot_reads,"
+                                           "throughput,compressed,sasl_ssl,lateness,burst,large_burst,idle,slot_reads,"
                                            "shared_volume"
                                            ).split(",")))
     kafka, redis_url = servers(("redis",) if only == {"sasl_ssl"} else ("kafka", "redis"))
@@ -579,6 +623,11 @@ def main() -> None:
         lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
     if "burst" in only:
         burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000))
+    if "large_burst" in only:
+        for n in (int(x) for x in os.environ.get("TW_BENCH_LARGE_BURSTS", "500,1500,5000").split(",") if x):
+            large_burst(kafka, redis_url, n, "defaults")
+        for n in (int(x) for x in os.environ.get("TW_BENCH_LARGE_UNBOUNDED", "500").split(",") if x):
+            large_burst(kafka, redis_url, n, "unbounded")
     if "idle" in only:
         idle(kafka, redis_url, float(_env_int("TW_BENCH_IDLE_SECONDS", 30)), _env_int("TW_BENCH_IDLE_RATE", 200))
     if "slot_reads" in only:

@@ -402,6 +402,17 @@ class Pipeline:
                     return int(line.split()[1])
         return 0
 
+    def rss_kb(self, name: str) -> int:
+        """Current RSS (VmRSS) of a running stage process; 0 once it is gone."""
+        try:
+            with open(f"/proc/{self.procs[name].pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
     def shard_dir(self, shard: int) -> Path:
         return self.data_dir / f"shard-{shard:04d}"
 
@@ -415,6 +426,50 @@ class Pipeline:
             except FileNotFoundError:
                 continue  # replaced by a newer owner's file meanwhile
         raise AssertionError(f"shard {shard}: the {kind} checkpoint kept moving")
+
+
+class PeakSampler:
+    """Samples every ``every_s`` the RSS of each stage process and Redis ``used_memory`` (the
+    server's ``used_memory_peak`` covers its whole life, other tests' too), from a thread;
+    ``take()`` returns the peaks since the last ``take`` in MiB, ``{"redis": ..., stage: ...}``."""
+
+    def __init__(self, pipe: Pipeline, every_s: float = 0.02) -> None:
+        self.pipe = pipe
+        self.every_s = every_s
+        self._peaks: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="e2e-peaks", daemon=True)
+
+    def _sample(self) -> dict[str, float]:
+        out = {name: self.pipe.rss_kb(name) / 1024 for name in list(self.pipe.procs)}
+        out["redis"] = int(self.pipe.redis.info("memory")["used_memory"]) / 2**20
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                got = self._sample()
+            except (redis.RedisError, OSError):
+                continue
+            with self._lock:
+                for k, v in got.items():
+                    self._peaks[k] = max(v, self._peaks.get(k, 0.0))
+
+    def take(self) -> dict[str, float]:
+        got = self._sample()
+        with self._lock:
+            peaks = {k: round(max(v, self._peaks.get(k, 0.0)), 1) for k, v in got.items()}
+            self._peaks = {}
+        return peaks
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
 
 
 # -- producing -----------------------------------------------------------------------------------
@@ -576,9 +631,11 @@ class Delivery:
 class Collector:
     """Reads destination topics (from the start) in a thread and groups the records by tw-id."""
 
-    def __init__(self, pipe: Pipeline, topics: Sequence[str]) -> None:
+    def __init__(self, pipe: Pipeline, topics: Sequence[str], *, keep_values: bool = True) -> None:
+        """``keep_values`` False: the deliveries' values are not kept (bursts of large records)."""
         self.pipe = pipe
         self.topics = list(topics)
+        self.keep_values = keep_values
         self.by_id: dict[str, list[Delivery]] = {}
         self.records: list[Delivery] = []
         self.errors = 0
@@ -616,7 +673,8 @@ class Collector:
                 for r in recs:
                     headers = {k: bytes(v) for k, v in (r.headers or ())}
                     at = int(headers.get("tw-delivered-at", b"0") or 0)
-                    got.append(Delivery(r.topic, r.partition, r.offset, r.key, r.value, headers, at, received))
+                    got.append(Delivery(r.topic, r.partition, r.offset, r.key,
+                                        r.value if self.keep_values else None, headers, at, received))
             if got:
                 with self._lock:
                     for d in got:

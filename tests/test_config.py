@@ -101,3 +101,16 @@ def test_kubernetes_service_link_variables_are_not_settings() -> None:
 def test_a_misspelt_setting_is_still_refused_beside_service_links(var: str, value: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{var}: unknown variable"):
         TimerConfig.from_env({**KUBELET_SERVICE_LINKS, var: value})
+
+
+def test_byte_bounds_refuse_bad_values_naming_the_variable() -> None:
+    with pytest.raises(ConfigError, match="^TW_BATCH_BYTES: must be >= 65536, got 1000"):
+        TimerConfig.from_env({"TW_BATCH_BYTES": "1000"})
+    with pytest.raises(ConfigError, match=r"^TW_QUEUE_BYTES: must be >= batch_bytes \(4194304\), got 1048576"):
+        TimerConfig.from_env({"TW_QUEUE_BYTES": "1048576"})
+    with pytest.raises(ConfigError, match="^TW_READ_CACHE_BYTES: must be >= 0, got -1"):
+        TimerConfig.from_env({"TW_READ_CACHE_BYTES": "-1"})
+    with pytest.raises(ConfigError, match="^TW_QUEUE_BYTES: cannot parse '16MB'"):
+        TimerConfig.from_env({"TW_QUEUE_BYTES": "16MB"})
+    cfg = TimerConfig.from_env({"TW_QUEUE_BYTES": "8388608", "TW_BATCH_BYTES": "1048576", "TW_READ_CACHE_BYTES": "0"})
+    assert (cfg.queue_bytes, cfg.batch_bytes, cfg.read_cache_bytes) == (8 * 2**20, 2**20, 0)

@@ -73,6 +73,14 @@ class TimerConfig:
     queue_bound: int = 64
     #: Requests per work-queue entry / per TimerLog append batch.
     batch_size: int = 500
+    #: Bytes of record payload a work-queue partition holds before its producer blocks (with
+    #: ``queue_bound``: whichever is reached first). Bounds the deliver queue, which carries bodies.
+    queue_bytes: int = 16 * 1024 * 1024
+    #: Bytes of record payload a stage's batch stops at (a fetch entry, a read, a produce); a
+    #: record larger than this is a batch of its own.
+    batch_bytes: int = 4 * 1024 * 1024
+    #: Bytes of records dequeue-getmsg keeps read ahead (Kafka's read cache and follower); 0: off.
+    read_cache_bytes: int = 32 * 1024 * 1024
     #: Messages a shard's dequeue-get may have sent but not yet seen delivered.
     max_in_flight: int = 20_000
     #: Seconds a put into a full queue waits before it gives up and retries.
@@ -163,6 +171,10 @@ class TimerConfig:
         need(self.max_record_bytes >= 1024, "max_record_bytes", f"must be >= 1024, got {self.max_record_bytes}")
         need(self.queue_bound >= 1, "queue_bound", f"must be >= 1, got {self.queue_bound}")
         need(1 <= self.batch_size <= 100_000, "batch_size", f"must be 1..100000, got {self.batch_size}")
+        need(self.batch_bytes >= 64 * 1024, "batch_bytes", f"must be >= 65536, got {self.batch_bytes}")
+        need(self.queue_bytes >= self.batch_bytes, "queue_bytes",
+             f"must be >= batch_bytes ({self.batch_bytes}), got {self.queue_bytes}")
+        need(self.read_cache_bytes >= 0, "read_cache_bytes", f"must be >= 0, got {self.read_cache_bytes}")
         need(self.max_in_flight >= self.batch_size, "max_in_flight", f"must be >= batch_size, got {self.max_in_flight}")
         need(self.queue_put_timeout_s > 0, "queue_put_timeout_s", "must be > 0")
         need(self.lease_ttl_ms >= 1000, "lease_ttl_ms", f"must be >= 1000, got {self.lease_ttl_ms}")
@@ -333,6 +345,11 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "TW_MAX_RECORD_BYTES": ("max_record_bytes", "int", "larger timer records go to the DLQ"),
     "TW_QUEUE_BOUND": ("queue_bound", "int", "entries per work-queue partition before producers block"),
     "TW_BATCH_SIZE": ("batch_size", "int", "requests per work-queue entry and TimerLog batch"),
+    "TW_QUEUE_BYTES": ("queue_bytes", "int",
+                       "record bytes per work-queue partition before producers block (default 16 MiB)"),
+    "TW_BATCH_BYTES": ("batch_bytes", "int", "record bytes a stage's batch stops at (default 4 MiB)"),
+    "TW_READ_CACHE_BYTES": ("read_cache_bytes", "int",
+                            "record bytes dequeue-getmsg reads ahead from Kafka (default 32 MiB; 0: off)"),
     "TW_MAX_IN_FLIGHT": ("max_in_flight", "int", "messages per shard sent but not yet delivered"),
     "TW_FSYNC": ("fsync", "bool", "fsync TimerLog, wheel and local log writes (default true)"),
     "TW_LEASE_TTL_MS": ("lease_ttl_ms", "int", "shard lease duration; a paused owner is fenced after it"),

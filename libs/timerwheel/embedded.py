@@ -60,7 +60,8 @@ def local_transports(config: TimerConfig, clock: Clock) -> Transports:
     """The embedded default: a LocalCommitLog in the data directory, in-process queues, file leases."""
     log = LocalCommitLog(Path(config.data_dir) / "log", default_partitions=1, fsync=config.fsync, clock=clock)
     queues: dict[str, WorkQueue] = {
-        name: MemoryWorkQueue(name, config.shards, config.queue_bound) for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)
+        name: MemoryWorkQueue(name, config.shards, config.queue_bound, max_bytes=config.queue_bytes)
+        for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)
     }
     # The process holds the data directory's lock (see DataDirLock), so shard leases only need
     # to live in this process; checkpoint epochs keep them growing across restarts.

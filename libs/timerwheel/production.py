@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from timerwheel import telemetry
+from timerwheel import heap, telemetry
 from timerwheel.clock import SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError, TimerwheelError
@@ -69,8 +69,9 @@ def production_transports(cfg: TimerConfig) -> Any:
 
     require_servers(cfg)
     client = redis_client(cfg)
-    queues: dict[str, WorkQueue] = {name: RedisWorkQueue(client, name, cfg.shards, cfg.queue_bound)
-              for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)}
+    queues: dict[str, WorkQueue] = {name: RedisWorkQueue(client, name, cfg.shards, cfg.queue_bound,
+                                                         max_bytes=cfg.queue_bytes)
+                                    for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)}
     return Transports(KafkaCommitLog.from_config(cfg), queues,
                       RedisLeaseStore(client))
 
@@ -196,6 +197,8 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
         Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
         tracked = _Tracked(stage)
         tune_interpreter()
+        heap.tune_malloc()
+        ctx.release = heap.release
         runner = StageRunner(name, tracked, ctx, idle_s=WAIT_ON_INPUTS_S, sample=sample)
         running.update(runner=runner, stage=stage, tracked=tracked)
         log.info("started", pid=os.getpid(), http_port=cfg.http_port, shards=cfg.shards)

@@ -395,3 +395,20 @@ def test_appends_work_again_after_records_in_flight_expired_during_a_broker_outa
         stop.set()
         writer.join(60)
         commit_log.close()
+
+
+def test_large_records_are_read_with_fetches_of_batch_bytes(kafka_bootstrap: str) -> None:
+    """With records larger than the 64 KiB partition fetch, a fetch returns one record per round
+    trip: once a read has seen them, reads use a reader whose fetches take TW_BATCH_BYTES."""
+    big = KafkaCommitLog(kafka_bootstrap, fetch_bytes=4 * 2**20, read_cache_bytes=0)
+    try:
+        topic = new_topic(big, partitions=1)
+        written = [pos for _ in range(8) for pos in fill(big, topic, 0, 1, size=300_000)]
+        first = big.read(topic, written[:2])
+        assert big._large_reader is None
+        rest = big.read(topic, written[2:])
+        assert big._large_reader is not None
+        for (_partition, offset), rec in zip(written, first + rest, strict=True):
+            assert rec is not None and rec.offset == offset and rec.value is not None and len(rec.value) == 300_000
+    finally:
+        big.close()

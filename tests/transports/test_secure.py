@@ -87,8 +87,8 @@ def test_the_access_check_accepts_both_users_and_refuses_a_wrong_password(secure
 
 def run_stage(tmp_path: Path, env: dict[str, str], stage: str = "enqueue-get") -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("TW_")}
-    full.update({"TW_DATA_DIR": str(tmp_path / "data"), "TW_TIMER_TOPIC": f"secure-timer-{uuid.uuid4().hex[:8]}",
-                 **env})
+    run = uuid.uuid4().hex[:8]  # a data directory per run: it stores the timer topic it was made with
+    full.update({"TW_DATA_DIR": str(tmp_path / f"data-{run}"), "TW_TIMER_TOPIC": f"secure-timer-{run}", **env})
     return subprocess.run([sys.executable, "-m", "timerwheel.cli", "stage", stage], capture_output=True, text=True,
                           env=full, timeout=STAGE_TIMEOUT_S, check=False)
 

@@ -21,7 +21,7 @@ from timerwheel.log import StageLogger
 from timerwheel.metrics import Metrics
 from timerwheel.records import OutRecord
 from timerwheel.stages.codec import CONSUMER_OF
-from timerwheel.transports.base import CommitLog, WorkQueue
+from timerwheel.transports.base import CommitLog, WorkQueue, entry_bytes
 from timerwheel.wire import H_ERROR, H_ID, H_SOURCE, TimerRules
 
 T = TypeVar("T")
@@ -45,6 +45,10 @@ class StageContext:
     #: enqueue-put then publishes an unchanged W at most every IDLE_PUBLISH_S, at once when a
     #: slot that holds records becomes readable.
     wait_on_inputs: bool = False
+    #: Called every ``release_every`` bytes of records handled (``processed``); stage processes
+    #: give freed memory back with it (``timerwheel.heap.release``).
+    release: Callable[[], None] | None = None
+    release_every: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         self.rules = TimerRules(self.config)
@@ -53,6 +57,17 @@ class StageContext:
         self._idle: dict[str, int] = {}
         #: Bumped by a shard's enqueue-put when it publishes a new W (see ``published``).
         self.published_w: dict[int, int] = {}
+        self._handled = 0
+
+    def processed(self, nbytes: int) -> None:
+        """A stage handled ``nbytes`` of records (read, produced): every ``release_every``
+        bytes, ``release`` runs (a burst of large bodies must not stay in the heap)."""
+        if self.release is None:
+            return
+        self._handled += nbytes
+        if self._handled >= self.release_every:
+            self._handled = 0
+            self.release()
 
     def wake(self, *stages: str) -> None:
         """Wake these stages of this process if idle: there is new work for them. No names: all."""
@@ -243,10 +258,14 @@ HEARTBEAT_TTL_MS = 5_000
 class QueueStage:
     """A stateless stage that drains one queue's partitions: dequeue-getmsg and dequeue-put.
 
-    ``step`` takes up to ``max_entries`` entries per partition (idle, it blocks on them when
-    ``ctx.wait_on_inputs``), and every CLAIM_EVERY_S also the entries a dead consumer left
-    pending (after DEAD_IDLE_MS once its heartbeat lapsed, after CLAIM_IDLE_MS in any case);
-    subclasses ``handle_batches`` them and ack them.
+    ``step`` takes up to ``max_entries`` entries per partition, and every CLAIM_EVERY_S also the
+    entries a dead consumer left pending (after DEAD_IDLE_MS once its heartbeat lapsed, after
+    CLAIM_IDLE_MS in any case); subclasses ``handle_batches`` them and ack them. A step stops
+    taking entries at TW_BATCH_BYTES of them (``entry_bytes``), and asks a partition for as many
+    as the mean entry seen so far leaves room for: deliver entries of large records are taken one
+    by one, small ones ``max_entries`` at a time. The partitions take turns in being first. A step
+    that found nothing, when ``ctx.wait_on_inputs``, blocks on all partitions at once (one
+    XREADGROUP BLOCK), each asked for its share of the byte budget.
     """
 
     stage = ""
@@ -257,6 +276,9 @@ class QueueStage:
         self.partitions = list(partitions)
         self.max_entries = max_entries
         self._claimed = time.monotonic()
+        #: Mean bytes of the entries taken lately (0 before any: the first step takes max_entries).
+        self._entry_bytes = 0
+        self._first = 0  # the partition asked first in the next step
 
     def step(self, timeout_s: float) -> int:
         claim = time.monotonic() - self._claimed >= CLAIM_EVERY_S
@@ -264,20 +286,41 @@ class QueueStage:
             self._claimed = time.monotonic()
         consumer = self.ctx.consumer
         wait = self.ctx.wait_on_inputs
-        # Blocks (up to CLAIM_EVERY_S, so that a dead consumer's entries are still claimed on
-        # time) only when no claim is due: claimed entries are served without waiting.
-        block = min(timeout_s, CLAIM_EVERY_S) if wait and not claim else 0
-        batches = self.source.get_many(self.partitions, consumer, self.max_entries, block)
-        if claim:
-            for p in self.partitions:
-                stale = self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, self.max_entries, DEAD_IDLE_MS)
-                if stale:
-                    batches[p] = batches.get(p, []) + stale
+        batches: dict[int, list[tuple[str, bytes]]] = {}
+        budget = self.ctx.config.batch_bytes
+        taken = 0
+        n = len(self.partitions)
+        for k in range(n):
+            p = self.partitions[(self._first + k) % n]
+            want = max(1, min(self.max_entries, (budget - taken) // max(1, self._entry_bytes)))
+            entries = self.source.get(p, consumer, want, 0)
+            if claim:
+                entries += self.source.claim_stale(p, consumer, CLAIM_IDLE_MS, want, DEAD_IDLE_MS)
+            if entries:
+                batches[p] = entries
+                taken += self._count_bytes(entries)
+                if taken >= budget:
+                    self._first = (self._first + k + 1) % n
+                    break
+        if not batches and wait and not claim:
+            # Idle: block (up to CLAIM_EVERY_S, so that a dead consumer's entries are still
+            # claimed on time) on every partition at once, each asked for its share of the budget.
+            want = max(1, min(self.max_entries, budget // n // max(1, self._entry_bytes)))
+            batches = self.source.get_many(self.partitions, consumer, want, min(timeout_s, CLAIM_EVERY_S))
+            for entries in batches.values():
+                self._count_bytes(entries)
         if batches:
             self.handle_batches(batches)
         elif not wait:
             self.ctx.idle_wait(self.stage, timeout_s)
         return sum(map(len, batches.values()))
+
+    def _count_bytes(self, entries: list[tuple[str, bytes]]) -> int:
+        """The entries' bytes (``entry_bytes``), folded into the running mean entry size."""
+        nbytes = sum(entry_bytes(payload) for _, payload in entries)
+        mean = nbytes // len(entries)
+        self._entry_bytes = (self._entry_bytes + mean) // 2 if self._entry_bytes else mean
+        return nbytes
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """The entries taken from each partition in one step. One call for all of them, so that

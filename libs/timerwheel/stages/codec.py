@@ -187,6 +187,12 @@ class DeliverEntry:
     def encode(self) -> bytes:
         return _pack([self.shard, self.generation, self.slot_time, self.items])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the record values it carries (they dominate; headers are small): what an
+        in-process queue counts (TW_QUEUE_BYTES)."""
+        return sum(len(item.record.value or b"") for item in self.items if item.record is not None)
+
     @classmethod
     def decode(cls, data: bytes) -> DeliverEntry:
         if isinstance(data, cls):

@@ -11,7 +11,8 @@ trusts), walks the slot's chain:
   a cancel that came after delivery has no effect.
 * Every other record — a message due now or a roll hop — is sent to the fetch queue in
   batches, at most ``max_in_flight`` messages per shard outstanding (flow control; a slot of
-  a million messages is streamed, never held).
+  a million messages is streamed, never held). A batch also ends at TW_BATCH_BYTES of source
+  records (their ``src_size``): a fetch entry stands for a bounded read in dequeue-getmsg.
 
 ``R`` (``dequeue.ckpt``) advances past a slot only when dequeue-put has reported every
 message of it done (invariant 3), so after a crash the slots from ``R`` on are read again:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -76,6 +78,8 @@ class SlotReader:
     markers: dict[int, tuple[int, int]]
     items: Iterator[FetchItem]
     matched: set[int] = field(default_factory=set)
+    #: The source records' sizes (``src_size``), aligned with what ``items`` has yet to yield.
+    sizes: deque[int] = field(default_factory=deque)
 
 
 @dataclass
@@ -241,6 +245,10 @@ class DequeueGet:
                 st.cursor = slot + tick
             reader = st.reader
             items = tuple(itertools.islice(reader.items, batch))
+            taken = len(items)
+            items = self._cut(reader, items)
+            if len(items) < taken:
+                taken = batch  # the rest went back to the reader: the slot is not done
             if items:
                 tp = None
                 if telemetry.tracer() is not None:
@@ -249,7 +257,7 @@ class DequeueGet:
                 st.pending[reader.slot_time] = st.pending.get(reader.slot_time, 0) + len(items)
                 in_flight += len(items)
                 work += len(items)
-            if len(items) < batch:
+            if taken < batch:
                 missed = len(reader.markers) - len(reader.matched)
                 if missed:
                     self.ctx.metrics.inc("cancel_missed", missed)
@@ -281,6 +289,23 @@ class DequeueGet:
             st.write_ms = ckpt.write_ms
         return st.ckpt if st.visible else None
 
+    def _cut(self, reader: SlotReader, items: tuple[FetchItem, ...]) -> tuple[FetchItem, ...]:
+        """``items`` up to TW_BATCH_BYTES of source records (at least one); the rest go back
+        to the front of the reader, for the next entry."""
+        sizes = [reader.sizes.popleft() for _ in items]
+        budget = self.ctx.config.batch_bytes
+        if sum(sizes) <= budget:
+            return items
+        total = 0
+        for k, size in enumerate(sizes):
+            total += size
+            if total > budget:
+                k = max(1, k)
+                break
+        reader.items = itertools.chain(items[k:], reader.items)
+        reader.sizes.extendleft(reversed(sizes[k:]))
+        return items[:k]
+
     def _open(self, st: GetShard, slot: int, flushed_pos: int) -> SlotReader:
         """Collect the slot's cancel markers, then stream its other records as fetch items."""
         shard = st.shard
@@ -288,7 +313,7 @@ class DequeueGet:
         dense = shard.read_dense_slot(slot, flushed_pos) if small else None
         if dense is not None:
             reader = SlotReader(slot, {}, iter(()))
-            reader.items = iter(self._items_of(*dense, reader))
+            reader.items = iter(self._items_of(*dense, reader))  # sets reader.sizes
             return reader
         kept: list[tuple[int, TimerRecord]] = []
         markers: dict[int, tuple[int, int]] = {}
@@ -310,6 +335,7 @@ class DequeueGet:
             flags = rec.flags
             if flags & (_DELETE | _ROLL) == _DELETE:
                 continue  # a cancel marker
+            reader.sizes.append(rec.src_size)
             ref = markers.get(rec.id_hash) if markers and not flags & _ROLL else None
             if ref is None:
                 yield new_tuple(FetchItem, (pos, flags, rec.src_partition, rec.src_offset, rec.deliver_ms,
@@ -329,6 +355,7 @@ class DequeueGet:
         for rec in records[is_marker][["id_hash", "src_partition", "src_offset"]].tolist():
             markers.setdefault(rec[0], (rec[1], rec[2]))  # newest first: the newest marker of an id wins
         msgs, flags = records[~is_marker], all_flags[~is_marker]
+        reader.sizes.extend(msgs["src_size"].tolist())
         n = len(msgs)
         cancel_partition, cancel_offset = [-1] * n, [-1] * n
         if markers:

@@ -5,12 +5,18 @@ name (and the cancel markers they reference) from the timer topic in one batched
 grouped per partition, and passes each on to dequeue-put as DELIVER, ROLL, CANCELLED (the
 full id of the message equals the marker's ``tw-cancel``) or MISSING (the source record is
 gone from the log: reported and dead-lettered, never retried forever — PITFALLS #7480).
+
+Memory is bounded in bytes, whatever the record sizes: a step's entries are read in groups of
+about TW_BATCH_BYTES of records (estimated from the last read's mean record size), each group
+passed on before the next is read, and the deliver queue holds at most TW_QUEUE_BYTES per
+partition (its ``put`` waits). The read-ahead keeps TW_READ_CACHE_BYTES at most.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 
 from timerwheel import telemetry
@@ -52,16 +58,55 @@ class DequeueGetMsg(QueueStage):
         self.fetch_q = fetch_queue
         self.deliver_q = deliver_queue
         self.logger = stage_logger(STAGE)
+        #: Mean bytes of a record in the last read (0: none yet), to cut reads at TW_BATCH_BYTES.
+        self._record_bytes = 0
         # Kafka: read the timer topic ahead, so that short delays find their records in memory.
         follow = getattr(commit_log, "follow", None)
         if follow is not None:
             follow(ctx.config.timer_topic)
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
-        """Every partition's fetch entries served by one read of the commit log."""
+        """The partitions' fetch entries served by one read of the commit log per TW_BATCH_BYTES
+        of records (``_groups``): one read for a step of small records, several for large ones."""
         t0 = telemetry.batch_start()
         fetches = {p: decoded(self.ctx, self.fetch_q, p, entries, FetchEntry.decode, self.logger)
                    for p, entries in batches.items()}
+        wanted: dict[tuple[int, int], Record | None] = {}
+        for group in self._groups(fetches):
+            self._serve(group, wanted if t0 is not None else None)
+        for partition, entries in batches.items():
+            self.fetch_q.ack(partition, [eid for eid, _ in entries])
+        if t0 is not None:
+            telemetry.dequeue_getmsg_batch(t0, self.ctx.config, [f for part in fetches.values() for f in part], wanted)
+
+    def _groups(self, fetches: dict[int, list[FetchEntry]]) -> Iterator[dict[int, list[FetchEntry]]]:
+        """The fetch entries cut into groups of about TW_BATCH_BYTES of records each, by the mean
+        record size of the last read (``_record_bytes``; before any read, one entry is a group:
+        dequeue-get cuts an entry at TW_BATCH_BYTES of source records). An entry larger than a
+        group is split into entries of the same slot: dequeue-put adds up their counts."""
+        budget = self.ctx.config.batch_bytes
+        group: dict[int, list[FetchEntry]] = {}
+        held = 0  # estimated bytes in ``group``
+        for partition, part in fetches.items():
+            for f in part:
+                items = f.items
+                while items:
+                    mean = self._record_bytes  # read again each time: the last read updates it
+                    room = (budget - held) // mean if mean else (0 if group else len(items))
+                    if room <= 0 and group:
+                        yield group
+                        group, held = {}, 0
+                        continue
+                    n = max(1, room)
+                    piece, items = items[:n], items[n:]
+                    group.setdefault(partition, []).append(
+                        f if len(piece) == len(f.items) else dataclasses.replace(f, items=piece))
+                    held += len(piece) * mean if mean else budget
+        if group:
+            yield group
+
+    def _serve(self, fetches: dict[int, list[FetchEntry]], wanted: dict[tuple[int, int], Record | None] | None) -> None:
+        """One read of the commit log for ``fetches``, passed on to the deliver queue."""
         # The records in item order (a position may repeat: read returns it for each), and
         # separately the few cancel markers whose id hash matched.
         positions = [pos for part in fetches.values() for f in part for pos in map(_POSITION, f.items)]
@@ -69,14 +114,16 @@ class DequeueGetMsg(QueueStage):
                           for i in f.items if i.cancel_partition >= 0})
         found = self.log.read(self.ctx.config.timer_topic, positions + markers)
         marker_records = dict(zip(markers, found[len(positions):], strict=True))
+        sizes = [len(r.value or b"") for r in found[:len(positions)] if r is not None]  # the values dominate
+        if sizes:
+            self._record_bytes = max(1, sum(sizes) // len(sizes))
+            self.ctx.processed(sum(sizes))
         start = 0
         for partition, part in fetches.items():
             start = self._pass_on(partition, part, found, start, marker_records)
-            self.fetch_q.ack(partition, [eid for eid, _ in batches[partition]])
-        if t0 is not None:
-            wanted = dict(zip(positions, found, strict=False))
+        if wanted is not None:
+            wanted.update(zip(positions, found, strict=False))
             wanted.update(marker_records)
-            telemetry.dequeue_getmsg_batch(t0, self.ctx.config, [f for part in fetches.values() for f in part], wanted)
 
     def _pass_on(self, partition: int, fetches: list[FetchEntry], found: list[Record | None], start: int,
                  markers: dict[tuple[int, int], Record | None]) -> int:

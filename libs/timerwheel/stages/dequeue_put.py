@@ -226,6 +226,7 @@ class DequeuePut(QueueStage):
         if dues and max(dues) > now:
             now = self._not_early(out, sent_out, dues, origins, delivered, rolled, not_sent, now)
         append_until_written(ctx, self.log, out, self.logger, on_missing=hold)
+        ctx.processed(sum(len(r.value) for r in out if r.value))
         if held:
             self.logger.warning("destination topics missing, records held", topics=held)
         if not_sent:

@@ -183,6 +183,7 @@ class EnqueueGet:
             reported[p] = end
         for shard, entries in by_shard.items():
             put_blocking(ctx, self.queue, shard, entries, self.logger.bind(shard=shard))
+        ctx.processed(sum(len(r.value) for r in records if r.value))
         if scheduled:
             ctx.metrics.inc_many("scheduled", "topic", scheduled)
         if cancels:

@@ -117,8 +117,9 @@ class WorkQueue(Protocol):
     partitions: int
 
     def put(self, partition: int, entries: Sequence[bytes], timeout_s: float) -> None:
-        """Append; blocks while the partition holds ``bound`` entries or more. Raises
-        ``QueueFullError`` if it is still full after ``timeout_s``."""
+        """Append; blocks while the partition holds ``bound`` entries or more, or ``max_bytes``
+        bytes or more when set (TW_QUEUE_BYTES). Raises ``QueueFullError`` if it is still full
+        after ``timeout_s``."""
         ...
 
     def get(self, partition: int, consumer: str, max_entries: int, timeout_s: float) -> list[tuple[str, bytes]]:
@@ -154,6 +155,14 @@ class WorkQueue(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def entry_bytes(payload: object) -> int:
+    """Bytes a work-queue entry holds: its length, or an in-process entry object's ``nbytes``
+    (the record bodies a deliver entry carries; 0 for entries that carry none)."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return len(payload)
+    return int(getattr(payload, "nbytes", 0))
 
 
 class LeaseStore(Protocol):

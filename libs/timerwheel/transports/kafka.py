@@ -13,8 +13,8 @@ What it guarantees:
   end, or an offset the log skips (compaction, transaction markers). A record that exists but
   cannot be fetched in time (broker down) raises ``KafkaLogError`` instead: never ``None``,
   which would send a live message to the dead-letter topic.
-- Records a ``read`` walks past without wanting them are kept (``read_cache_records`` of them,
-  the oldest dropped first) and served to a later ``read`` without a fetch. Messages due close
+- Records a ``read`` walks past without wanting them are kept (``read_cache_records`` of them
+  and ``read_cache_bytes`` at most, TW_READ_CACHE_BYTES, the oldest dropped first) and served to a later ``read`` without a fetch. Messages due close
   together were produced close together: at 1,000 msg/s with delays of 0.2-5 s, each slot's
   wanted offsets are spread thinly over the last five seconds of the log, so without this every
   slot decoded those seconds again (~50 records walked per record wanted, more than a core).
@@ -116,6 +116,8 @@ def _fetch_mode(consumer: Any, waiting: bool) -> None:
         config.update(_LONG_POLL_FETCH if waiting else _BATCHED_FETCH)
 
 _READ_FETCH_BYTES = 64 * 1024
+#: A consumer's fetch is TW_BATCH_BYTES, at most this (more buys nothing, and Kafka's field is an int32).
+_FETCH_MAX_BYTES = 16 * 1024 * 1024
 _READ_POLL_RECORDS = 200
 
 
@@ -376,6 +378,8 @@ class KafkaCommitLog:
         read_timeout_s: float = 15.0,
         read_gap: int = 50,
         read_cache_records: int = 50_000,
+        read_cache_bytes: int = 32 * 1024 * 1024,
+        fetch_bytes: int = 4 * 1024 * 1024,
         max_request_size: int = 1024 * 1024,
         stall_timeout_s: float = 8.0,
         compression: str = "none",
@@ -415,7 +419,13 @@ class KafkaCommitLog:
         #: ``append`` gives up on acknowledgements after this long and replaces the producer.
         self._stall_timeout_s = min(stall_timeout_s, self._delivery_timeout_ms / 1000 + 5)
         self._read_gap = read_gap
-        self._read_cache_records = read_cache_records
+        self._read_cache_records = read_cache_records if read_cache_bytes > 0 else 0
+        #: ... and at most this many bytes of them (``Record.size``): large bodies fill it by bytes.
+        self._read_cache_bytes = read_cache_bytes
+        self._passed_bytes = 0
+        #: A consumer's fetch returns about this many bytes at most (TW_BATCH_BYTES): what a poll
+        #: can hold in memory, whatever the record sizes.
+        self._fetch_bytes = fetch_bytes
         #: (topic, partition, offset) -> a record ``read`` walked past: see the module docstring.
         self._passed: OrderedDict[tuple[str, int, int], Record] = OrderedDict()
         self._passed_lock = threading.Lock()  # short holds: the follower inserts while a read fetches
@@ -423,6 +433,11 @@ class KafkaCommitLog:
         self._max_request_size = max_request_size
         self._producer: Any = None
         self._reader: Any = None
+        #: The reader of large records (``_read_record_bytes`` above _READ_FETCH_BYTES), made when needed.
+        self._large_reader: Any = None
+        #: Mean value bytes of the records the last read fetched: with large records, a 64 KiB
+        #: partition fetch returns one record per round trip; they are read in fetches of TW_BATCH_BYTES.
+        self._read_record_bytes = 0
         self._admin: Any = None
         self._producer_lock = threading.Lock()
         self._reader_lock = threading.Lock()
@@ -452,6 +467,8 @@ class KafkaCommitLog:
         from timerwheel.security import kafka_client_options
 
         options.setdefault("compression", cfg.kafka_compression)
+        options.setdefault("read_cache_bytes", cfg.read_cache_bytes)
+        options.setdefault("fetch_bytes", cfg.batch_bytes)
         return cls(bootstrap or cfg.kafka_bootstrap, security=kafka_client_options(cfg), **options)
 
     def _get_producer(self) -> Any:
@@ -484,8 +501,8 @@ class KafkaCommitLog:
             "auto_offset_reset": "earliest",
             "max_poll_records": 10_000,
             "fetch_max_wait_ms": 100,
-            "max_partition_fetch_bytes": 1024 * 1024,
-            "fetch_max_bytes": 16 * 1024 * 1024,
+            "max_partition_fetch_bytes": min(1024 * 1024, self._fetch_bytes),
+            "fetch_max_bytes": min(_FETCH_MAX_BYTES, self._fetch_bytes),
             "allow_auto_create_topics": False,
             # Transactions: aborted records are never returned, and a consumer stops at the last
             # stable offset (an open transaction's records wait until it ends).
@@ -506,6 +523,17 @@ class KafkaCommitLog:
                 retry_backoff_ms=20,
             )
         return self._reader
+
+    def _get_large_reader(self) -> Any:
+        if self._large_reader is None:
+            self._check_open()
+            self._large_reader = self._new_consumer(
+                "reader-large",
+                max_partition_fetch_bytes=min(_FETCH_MAX_BYTES, self._fetch_bytes),
+                enable_incremental_fetch_sessions=False,
+                retry_backoff_ms=20,
+            )
+        return self._large_reader
 
     def _get_admin(self) -> Any:
         if self._admin is None:
@@ -853,6 +881,7 @@ class KafkaCommitLog:
                 for partition, by_offset in wanted.items():
                     for offset in [o for o in by_offset if (topic, partition, o) in passed]:
                         kept = passed.pop((topic, partition, offset))
+                        self._passed_bytes -= kept.size
                         hits += 1
                         for i in by_offset.pop(offset):
                             out[i] = kept
@@ -869,11 +898,17 @@ class KafkaCommitLog:
         n = 0
         with self._passed_lock:
             passed = self._passed
+            nbytes = self._passed_bytes
             for rec in records:
-                passed[(rec.topic, rec.partition, rec.offset)] = rec
+                old = passed.get(key := (rec.topic, rec.partition, rec.offset))
+                if old is not None:
+                    nbytes -= old.size
+                passed[key] = rec
+                nbytes += rec.size
                 n += 1
-            while len(passed) > self._read_cache_records:
-                passed.popitem(last=False)
+            while passed and (len(passed) > self._read_cache_records or nbytes > self._read_cache_bytes):
+                nbytes -= passed.popitem(last=False)[1].size
+            self._passed_bytes = nbytes
         return n
 
     def follow(self, topic: str) -> None:
@@ -887,7 +922,8 @@ class KafkaCommitLog:
         self._follower.start()
 
     def _read_locked(self, topic: str, wanted: dict[int, dict[int, list[int]]], out: list[Record | None]) -> None:
-        reader = self._get_reader()
+        large = self._read_record_bytes > _READ_FETCH_BYTES
+        reader = self._get_large_reader() if large else self._get_reader()
         tps = {p: TopicPartition(topic, p) for p in wanted}
         unknown = [tp for tp in tps.values() if tp not in self._bounds]
         if unknown:
@@ -966,6 +1002,9 @@ class KafkaCommitLog:
                         reader.seek(tp, offsets[k])
                 if finished and pending:
                     reader.assign(list(pending))
+        sizes = [len(r.value or b"") for r in out if r is not None]
+        if sizes:
+            self._read_record_bytes = sum(sizes) // len(sizes)
 
     # -- consumers ---------------------------------------------------------------------------
 
@@ -1005,9 +1044,10 @@ class KafkaCommitLog:
                 _close_producer(self._tx_producer, 5)
                 self._tx_producer = None
         with self._reader_lock:
-            if self._reader is not None:
-                self._reader.close(autocommit=False)
-                self._reader = None
+            for reader in (self._reader, self._large_reader):
+                if reader is not None:
+                    reader.close(autocommit=False)
+            self._reader = self._large_reader = None
         with self._admin_lock:
             if self._admin is not None:
                 self._admin.close()

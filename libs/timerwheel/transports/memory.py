@@ -3,7 +3,8 @@
 ``MemoryWorkQueue`` is the embedded stand-in for a Redis Stream with one consumer group per
 partition. Each partition keeps entries *waiting* (put, not yet handed out) and *pending*
 (handed to a consumer by ``get`` or ``claim_stale``, not yet acked). The bound counts both:
-``put`` blocks while ``waiting + pending >= bound``, so a slow or dead consumer holds its
+``put`` blocks while ``waiting + pending >= bound`` (or, with ``max_bytes``, while their
+``entry_bytes`` sum to that much: TW_QUEUE_BYTES), so a slow or dead consumer holds its
 producer back until its entries are acked or claimed — the flow control of RIP-43's bounded
 queues, across the whole hand-off and not only the buffer. A ``put`` of a batch is all or
 nothing: it waits for room below the bound, then adds the whole batch (which may pass the
@@ -39,6 +40,7 @@ from pathlib import Path
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.errors import QueueFullError, TimerwheelError
 from timerwheel.files import FILE_MODE
+from timerwheel.transports.base import entry_bytes
 
 
 class QueueClosedError(TimerwheelError):
@@ -67,7 +69,7 @@ _MANY_SLICE_S = 0.005
 
 
 class _QueuePartition:
-    __slots__ = ("lock", "not_empty", "not_full", "waiting", "pending", "next_id", "dead")
+    __slots__ = ("lock", "not_empty", "not_full", "waiting", "pending", "next_id", "dead", "sizes", "nbytes")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -79,6 +81,9 @@ class _QueuePartition:
         self.next_id = 0
         #: Entries moved aside (``bury``): (entry id, payload, reason).
         self.dead: list[tuple[str, bytes, str]] = []
+        #: Bytes of each entry not yet acked that has any (``entry_bytes``), and their sum.
+        self.sizes: dict[str, int] = {}
+        self.nbytes = 0
 
 
 class MemoryWorkQueue:
@@ -88,7 +93,8 @@ class MemoryWorkQueue:
     #: Entries stay Python objects: the stages skip encoding for this queue (codec.wire).
     in_process = True
 
-    def __init__(self, name: str, partitions: int, bound: int, *, clock: Clock | None = None) -> None:
+    def __init__(self, name: str, partitions: int, bound: int, *, clock: Clock | None = None,
+                 max_bytes: int = 0) -> None:
         if partitions < 1:
             raise ValueError(f"MemoryWorkQueue {name!r}: partitions must be >= 1, got {partitions}")
         if bound < 1:
@@ -96,6 +102,8 @@ class MemoryWorkQueue:
         self.name = name
         self.partitions = partitions
         self.bound = bound
+        #: ``put`` also waits while the partition holds this many bytes of entries (0: no byte bound).
+        self.max_bytes = max_bytes
         self._clock: Clock = clock or _MonotonicClock()
         self._parts = [_QueuePartition() for _ in range(partitions)]
         #: consumer -> until when its last heartbeat says it is alive.
@@ -119,18 +127,23 @@ class MemoryWorkQueue:
                 if self._closed:
                     raise QueueClosedError(f"work queue {self.name!r} is closed")
                 depth = len(qp.waiting) + len(qp.pending)
-                if depth < self.bound:
+                if depth < self.bound and (not self.max_bytes or qp.nbytes < self.max_bytes):
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise QueueFullError(
                         f"work queue {self.name!r} partition {partition} still holds {depth} entries "
-                        f"(bound {self.bound}) after {timeout_s}s"
+                        f"(bound {self.bound}), {qp.nbytes} bytes (max {self.max_bytes}) after {timeout_s}s"
                     )
                 qp.not_full.wait(remaining)
             for payload in entries:
-                qp.waiting.append((f"{partition}-{qp.next_id}", payload))
+                entry_id = f"{partition}-{qp.next_id}"
+                qp.waiting.append((entry_id, payload))
                 qp.next_id += 1
+                size = entry_bytes(payload)
+                if size:
+                    qp.sizes[entry_id] = size
+                    qp.nbytes += size
             qp.not_empty.notify_all()
 
     def get(
@@ -175,6 +188,8 @@ class MemoryWorkQueue:
         qp = self._part(partition)
         with qp.lock:
             removed = sum(qp.pending.pop(entry_id, None) is not None for entry_id in entry_ids)
+            if qp.sizes:
+                qp.nbytes -= sum(qp.sizes.pop(entry_id, 0) for entry_id in entry_ids)
             if removed:
                 qp.not_full.notify_all()
 
@@ -183,6 +198,7 @@ class MemoryWorkQueue:
         with qp.lock:
             for entry_id, payload, reason in entries:
                 qp.pending.pop(entry_id, None)
+                qp.nbytes -= qp.sizes.pop(entry_id, 0)
                 qp.dead.append((entry_id, payload, reason))
             qp.not_full.notify_all()
 

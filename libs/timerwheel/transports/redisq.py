@@ -5,7 +5,9 @@ through one consumer group. An entry lives in the stream from ``put`` until ``ac
 XACKs and XDELs it in one transaction, so ``XLEN`` is exactly "waiting plus pending": that is
 both ``depth`` and the bound ``put`` waits on (RIP-43's bounded BlockingQueue, as flow control).
 The bound check and the XADDs run in one Lua script, so concurrent producers cannot overshoot
-together; a batch is admitted whole while the partition holds fewer than ``bound`` entries.
+together; a batch is admitted whole while the partition holds fewer than ``bound`` entries and,
+with ``max_bytes``, fewer bytes than that (the stream's MEMORY USAGE: large record bodies in the
+deliver queue are bounded in bytes, not only in entries; TW_QUEUE_BYTES).
 ``get`` is XREADGROUP with a bounded BLOCK, ``get_many`` one XREADGROUP over several partitions'
 streams (an idle stage blocks there), ``claim_stale`` is XAUTOCLAIM.
 
@@ -57,11 +59,19 @@ T = TypeVar("T")
 
 _FIELD = b"d"
 
-# KEYS[1] stream; ARGV[1] bound, ARGV[2..] payloads. Returns -1 when admitted, else the length.
+# KEYS[1] stream; ARGV[1] bound, ARGV[2] max_bytes (0: none), ARGV[3..] payloads. Returns -1
+# when admitted, else {entries, bytes} held. The bytes are MEMORY USAGE of the stream, every node
+# counted (SAMPLES 0: one pass over the stream's nodes, no copy of the entries); an acked entry
+# leaves it with XDEL (a large entry fills a node of its own, freed at once).
 _PUT_IF_ROOM = """
 local n = redis.call('XLEN', KEYS[1])
-if n >= tonumber(ARGV[1]) then return n end
-for i = 2, #ARGV do redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
+if n >= tonumber(ARGV[1]) then return {n, -1} end
+local limit = tonumber(ARGV[2])
+if limit > 0 and n > 0 then
+  local held = redis.call('MEMORY', 'USAGE', KEYS[1], 'SAMPLES', '0') or 0
+  if held >= limit then return {n, held} end
+end
+for i = 3, #ARGV do redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
 return -1
 """
 
@@ -188,6 +198,7 @@ class RedisWorkQueue:
         group: str = "tw",
         *,
         max_block_s: float = 2.0,
+        max_bytes: int = 0,
     ) -> None:
         if partitions < 1:
             raise ValueError(f"RedisWorkQueue {name!r}: partitions must be >= 1, got {partitions}")
@@ -203,6 +214,8 @@ class RedisWorkQueue:
         self.name = name
         self.partitions = partitions
         self.bound = bound
+        #: ``put`` also waits while the partition's stream holds this many bytes (0: no byte bound).
+        self.max_bytes = max_bytes
         self.group = group
         self._max_block_ms = max(1, int(max_block_s * 1000))
         self._put_script = client.register_script(_PUT_IF_ROOM)
@@ -244,13 +257,13 @@ class RedisWorkQueue:
         pause = 0.002
         with _redis_call(f"put to queue {self.name!r} partition {partition}"):
             while True:
-                held = self._put_script(keys=[key], args=[self.bound, *entries])
+                held = self._put_script(keys=[key], args=[self.bound, self.max_bytes, *entries])
                 if held == -1:
                     return
                 if time.monotonic() >= deadline:
                     raise QueueFullError(
-                        f"queue {self.name!r} partition {partition} still held {held} entries "
-                        f"(bound {self.bound}) after {timeout_s}s"
+                        f"queue {self.name!r} partition {partition} still held {held[0]} entries "
+                        f"(bound {self.bound}), {max(0, int(held[1]))} bytes (max {self.max_bytes}) after {timeout_s}s"
                     )
                 time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
                 pause = min(pause * 2, 0.05)
