@@ -59,6 +59,7 @@ COUNTERS: dict[str, str] = {
     "undecodable_batches": "timer-topic batches that could not be decoded, per partition",
     "dead_entries": "work-queue entries that could not be decoded, moved to the dead-entry stream",
     "early_records": "deliveries not yet due by dequeue-put's clock, waited for",
+    "handovers": "shards handed over to the replica that ranks first for them, per shard and stage",
 }
 #: Every gauge: name -> help text.
 GAUGES: dict[str, str] = {
@@ -73,6 +74,9 @@ GAUGES: dict[str, str] = {
     "queue_depth": "entries in a work queue partition",
     "undecodable_offset": "offset of the batch that could not be decoded, per timer partition",
     "undecodable_partitions": "timer partitions set aside for an undecodable batch",
+    "owned_shards": "shards this replica owns, per stage (readiness does not say)",
+    "shard_open_failed": "1 while the owner cannot open a shard, per shard, stage and error class",
+    "due_peak_per_s": "messages per second of the busiest 10 s due within ahead_s, per shard",
 }
 #: Every histogram: name -> help text.
 HISTOGRAMS: dict[str, str] = {
