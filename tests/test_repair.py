@@ -169,9 +169,13 @@ def test_dequeue_get_leaves_a_shard_without_its_checkpoint_unowned_and_says_why(
         stage.step(0.0)
         assert stage.owned == {}
         assert "dequeue.ckpt is missing" in stage.refused[0] and "timerwheel recover --shard 0" in stage.refused[0]
+        # the operator sees it as it sees an unopenable shard, and marks the TimerWheel Degraded
+        failed = {"shard": 0, "stage": "dequeue-get", "error": "RecoveryNeeded"}
+        assert ctx.metrics.gauge("shard_open_failed", **failed) == 1
         assert tw("recover", "--shard", "0", "--data-dir", str(data)).returncode == 0
         stage.step(0.0)
         assert list(stage.owned) == [0] and stage.owned[0].read_ms == START + 1_000
         assert stage.refused == {}
+        assert ctx.metrics.gauge("shard_open_failed", **failed) == 0
     finally:
         stage.close()

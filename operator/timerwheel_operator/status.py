@@ -160,7 +160,8 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
                             generation, previous, now)
     elif unopenable:
         degrade = condition("Degraded", True, "ShardUnopenable", "cannot be opened by its owner: " + ", ".join(
-            unopenable) + " (see the pod's log: 'shard cannot be opened')", generation, previous, now)
+            unopenable) + " (see the pod's log: 'shard cannot be opened', or for RecoveryNeeded 'shard needs recovery' and "
+            "the `timerwheel recover` command it names)", generation, previous, now)
     elif degraded:
         message = f"for {RECOVERY_GRACE_S} s or more, " + recovering["message"]
         degrade = condition("Degraded", True, "ShardUnowned", message, generation, previous, now)

@@ -17,7 +17,7 @@ from typing import TypeVar
 from timerwheel.clock import Clock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import QueueFullError
-from timerwheel.log import StageLogger
+from timerwheel.log import StageLogger, stage_logger
 from timerwheel.metrics import Metrics
 from timerwheel.records import OutRecord
 from timerwheel.stages.codec import CONSUMER_OF
@@ -220,29 +220,53 @@ def refused_record(record: OutRecord, reason: str, dlq_topic: str) -> OutRecord:
 
 
 class Unopenable:
-    """The shards a shard-owning stage cannot open (a torn checkpoint, a lost file, a failed
-    recovery): ``shard_open_failed{shard, stage, error}`` is 1 while it fails (``error``: the
-    exception's class; the message is logged once per shard and error), 0 once it opened. The
-    operator reads it and marks the TimerWheel Degraded naming the shard."""
+    """The shards a shard-owning stage cannot start: ``shard_open_failed{shard, stage, error}`` is 1
+    while it fails, 0 once it opened. The operator reads it and marks the TimerWheel Degraded
+    naming the shard. Two kinds:
+
+    * ``report``: the shard cannot be opened (``error``: the exception's class; the message is
+      logged once per shard and error) and is tried again;
+    * ``refuse``: its state needs ``timerwheel recover`` (a lost or corrupt checkpoint; ``error``
+      RECOVERY_NEEDED), logged once per reason as "shard needs recovery"; ``refused`` holds why.
+    """
 
     def __init__(self, ctx: StageContext, stage: str, log: StageLogger) -> None:
         self.ctx = ctx
         self.stage = stage
         self.log = log
         self.failing: dict[int, str] = {}
+        #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
+        self.refused: dict[int, str] = {}
 
     def report(self, shard: int, exc: BaseException) -> None:
         error = type(exc).__name__
-        if self.failing.get(shard) != error:
-            self.clear(shard)
-            self.failing[shard] = error
+        if self._fail(shard, error):
             self.log.error("shard cannot be opened, retrying", shard=shard, error=f"{error}: {exc}"[:500])
-        self.ctx.metrics.set("shard_open_failed", 1, shard=shard, stage=self.stage, error=error)
+
+    def refuse(self, shard: int, why: str) -> None:
+        self._fail(shard, RECOVERY_NEEDED)
+        if self.refused.get(shard) != why:
+            self.refused[shard] = why
+            stage_logger(self.stage, shard).error("shard needs recovery", reason=why)
 
     def clear(self, shard: int) -> None:
+        self.refused.pop(shard, None)
         error = self.failing.pop(shard, None)
         if error is not None:
             self.ctx.metrics.set("shard_open_failed", 0, shard=shard, stage=self.stage, error=error)
+
+    def _fail(self, shard: int, error: str) -> bool:
+        """Mark the shard failing with ``error``; True if that is new for it."""
+        new = self.failing.get(shard) != error
+        if new:
+            self.clear(shard)
+            self.failing[shard] = error
+        self.ctx.metrics.set("shard_open_failed", 1, shard=shard, stage=self.stage, error=error)
+        return new
+
+
+#: ``shard_open_failed``'s ``error`` for a shard that waits for ``timerwheel recover``.
+RECOVERY_NEEDED = "RecoveryNeeded"
 
 
 #: Entries pending this long are claimed by another consumer, even from a live one (stuck).

@@ -135,11 +135,14 @@ class DequeueGet:
         self._waiting = set(self.shard_ids)
         self._wanted = self.ownership.wanted(self.shard_ids)
         self._unopenable = Unopenable(ctx, STAGE, self.logger)
-        #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
-        self.refused: dict[int, str] = {}
         #: The last step did nothing (the next one may wait, see ``StageContext.wait_on_inputs``).
         self._idle = False
         self.take_shards()
+
+    @property
+    def refused(self) -> dict[int, str]:
+        """Shards left unstarted because their state needs ``timerwheel recover``: shard -> why."""
+        return self._unopenable.refused
 
     def take_shards(self) -> None:
         for shard_id in sorted(self._waiting & self._wanted):
@@ -155,14 +158,11 @@ class DequeueGet:
             except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
                 self._unopenable.report(shard_id, exc)
                 continue
-            self._unopenable.clear(shard_id)
             why = recovery_needed(shard.directory) if ckpt is None else None
             if why is not None:
-                if self.refused.get(shard_id) != why:
-                    self.refused[shard_id] = why
-                    stage_logger(STAGE, shard_id).error("shard needs recovery", reason=why)
+                self._unopenable.refuse(shard_id, why)
                 continue
-            self.refused.pop(shard_id, None)
+            self._unopenable.clear(shard_id)
             if ckpt is None:
                 continue  # enqueue-put has not started the shard yet
             epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)

@@ -109,8 +109,7 @@ class EnqueuePut:
         self._wanted = self.ownership.wanted(self.shard_ids)
         self._retained = time.monotonic()
         self._blocked: set[int] = set()
-        #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
-        self.refused: dict[int, str] = {}
+        #: When each shard waiting for ``timerwheel recover`` was last looked at.
         self._refused_at: dict[int, float] = {}
         #: The last step found no entry (the next one may wait on the queue).
         self._idle = False
@@ -151,7 +150,6 @@ class EnqueuePut:
                 continue
             self._unopenable.clear(shard_id)
             self._blocked.discard(shard_id)
-            self.refused.pop(shard_id, None)
             ckpt = shard.load_enqueue_checkpoint()
             if ckpt is not None and ckpt.epoch >= epoch:
                 # The lease store forgot (Redis flushed): take an epoch above the checkpoint's.
@@ -167,14 +165,17 @@ class EnqueuePut:
     def _dir(self, shard_id: int) -> str:
         return shard_dir(self.ctx.config.data_dir, shard_id)
 
+    @property
+    def refused(self) -> dict[int, str]:
+        """Shards left unstarted because their state needs ``timerwheel recover``: shard -> why."""
+        return self._unopenable.refused
+
     def _refuse(self, shard_id: int, why: str) -> None:
         """Leave a shard whose state needs ``timerwheel recover`` unstarted (its lease released, so the
         tool may run), saying why once; it is looked at again every RECOVERY_RETRY_S and starts once repaired."""
         self.ownership.release_all_of(shard_id)
         self._refused_at[shard_id] = time.monotonic()
-        if self.refused.get(shard_id) != why:
-            self.refused[shard_id] = why
-            stage_logger(STAGE, shard_id).error("shard needs recovery", reason=why)
+        self._unopenable.refuse(shard_id, why)
 
     def _start(self, shard_id: int, shard: Shard, epoch: int) -> PutShard:
         log = stage_logger(STAGE, shard_id)
