@@ -103,6 +103,10 @@ class GetShard:
     visible: bool = False
     #: Done entries a previous owner took and never acked are still to be claimed (e2e fix).
     reclaim: bool = True
+
+    def settled(self) -> bool:
+        """No slot open, nothing waiting to be sent, nothing sent and not yet done."""
+        return self.reader is None and not self.pending and not self.outbox
     #: Being handed over (monotonic time it began): no new slot is opened, the shard is
     #: released once what was sent came back done (or after DRAIN_S).
     draining: float | None = None
@@ -455,8 +459,7 @@ class DequeueGet:
     @staticmethod
     def _drained(st: GetShard) -> bool:
         assert st.draining is not None
-        idle = st.reader is None and not st.pending and not st.outbox
-        return idle or time.monotonic() - st.draining >= DRAIN_S
+        return st.settled() or time.monotonic() - st.draining >= DRAIN_S
 
     def _hand_over(self, st: GetShard) -> None:
         """Release a drained shard: R is saved already (``_advance_r``), so its next owner
@@ -486,7 +489,7 @@ class DequeueGet:
         def done(st: GetShard) -> bool:
             ckpt = st.shard.load_enqueue_checkpoint()
             end = st.shard.slot_time(ckpt.write_ms) if ckpt else st.cursor
-            return st.reader is None and not st.pending and not st.outbox and st.cursor >= end
+            return st.settled() and st.cursor >= end
 
         return not self._waiting and all(done(st) for st in list(self.owned.values()))
 
@@ -506,7 +509,7 @@ class DequeueGet:
                     st.log.warning("drain on stop ended", reason=str(exc)[:200])
                     self.owned.pop(st.shard_id, None)
                     continue
-                busy = busy or bool(st.reader or st.pending or st.outbox)
+                busy = busy or not st.settled()
             if not busy:
                 break
             time.sleep(0.005)
