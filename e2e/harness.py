@@ -29,6 +29,7 @@ messages.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import os
@@ -497,10 +498,12 @@ class TimerProducer:
                                       acks="all", linger_ms=5, delivery_timeout_ms=120_000, **pipe.kafka_options)
         self.messages: dict[str, Scheduled] = {}
         self.cancelled: dict[str, Scheduled] = {}
+        #: target id -> when its cancel was acknowledged (our clock: after the broker appended it).
+        self.cancel_acked: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def _send(self, record: Scheduled | None, headers: list[tuple[str, bytes]], partition: int,
-              key: bytes | None, value: bytes | None, timestamp_ms: int | None = None) -> None:
+              key: bytes | None, value: bytes | None, timestamp_ms: int | None = None) -> Any:
         future = self.producer.send(self.pipe.timer_topic, key=key, value=value, headers=headers, partition=partition,
                                     timestamp_ms=timestamp_ms)
         if record is not None:
@@ -512,6 +515,7 @@ class TimerProducer:
 
             future.add_callback(ok)
             future.add_errback(fail)
+        return future
 
     def schedule(self, topic: str, deliver_at_ms: int | None = None, value: bytes | None = None,
                  headers: Sequence[tuple[str, bytes]] = (), partition: int | None = None, *,
@@ -545,7 +549,19 @@ class TimerProducer:
         with self._lock:
             self.cancelled[target.message_id] = target
         headers = [("tw-cancel", target.message_id.encode()), ("tw-deliver-at", str(target.deliver_at_ms).encode())]
-        self._send(None, headers, target.partition, target.message_id.encode(), None)
+        future = self._send(None, headers, target.partition, target.message_id.encode(), None)
+
+        def acked(_md: object, mid: str = target.message_id) -> None:
+            self.cancel_acked[mid] = now_ms()
+
+        future.add_callback(acked)
+
+    def cancels_in_time(self) -> dict[str, Scheduled]:
+        """Cancelled targets, less those whose cancel was acknowledged only at or after their
+        delivery time (which may miss: a cancel must reach the timer topic before it is due)."""
+        with self._lock:
+            return {m: s for m, s in self.cancelled.items()
+                    if self.cancel_acked.get(m, -1) < s.deliver_at_ms}
 
     def send_raw(self, headers: Sequence[tuple[str, bytes]], key: bytes | None, value: bytes | None,
                  partition: int = 0) -> None:
@@ -572,8 +588,13 @@ class TimerProducer:
 class SteadyLoad:
     """A background thread scheduling ``rate`` messages/s with delays in [min_delay, max_delay] ms."""
 
-    def __init__(self, producer: TimerProducer, topic: str, rate: float, min_delay_ms: int, max_delay_ms: int) -> None:
+    def __init__(self, producer: TimerProducer, topic: str, rate: float, min_delay_ms: int, max_delay_ms: int,
+                 cancel_fraction: float = 0.0) -> None:
+        """``cancel_fraction`` of the messages are cancelled shortly before they are due (0.3 to
+        1.5 s before, or at once if that is past): the hard case for a cancel."""
         self.producer = producer
+        self.cancel_fraction = cancel_fraction
+        self.cancels = 0
         self.topic = topic
         self.rate = rate
         self.delays = (min_delay_ms, max_delay_ms)
@@ -589,15 +610,25 @@ class SteadyLoad:
     def _run(self) -> None:
         t0 = time.monotonic()
         rng = random.Random(1)
+        to_cancel: list[tuple[int, int, Scheduled]] = []  # (when, seq, target): a heap
         while not self._stop.is_set():
             due = int((time.monotonic() - t0) * self.rate)
             while self.sent < due and not self._stop.is_set():
                 try:
-                    self.producer.schedule(self.topic, now_ms() + rng.randint(*self.delays))
+                    m = self.producer.schedule(self.topic, now_ms() + rng.randint(*self.delays))
                     self.sent += 1
+                    if rng.random() < self.cancel_fraction:
+                        heapq.heappush(to_cancel, (m.deliver_at_ms - rng.randint(300, 1_500), self.sent, m))
                 except Exception:  # noqa: BLE001 - broker away: count it, keep the pace
                     self.errors += 1
                     time.sleep(0.1)
+            while to_cancel and to_cancel[0][0] <= now_ms() and not self._stop.is_set():
+                try:
+                    self.producer.cancel(to_cancel[0][2])
+                    self.cancels += 1
+                except Exception:  # noqa: BLE001 - broker away: its target may be delivered (not counted)
+                    self.errors += 1
+                heapq.heappop(to_cancel)
             self._stop.wait(0.01)
 
     def stop(self) -> None:
@@ -717,13 +748,13 @@ class LoadRun:
     the producer, whatever happened."""
 
     def __init__(self, pipe: Pipeline, topic: str, *, seed: int, rate: float, min_delay_ms: int,
-                 max_delay_ms: int) -> None:
+                 max_delay_ms: int, cancel_fraction: float = 0.0) -> None:
         self.pipe = pipe
         with ExitStack() as opened:  # what opened before a failure here is closed again
             self.producer = opened.enter_context(TimerProducer(pipe, seed=seed))
             self.collector = opened.enter_context(Collector(pipe, [topic]))
             self.load = opened.enter_context(SteadyLoad(self.producer, topic, rate, min_delay_ms,
-                                                        max_delay_ms))
+                                                        max_delay_ms, cancel_fraction))
             self._opened = opened.pop_all()
 
     def drain(self, name: str, timeout_s: float) -> tuple[set[str], Report]:
@@ -788,7 +819,7 @@ def make_report(name: str, producer: TimerProducer, collector: Collector) -> Rep
                       for m in delivered)
     early_received = sorted(m for m in delivered
                             if min(d.received_at_ms for d in by_id[m]) < expected[m].deliver_at_ms)
-    cancelled = sorted(m for m in producer.cancelled if m in by_id)
+    cancelled = sorted(m for m in producer.cancels_in_time() if m in by_id)
     known = set(producer.messages)
     unexpected = sorted(m for m in by_id if m not in known or not producer.messages[m].acked)
 

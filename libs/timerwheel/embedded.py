@@ -172,7 +172,8 @@ class EmbeddedTimerwheel:
         if isinstance(self.clock, SimulatedClock):
             self.clock.on_change(lambda: ctx.wake("enqueue-put"))
         self.enqueue_put = EnqueuePut(ctx, shard_ids, lambda s: open_shard(cfg, s, writer=True), self.queues[Q_PUT],
-                                      Ownership(leases, "enqueue-put", owner, cfg.lease_ttl_ms))
+                                      Ownership(leases, "enqueue-put", owner, cfg.lease_ttl_ms),
+                                      input_ends=lambda: self.commit_log.end_offsets(cfg.timer_topic))
         if len(self.enqueue_put.owned) != cfg.shards:
             refused = dict(self.enqueue_put.refused)
             self.enqueue_put.close()

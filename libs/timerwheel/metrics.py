@@ -60,12 +60,14 @@ COUNTERS: dict[str, str] = {
     "dead_entries": "work-queue entries that could not be decoded, moved to the dead-entry stream",
     "early_records": "deliveries not yet due by dequeue-put's clock, waited for",
     "handovers": "shards handed over to the replica that ranks first for them, per shard and stage",
+    "input_end_failures": "requests for the timer topic's end offsets that failed (W waits meanwhile)",
 }
 #: Every gauge: name -> help text.
 GAUGES: dict[str, str] = {
     "write_lag_ms": "now - W, per shard",
     "read_lag_ms": "now - R, per shard",
     "write_ms": "the write watermark W, per shard",
+    "input_wait_ms": "how long W has been held back waiting for timer records not yet written, per shard",
     "read_ms": "the read time R, per shard",
     "in_flight": "messages sent by dequeue-get and not yet delivered, per shard",
     "timerlog_bytes": "TimerLog size, per shard",

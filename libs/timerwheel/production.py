@@ -121,7 +121,8 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any)
         check_timer_topic(cfg, log)
         return EnqueuePut(ctx, shards, lambda s: open_shard(cfg, s, writer=True), queues[Q_PUT],
                           Ownership(transports.leases, "enqueue-put", ctx.consumer, cfg.lease_ttl_ms,
-                                    members=transports.leases))
+                                    members=transports.leases),
+                          input_ends=lambda: log.end_offsets(cfg.timer_topic))
     if name == "dequeue-get":
         return DequeueGet(ctx, shards, lambda s: open_reader_if_exists(cfg, s), queues[Q_FETCH], queues[Q_DONE],
                           Ownership(transports.leases, "dequeue-get", ctx.consumer, cfg.lease_ttl_ms,

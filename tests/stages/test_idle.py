@@ -76,7 +76,8 @@ class Installation:
         shards = range(cfg.shards)
         builders: dict[str, Callable[[StageContext], Any]] = {
             "enqueue-put": lambda ctx: EnqueuePut(ctx, shards, lambda s: open_shard(cfg, s, writer=True), queues[Q_PUT],
-                                                  Ownership(leases, "enqueue-put", ctx.consumer, cfg.lease_ttl_ms)),
+                                                  Ownership(leases, "enqueue-put", ctx.consumer, cfg.lease_ttl_ms),
+                                                  input_ends=lambda: self.log.end_offsets(cfg.timer_topic)),
             "enqueue-get": lambda ctx: EnqueueGet(ctx, self.log, queues[Q_PUT], range(cfg.timer_partitions),
                                                   checkpoint_offsets_of(cfg)),
             "dequeue-get": lambda ctx: DequeueGet(ctx, shards, lambda s: open_reader_if_exists(cfg, s), queues[Q_FETCH],

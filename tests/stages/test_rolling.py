@@ -80,7 +80,7 @@ def test_vectorised_batch_matches_fire_time(deliver: list[int], write_ms: int, w
     import numpy as np
 
     rows = [(i, 10, 5, d, bool(i % 2), 7, 2**63 + i) for i, d in enumerate(deliver)]
-    arr = put._records(np.full(len(rows), 1, dtype=np.uint64), rows, write_ms)
+    arr = put._records(np.full(len(rows), 1, dtype=np.uint64), rows, write_ms, write_ms)
     for i, d in enumerate(deliver):
         fire, rolled = fire_time(d, write_ms, window)
         assert int(arr["deliver_ms"][i]) == fire

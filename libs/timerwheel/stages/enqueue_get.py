@@ -63,6 +63,8 @@ class EnqueueGet:
         #: partition -> where the last entry sent for it ended (the next entry starts there).
         self._reported = dict(resume)
         self._suspects: dict[int, int] = {}
+        #: partition -> the checkpoint offset it was last rewound to.
+        self._rewound: dict[int, int] = {}
         self._last_check = time.monotonic()
         #: partition -> offset of a batch the consumer cannot decode, as last reported.
         self._undecodable: dict[int, int] = {}
@@ -229,14 +231,19 @@ class EnqueueGet:
         self._last_check = now
         suspects: dict[int, int] = {}
         for shard in {self.shard_of(p) for p in self.partitions}:
-            if self.queue.depth(shard) != 0:
-                continue
+            # A checkpoint that does not move while the queue still holds entries may be an
+            # enqueue-put that is slow or down (rewinding re-sends what the queue holds), or one
+            # that skips our entries after a gap (a torn TimerLog tail made it resume below what
+            # we sent): under load its queue never empties, so waiting for that would stop the
+            # partition, and W with it, until the load stops. So each checkpoint value is
+            # rewound to once whatever the queue holds, and again only once the queue is empty.
+            busy = self.queue.depth(shard) != 0
             offsets = self.checkpoint_offsets(shard)
             for p in self.partitions:
                 if self.shard_of(p) != shard:
                     continue
                 ckpt = offsets.get(p, 0)
-                if ckpt < self.consumer.position(p):
+                if ckpt < self.consumer.position(p) and not (busy and self._rewound.get(p) == ckpt):
                     suspects[p] = ckpt
         for p, ckpt in suspects.items():
             if self._suspects.get(p) == ckpt:
@@ -245,6 +252,7 @@ class EnqueueGet:
                 self.ctx.metrics.inc("rewinds", partition=p)
                 self.consumer.seek(p, ckpt)
                 self._reported[p] = ckpt
+                self._rewound[p] = ckpt
         self._suspects = suspects
 
     def caught_up(self) -> bool:

@@ -8,7 +8,8 @@ Owns shards. For each batch of entries of a shard:
    window, a roll slot otherwise (design §5), the slot of ``W`` if already due (invariant 1);
 3. append to the TimerLog, link into the wheel, flush (TimerLog, then wheel);
 4. advance ``W`` (to now, capped so the wheel never laps an unread slot: a write never goes
-   past ``R + span - tick``), save ``enqueue.ckpt`` atomically, and only then ack the queue.
+   past ``R + span - tick``, and never past the time up to which the shard's input is complete,
+   see ``InputWatermark``), save ``enqueue.ckpt`` atomically, and only then ack the queue.
 
 Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
 unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
@@ -64,6 +65,10 @@ RECOVERY_RETRY_S = 2.0
 IDLE_PUBLISH_S = 1.0
 #: The shortest idle wait (W held back by R: nothing to publish however often we look).
 MIN_WAIT_S = 0.01
+#: Observations of the timer topic's end a shard keeps while its input catches up with them.
+MAX_PENDING_ENDS = 64
+#: W waiting this long for the shard's input is logged (once until it moves again).
+INPUT_WAIT_LOG_S = 10.0
 
 
 def fire_time(deliver_ms: int, write_ms: int, roll_window_ms: int) -> tuple[int, bool]:
@@ -74,6 +79,48 @@ def fire_time(deliver_ms: int, write_ms: int, roll_window_ms: int) -> tuple[int,
             return write_ms + roll_window_ms // 2, True
         return write_ms + roll_window_ms, True
     return max(deliver_ms, write_ms), False
+
+
+class InputWatermark:
+    """Up to when each shard's input is complete: W never passes it.
+
+    W is the time up to which a shard's slots may be read. Were it only the clock, a timer record
+    that reaches the shard late (enqueue-get stopped, rebalancing, or rewinding after Redis lost
+    its entries) would find its slot read already: a late message is merely late (it goes to the
+    slot of W), but a late *cancel* misses its target, which is delivered. So W also waits for
+    the input: at ``t0`` (our clock, read before the request) the timer topic ended at ``ends``
+    (the last stable offsets: what a ``read_committed`` reader can reach), so every record the
+    topic acknowledged before ``t0`` has an offset below its partition's end; once the shard has
+    written every one of its partitions up to that end, its input is complete up to ``t0``. A
+    cancel acknowledged before its target's delivery time is then in the wheel before the
+    target's slot is read, however late it arrives, and it lands in the target's own slot
+    (W is still before the delivery time when it is written).
+
+    ``ends()`` (the timer topic's end offsets) is asked at most every ``interval_s`` of real time,
+    and only while some shard's W waits for its input."""
+
+    def __init__(self, ctx: StageContext, ends: Callable[[], dict[int, int]], interval_s: float) -> None:
+        self.ctx = ctx
+        self.ends = ends
+        self.interval_s = interval_s
+        self._last: tuple[float, int, dict[int, int]] | None = None
+
+    def observe(self) -> tuple[int, dict[int, int]] | None:
+        """(t0, end offsets): a new observation, or the last one when it is recent enough
+        (``interval_s`` of real time, or taken at this very clock time); None if Kafka did not answer."""
+        mono, now = time.monotonic(), self.ctx.clock.now_ms()
+        last = self._last
+        if last is not None and (last[1] == now or mono - last[0] < self.interval_s):
+            return last[1], last[2]
+        try:
+            ends = self.ends()
+        except Exception as exc:  # noqa: BLE001 - W waits (deliveries pause); the stage carries on
+            self.ctx.metrics.inc("input_end_failures")
+            stage_logger(STAGE).warning("timer topic end offsets unavailable, W waits", error=str(exc))
+            self._last = (mono, now, last[2]) if last is not None else None
+            return None
+        self._last = (mono, now, ends)
+        return now, ends
 
 
 @dataclass
@@ -91,14 +138,30 @@ class PutShard:
     read_ms: int = -(2**62)
     #: Entries a previous owner took and never acked are still to be claimed (e2e fix).
     reclaim: bool = True
+    #: The shard's input is complete up to here (``InputWatermark``); W never passes it.
+    input_ms: int = 0
+    #: Observations (t0, end offset per partition of this shard) the input has not reached yet, oldest first.
+    pending_ends: list[tuple[int, dict[int, int]]] = field(default_factory=list)
+    #: When W began to wait for the input (time.monotonic()), 0 if it does not; whether that was logged.
+    input_wait_since: float = 0.0
+    input_wait_logged: bool = False
 
 
 class EnqueuePut:
     def __init__(self, ctx: StageContext, shard_ids: Iterable[int], open_shard: Callable[[int], Shard],
-                 put_queue: WorkQueue, ownership: Ownership) -> None:
+                 put_queue: WorkQueue, ownership: Ownership,
+                 input_ends: Callable[[], dict[int, int]] | None = None) -> None:
         """``open_shard(id)`` opens a shard as its writer, which runs recovery: it is only
-        called once the lease is ours, so two writers never touch one TimerLog."""
+        called once the lease is ours, so two writers never touch one TimerLog.
+
+        ``input_ends()``: the timer topic's end offsets (``CommitLog.end_offsets``); W then
+        waits for the input (``InputWatermark``). Without it W follows the clock alone (unit
+        tests that feed the put queue by hand)."""
         self.ctx = ctx
+        # Production asks Kafka at most twice a tick while W waits; in process the log answers
+        # at once, and a simulated clock must see its input complete as soon as it moves.
+        self.input = None if input_ends is None else InputWatermark(
+            ctx, input_ends, ctx.config.tick_ms / 2000 if ctx.wait_on_inputs else 0.0)
         self.queue = put_queue
         self.ownership = ownership
         self.open_shard = open_shard
@@ -183,6 +246,7 @@ class EnqueuePut:
         now = self.ctx.clock.now_ms()
         st = PutShard(shard_id, shard, log, epoch=epoch)
         if ckpt is None:
+            # A new shard starts at the clock; from here on W waits for its input.
             st.write_ms = now
             if shard.load_dequeue_checkpoint() is None:
                 # Bootstrap R at the shard's first W, so dequeue-get starts where writes start.
@@ -204,6 +268,7 @@ class EnqueuePut:
             log.info("recovered", epoch=epoch, checked_from=report.checked_from, end_pos=report.end_pos,
                      records=report.records_checked, truncated_bytes=report.truncated_bytes,
                      relinked=report.relinked, corrupt=len(report.corrupt), seconds=round(report.seconds, 3))
+        st.input_ms = st.write_ms  # a checkpointed W had its input complete
         self._advance_w(st)
         self._publish(st)
         return st
@@ -280,6 +345,8 @@ class EnqueuePut:
         for st in self.owned.values():
             wait = min(wait, max(st.published_at + IDLE_PUBLISH_S - mono, (st.published_ms + tick - now_ms) / 1000))
         for st in self.owned.values():
+            if st.pending_ends:
+                continue  # W waits for entries of this shard, and an entry ends the wait
             due = st.shard.next_nonempty(st.published_ms, st.published_ms + max(0, int(wait * 1000)) + tick)
             if due is not None and (due + tick - now_ms) / 1000 <= wait:
                 wait, on_time = (due + tick - now_ms) / 1000, True
@@ -309,8 +376,8 @@ class EnqueuePut:
             self.ctx.metrics.inc("put_gaps", gaps, shard=st.shard_id)
             st.log.warning("entries after a gap skipped", entries=gaps)
         self.ownership.check(st.shard_id)
-        records = self._records(np.repeat(np.array(partitions, dtype=np.uint64), counts), rows, st.write_ms) \
-            if rows else None
+        records = self._records(np.repeat(np.array(partitions, dtype=np.uint64), counts), rows, st.write_ms,
+                                self._roll_base(st)) if rows else None
         if records is not None:
             st.shard.append_array(records)
         st.next_offsets = offsets  # only once the records are in the TimerLog
@@ -322,24 +389,27 @@ class EnqueuePut:
             written = records_from_array(records) if records is not None else []
             telemetry.enqueue_put_batch(t0, st.shard_id, _requests(entries), written, st.shard.slot_time)
 
-    def _records(self, partition: np.ndarray, rows: list[PutRow], write_ms: int) -> RecordArray:
-        """TimerLog records for a batch, built column-wise: ``fire_time`` vectorised."""
+    def _records(self, partition: np.ndarray, rows: list[PutRow], write_ms: int, base_ms: int) -> RecordArray:
+        """TimerLog records for a batch, built column-wise: ``fire_time`` vectorised, rolling
+        relative to ``base_ms`` (``_roll_base``) and never into a slot before W (``write_ms``)."""
         # fromiter over the flattened rows: a third faster than np.array(rows), which inspects each row
         flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.uint64, count=len(rows) * PUT_ROW_FIELDS)
         offset, size, enqueued, deliver, cancel, thash, ihash = flat.reshape(len(rows), PUT_ROW_FIELDS).T
         deliver = deliver.astype(np.int64)
         window = self.ctx.config.roll_window_ms
-        rolled = deliver - write_ms >= window
-        beyond = deliver - (write_ms + window)
-        fire = np.where(rolled, np.where(beyond < window // 3, write_ms + window // 2, write_ms + window),
+        rolled = deliver - base_ms >= window
+        beyond = deliver - (base_ms + window)
+        fire = np.where(rolled, np.where(beyond < window // 3, base_ms + window // 2, base_ms + window),
                         np.maximum(deliver, write_ms))
         flags = np.where(cancel.astype(bool), _DELETE, _NORMAL) | np.where(rolled, _ROLL, 0)
         return records_array(flags=flags, enqueue_ms=enqueued.astype(np.int64), deliver_ms=fire,
                              src_partition=partition, src_offset=offset.astype(np.int64), src_size=size,
                              topic_hash=thash, id_hash=ihash)
 
-    def _target_w(self, st: PutShard) -> int:
-        """Now, capped so that no write (at most W + roll window) can lap an unread slot.
+    def _target_w(self, st: PutShard, observe: bool = True) -> int:
+        """Now, capped so that no write (at most W + roll window) can lap an unread slot, and
+        never past the time up to which the shard's input is complete (``InputWatermark``;
+        ``observe``: ask where the timer topic ends if that would move W).
 
         R only grows, so the last R we read gives a safe cap; R is re-read only when that cap binds."""
         cfg = self.ctx.config
@@ -348,7 +418,71 @@ class EnqueuePut:
         if now > st.read_ms + headroom:
             dq = st.shard.load_dequeue_checkpoint()
             st.read_ms = dq.read_ms if dq else st.write_ms
-        return max(st.write_ms, min(now, st.read_ms + headroom))
+        target = min(now, st.read_ms + headroom)
+        if self.input is not None and target > st.input_ms:
+            if observe:
+                self._input_complete(st)
+            target = min(target, st.input_ms)
+        return max(st.write_ms, target)
+
+    def _roll_base(self, st: PutShard) -> int:
+        """What rolling is relative to: W as the clock alone would set it (now, capped by R), not
+        W held back for the input. A shard whose input lagged would otherwise roll messages due
+        soon (due a roll window after a W far behind), and their hops, read only once W catches
+        up, could come back after their delivery time, each into the slot of W then: a message
+        and its cancel would no longer meet. Writes stay inside the wheel: up to this + roll
+        window, which the cap keeps clear of unread slots."""
+        cfg = self.ctx.config
+        headroom = cfg.wheel_slots * cfg.tick_ms - cfg.roll_window_ms - cfg.tick_ms
+        return max(st.write_ms, min(self.ctx.clock.now_ms(), st.read_ms + headroom))
+
+    def _input_complete(self, st: PutShard) -> None:
+        """Move ``st.input_ms`` to the newest observation of the timer topic's end that the
+        shard's written offsets have reached, observing again if none is pending."""
+        assert self.input is not None
+        have = st.next_offsets
+        pending = st.pending_ends
+        if len(pending) < MAX_PENDING_ENDS:
+            seen = self.input.observe()
+            if seen is not None and (not pending or seen[0] > pending[-1][0]):
+                t0, ends = seen
+                shards = self.ctx.config.shards
+                mine = {p: e for p, e in ends.items() if p % shards == st.shard_id}
+                # An end never moves back, unless the log was cut (an unclean leader election):
+                # what is no longer there will never be written, so it is not waited for.
+                pending[:] = [(t, {p: min(e, mine.get(p, e)) for p, e in old.items()}) for t, old in pending]
+                pending.append((t0, mine))
+        done = 0
+        for t0, ends in pending:
+            if any(have.get(p, 0) < e for p, e in ends.items()):
+                break
+            st.input_ms = max(st.input_ms, t0)
+            done += 1
+        if done:
+            del pending[:done]
+        self._report_input_wait(st)
+
+    def _report_input_wait(self, st: PutShard) -> None:
+        """``input_wait_ms`` per shard, and one log line when W has waited INPUT_WAIT_LOG_S for
+        its input (enqueue-get stopped or far behind): deliveries of the shard pause meanwhile."""
+        waiting = bool(st.pending_ends)
+        now = self.ctx.clock.now_ms()
+        self.ctx.metrics.set("input_wait_ms", max(0, now - st.input_ms) if waiting else 0, shard=st.shard_id)
+        if not waiting:
+            if st.input_wait_logged:
+                st.log.info("W no longer waits for the timer topic", input_ms=st.input_ms)
+            st.input_wait_since, st.input_wait_logged = 0.0, False
+            return
+        mono = time.monotonic()
+        if not st.input_wait_since:
+            st.input_wait_since = mono
+        elif not st.input_wait_logged and mono - st.input_wait_since >= INPUT_WAIT_LOG_S:
+            st.input_wait_logged = True
+            behind = {str(p): [st.next_offsets.get(p, 0), e] for p, e in st.pending_ends[0][1].items()
+                      if st.next_offsets.get(p, 0) < e}
+            st.log.warning("W waits for the timer topic: records acknowledged before it are not written yet "
+                           "(is enqueue-get running?)", waited_s=round(mono - st.input_wait_since, 1),
+                           input_ms=st.input_ms, behind=behind)
 
     def _advance_w(self, st: PutShard) -> bool:
         """Move W to its target. True if its slot differs from the published one."""
@@ -428,7 +562,8 @@ class EnqueuePut:
 
     def caught_up(self) -> bool:
         """Every owned shard has published W for the current slot (or its cap)."""
-        return all(st.shard.slot_time(self._target_w(st)) == st.published_ms for st in self.owned.values())
+        return all(st.shard.slot_time(self._target_w(st, observe=False)) == st.published_ms
+                   for st in self.owned.values())
 
     def close(self) -> None:
         for st in self.owned.values():
