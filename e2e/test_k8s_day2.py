@@ -8,6 +8,10 @@ under a steady load (a kafka-python producer in this test), and nothing is lost 
        duplicates within DUPLICATE_BOUND
     -> under load: a new image tag (the same image, tagged again in containerd) rolls every
        stage -> lost 0, early 0
+    -> under load: shard 1's dequeue checkpoint is lost while its owners are stopped; when they
+       come back they refuse it (RecoveryNeeded), the operator runs a recovery Job (timerwheel
+       recover --shard 1), the shard is served again and the TimerWheel Ready -> lost 0, early 0,
+       duplicates at most the report's may_deliver_twice
 
 Figures (printed as ``FIGURE`` lines, never asserted: the machine is shared): time from the scale
 decision to the new replicas carrying load (owning shards / ready), scale-down time, rollout
@@ -184,3 +188,72 @@ def _lateness_due_between(run: LoadRun, start_ms: int, end_ms: int) -> list[int]
         first = {k: v[0].delivered_at_ms for k, v in run.collector.by_id.items() if v}
     return sorted(first[m] - s.deliver_at_ms for m, s in expected.items()
                   if m in first and start_ms <= s.deliver_at_ms < end_ms)
+
+
+def _condition(rel: Release, kind: str) -> dict[str, Any]:
+    conds = {c["type"]: c for c in _tw(rel).get("status", {}).get("conditions", [])}
+    return dict(conds.get(kind) or {})
+
+
+def _recovery_jobs(rel: Release) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = rel.get("jobs", "-l", f"app.kubernetes.io/instance={WHEEL},"
+                                          "app.kubernetes.io/component=recovery")["items"]
+    return items
+
+
+def test_recovery_of_a_lost_dequeue_checkpoint_runs_a_job_and_loses_nothing(installed: Release) -> None:
+    rel = installed
+    _patch(rel, _replicas(1, 1))  # whatever the test before left
+    _wait("one pod per stage", lambda: all(_all_ready(rel, s, 1) for s in STAGES) and _ready_at_generation(rel), rel)
+    shard_dir = rel.volume_dir / "shard-0001"
+    dest = rel.pipe.new_dest("day2-recovery", 4)
+    with LoadRun(rel.pipe, dest, seed=23, rate=50, min_delay_ms=2_000, max_delay_ms=10_000) as run:
+        time.sleep(8)
+        # A crash that loses the checkpoint: the owners stop (releasing the shard cleanly, so only
+        # the lost file can cause duplicates), the file goes, the owners come back.
+        _patch(rel, {"stages": {"enqueuePut": {"replicas": 0}, "dequeueGet": {"replicas": 0}}})
+        _wait("the shard owners stopped", lambda: not _running(rel, "enqueue-put") and not _running(rel, "dequeue-get"),
+              rel)
+        lost_files = sorted(shard_dir.glob("dequeue*.ckpt"))
+        assert lost_files, sorted(p.name for p in shard_dir.iterdir())
+        for f in lost_files:
+            f.unlink()
+        corrupted = time.monotonic()
+        _patch(rel, {"stages": {"enqueuePut": {"replicas": 1}, "dequeueGet": {"replicas": 1}}})
+        seen: set[str] = set()
+
+        def noting(ok: Callable[[], bool]) -> Callable[[], bool]:
+            def check() -> bool:
+                for kind in ("Degraded", "Recovering"):
+                    c = _condition(rel, kind)
+                    if c.get("status") == "True":
+                        seen.add(f"{kind}/{c.get('reason')}")
+                return ok()
+            return check
+
+        _wait("a recovery Job for shard 1", noting(
+            lambda: any(j["metadata"]["labels"].get("timerwheel.io/shard") == "1" for j in _recovery_jobs(rel))), rel)
+        job_seen = time.monotonic() - corrupted
+        _wait("the recovery recorded as Succeeded in the status", noting(
+            lambda: (_tw(rel)["status"]["shards"][1].get("recovery") or {}).get("state") == "Succeeded"), rel)
+        assert "Recovering/RecoveryJob" in seen and "Degraded/ShardUnopenable" in seen, seen
+        _wait("shard 1 served again and the TimerWheel Ready",
+              lambda: _ready_at_generation(rel) and len(_shard_pods(rel, "reader")) == 1
+              and not _tw(rel)["status"]["shards"][1].get("openError"), rel)
+        to_ready = time.monotonic() - corrupted
+        time.sleep(5)
+        missing, rep = run.drain("k8s day-2 recovery", timeout_s=120)
+    record = _tw(rel)["status"]["shards"][1]["recovery"]
+    twice = int(record["report"]["may_deliver_twice"])
+    (job,) = [j for j in _recovery_jobs(rel) if j["metadata"]["name"] == record["job"]]
+    assert job["status"].get("succeeded") == 1, job["status"]
+    assert record["report"]["dequeue_checkpoint"] == "rebuilt", record
+    events = rel.get("events", "--field-selector", f"involvedObject.name={WHEEL}")["items"]
+    reasons = {e["reason"] for e in events}
+    assert {"RecoveryStarted", "RecoverySucceeded"} <= reasons, sorted(reasons)
+    print(f"FIGURE recovery of a lost dequeue checkpoint under 50 msg/s: Job created {job_seen:.1f} s and the "
+          f"TimerWheel Ready {to_ready:.1f} s after the file was lost (owners restarted meanwhile); recover took "
+          f"{record['report'].get('seconds')} s, may_deliver_twice={twice}; {rep.line()}", flush=True)
+    assert not missing and rep.lost == [] and rep.early == [], rep.line() + rel.diagnosis()
+    assert rep.duplicated <= twice, f"{rep.duplicated} duplicates, the report allowed {twice}: {rep.line()}"
+    assert rep.unexpected == [], rep.line()

@@ -190,6 +190,10 @@ def recover_shard(config: TimerConfig, shard_id: int, now_ms: int | None = None)
             else:
                 enq_action = "kept"
             twice = 0
+            # The wheel is durable before the dequeue checkpoint appears: that file is what lets a
+            # waiting dequeue-get (which opens a reader view, so the writer lock held here does not
+            # stop it) start reading, and it must find the re-linked wheel on the volume.
+            shard.sync_wheel()
             if deq is None:
                 # Every slot before W may have been read and delivered by the owner whose R was lost.
                 twice = _fired_between(shard, read_ms, w_slot if w_slot is not None else shard.slot_time(now_ms))
@@ -197,7 +201,6 @@ def recover_shard(config: TimerConfig, shard_id: int, now_ms: int | None = None)
                 deq_action = "rebuilt"
             else:
                 deq_action = "kept"
-            shard.sync_wheel()
         finally:
             shard.close()
     changed = bool(set_aside or found.truncated_bytes or found.relinked or found.repaired_slots

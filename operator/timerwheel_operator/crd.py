@@ -256,6 +256,24 @@ def spec_schema() -> Schema:
                 },
             },
             "autoscale": _autoscale_schema(),
+            "recovery": {
+                "type": "object",
+                "description": "checkpoint recovery and stall detection by the operator",
+                "default": {},
+                "properties": {
+                    "auto": {"type": "boolean", "default": True,
+                             "description": "run a Job of `timerwheel recover --shard N` for a shard whose owner "
+                                            "reports RecoveryNeeded (a lost or unreadable checkpoint)"},
+                    "maxAttempts": _int(1, 20, 3, "failed recovery Jobs in a row (15 s, 30 s, 60 s ... apart) "
+                                        "before the TimerWheel is Degraded with reason RecoveryFailed"),
+                    "stallAfterMs": _int(30_000, 86_400_000, 60_000,
+                                         "a shard whose W or R has not advanced for this long while due is "
+                                         "Degraded (ShardStalled); at least 30 s and 10 ticks + 1 s"),
+                    "restartStalled": {"type": "boolean", "default": True,
+                                       "description": "delete (restart) the owner pod of a stalled shard, at "
+                                                      "most once per stallAfterMs"},
+                },
+            },
         },
         "x-kubernetes-validations": [
             {
@@ -299,6 +317,41 @@ _CONDITION: Schema = {
     },
 }
 
+_RECOVERY_STATUS: Schema = {
+    "type": "object",
+    "description": "the shard's last recovery Job (timerwheel recover) and its outcome",
+    "properties": {
+        "job": {"type": "string", "description": "the Job's name"},
+        "pod": {"type": "string", "description": "its pod, whose log holds the JSON report"},
+        "state": {"type": "string", "enum": ["Starting", "Running", "Succeeded", "Failed", "GaveUp", "Resolved"]},
+        "reason": {"type": "string"},
+        "message": {"type": "string"},
+        "exitCode": {"type": "integer"},
+        "attempts": {"type": "integer", "description": "failed Jobs in a row"},
+        "serial": {"type": "integer", "description": "Jobs started for this shard (names the next one)"},
+        "startedMs": {"type": "integer", "format": "int64"},
+        "finishedMs": {"type": "integer", "format": "int64"},
+        "report": {
+            "type": "object",
+            "description": "from the report timerwheel recover printed",
+            "properties": {
+                "status": {"type": "string"},
+                "enqueue_checkpoint": {"type": "string"},
+                "dequeue_checkpoint": {"type": "string"},
+                "set_aside": {"type": "array", "items": {"type": "string"}},
+                "read_ms": {"type": "integer", "format": "int64"},
+                "write_ms": {"type": "integer", "format": "int64"},
+                "records": {"type": "integer", "format": "int64"},
+                "truncated_bytes": {"type": "integer", "format": "int64"},
+                "relinked": {"type": "integer", "format": "int64"},
+                "repaired_slots": {"type": "integer", "format": "int64"},
+                "may_deliver_twice": {"type": "integer", "format": "int64"},
+                "seconds": {"type": "number"},
+            },
+        },
+    },
+}
+
 _SHARD_STATUS: Schema = {
     "type": "object",
     "required": ["shard"],
@@ -315,6 +368,13 @@ _SHARD_STATUS: Schema = {
         "pending": {"type": "integer", "format": "int64", "description": "messages in the wheel from R on"},
         "timerLogBytes": {"type": "integer", "format": "int64"},
         "openError": {"type": "string", "description": "pods that cannot open the shard, and why"},
+        "wAdvancedMs": {"type": "integer", "format": "int64",
+                        "description": "when the operator last saw W change, epoch ms (stall detection)"},
+        "rAdvancedMs": {"type": "integer", "format": "int64",
+                        "description": "when the operator last saw R change, epoch ms (stall detection)"},
+        "restartedMs": {"type": "integer", "format": "int64",
+                        "description": "when the operator last deleted the pod of this stalled shard, epoch ms"},
+        "recovery": _RECOVERY_STATUS,
     },
 }
 
@@ -386,6 +446,8 @@ def crd() -> dict[str, Any]:
                      "jsonPath": ".status.conditions[?(@.type==\"Scaling\")].status"},
                     {"name": "Degraded", "type": "string",
                      "jsonPath": ".status.conditions[?(@.type==\"Degraded\")].status"},
+                    {"name": "Recovering", "type": "string", "priority": 1,
+                     "jsonPath": ".status.conditions[?(@.type==\"Recovering\")].status"},
                     {"name": "Lag", "type": "integer", "jsonPath": ".status.maxLagMs", "description": "ms"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],

@@ -1,10 +1,12 @@
 """The operator's only door to the cluster: server-side apply of manifests, reads of the stage
-workloads and pods, and scrapes of the pods' ``/metrics``. ``Cluster`` is the interface the
+workloads, pods and recovery Jobs, a recovery pod's log, deletion of a stalled shard's owner pod,
+and scrapes of the pods' ``/metrics``. ``Cluster`` is the interface the
 reconcile functions take; tests give them a fake.
 """
 
 from __future__ import annotations
 
+import contextlib
 import urllib.request
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -20,6 +22,12 @@ class Cluster(Protocol):
     def pods(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]: ...
 
     def scrape(self, ip: str, port: int) -> str: ...
+
+    def jobs(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]: ...
+
+    def pod_log(self, namespace: str, name: str) -> str: ...
+
+    def delete_pod(self, namespace: str, name: str) -> None: ...
 
 
 class KubeCluster:
@@ -58,6 +66,24 @@ class KubeCluster:
         query = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
         out = self._resource("v1", "Pod").get(namespace=namespace, label_selector=query).to_dict()
         return list(out.get("items") or [])
+
+    def jobs(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+        query = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+        out = self._resource("batch/v1", "Job").get(namespace=namespace, label_selector=query).to_dict()
+        return list(out.get("items") or [])
+
+    def pod_log(self, namespace: str, name: str) -> str:
+        import kubernetes
+
+        got: str = kubernetes.client.CoreV1Api(self.dynamic.client).read_namespaced_pod_log(
+            name, namespace, tail_lines=200, _request_timeout=10)
+        return got
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        from kubernetes.dynamic.exceptions import NotFoundError
+
+        with contextlib.suppress(NotFoundError):  # gone already: what we wanted
+            self._resource("v1", "Pod").delete(name=name, namespace=namespace)
 
     def scrape(self, ip: str, port: int) -> str:
         with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=self.scrape_timeout_s) as resp:

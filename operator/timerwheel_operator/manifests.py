@@ -115,7 +115,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def container(wheel: Wheel, stage: str) -> dict[str, Any]:
+def _env(wheel: Wheel) -> list[dict[str, Any]]:
     # The root file system is read-only: Python must not try to write bytecode caches there.
     env: list[dict[str, Any]] = [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
     if wheel.redis_secret is not None:
@@ -126,9 +126,27 @@ def container(wheel: Wheel, stage: str) -> dict[str, Any]:
             {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": wheel.otlp_endpoint},
             {"name": "OTEL_TRACES_EXPORTER", "value": "otlp"},
         ]
+    return env
+
+
+def _mounts(wheel: Wheel) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [{"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
     if wheel.kafka_secret:
         mounts.append({"name": "kafka-secret", "mountPath": KAFKA_SECRET_DIR, "readOnly": True})
+    return mounts
+
+
+CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def container(wheel: Wheel, stage: str) -> dict[str, Any]:
+    env = _env(wheel)
+    mounts = _mounts(wheel)
     spec = wheel.stage(stage)
     out: dict[str, Any] = {
         "name": stage,
@@ -143,12 +161,7 @@ def container(wheel: Wheel, stage: str) -> dict[str, Any]:
         "livenessProbe": _probe("/healthz", 10, 3),
         "readinessProbe": _probe("/readyz", 5, 2),
         "volumeMounts": mounts,
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": dict(CONTAINER_SECURITY),
     }
     out["env"] = env
     if spec.resources:
@@ -156,13 +169,28 @@ def container(wheel: Wheel, stage: str) -> dict[str, Any]:
     return out
 
 
-def pod_template(wheel: Wheel, stage: str) -> dict[str, Any]:
+def _volumes(wheel: Wheel) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "data", "persistentVolumeClaim": {"claimName": wheel.claim}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
     ]
     if wheel.kafka_secret:
         volumes.append({"name": "kafka-secret", "secret": {"secretName": wheel.kafka_secret}})
+    return volumes
+
+
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": USER_ID,
+    "runAsGroup": USER_ID,
+    "fsGroup": USER_ID,
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def pod_template(wheel: Wheel, stage: str) -> dict[str, Any]:
+    volumes = _volumes(wheel)
     return {
         "metadata": {
             "labels": labels(wheel.name, stage),
@@ -174,14 +202,7 @@ def pod_template(wheel: Wheel, stage: str) -> dict[str, Any]:
             "enableServiceLinks": False,
             # enqueue-put and dequeue-get release their shards on SIGTERM within this.
             "terminationGracePeriodSeconds": 30,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": USER_ID,
-                "runAsGroup": USER_ID,
-                "fsGroup": USER_ID,
-                "fsGroupChangePolicy": "OnRootMismatch",
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
+            "securityContext": dict(POD_SECURITY),
             "containers": [container(wheel, stage)],
             "volumes": volumes,
         },
@@ -207,6 +228,62 @@ def workload(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None, replicas
         spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
         kind = "Deployment"
     return {"apiVersion": "apps/v1", "kind": kind, "metadata": _meta(wheel, name, stage, owner), "spec": spec}
+
+
+#: The component label of the recovery Jobs and their pods.
+RECOVERY = "recovery"
+#: A recovery Job that runs longer than this is failed by Kubernetes (the pod is killed).
+RECOVERY_DEADLINE_S = 600
+#: Finished recovery Jobs (and their pods, with the log to read) are kept this long.
+RECOVERY_TTL_S = 86_400
+
+
+def recovery_job_name(wheel: Wheel, shard: int, serial: int) -> str:
+    return f"{base_name(wheel.name)}-recover-{shard}-{serial}"
+
+
+def recovery_job(wheel: Wheel, shard: int, serial: int, owner: Mapping[str, Any] | None) -> Manifest:
+    """A Job running ``timerwheel recover --shard N`` on the stages' volume, with their settings,
+    image and pod defaults; its own ServiceAccount is the stages' (no role, no token). One pod,
+    never restarted by Kubernetes: the operator decides about another attempt (``recovery``)."""
+    name = recovery_job_name(wheel, shard, serial)
+    meta = _meta(wheel, name, RECOVERY, owner)
+    marks = {"timerwheel.io/shard": str(shard), "timerwheel.io/attempt": str(serial)}
+    meta["labels"].update(marks)
+    out = {
+        "name": "recover",
+        "image": wheel.image,
+        "imagePullPolicy": wheel.pull_policy,
+        "command": ["timerwheel", "recover", "--shard", str(shard), "--data-dir", DATA_DIR],
+        "envFrom": [{"configMapRef": {"name": settings_name(wheel)}}],
+        "env": _env(wheel),
+        "volumeMounts": _mounts(wheel),
+        "securityContext": dict(CONTAINER_SECURITY),
+        # the report's last lines as the termination message when the log is gone
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": RECOVERY_DEADLINE_S,
+            "ttlSecondsAfterFinished": RECOVERY_TTL_S,
+            "template": {
+                "metadata": {"labels": {**labels(wheel.name, RECOVERY), **marks}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "serviceAccountName": base_name(wheel.name),
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": dict(POD_SECURITY),
+                    "containers": [out],
+                    "volumes": _volumes(wheel),
+                },
+            },
+        },
+    }
 
 
 def service(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None) -> Manifest:

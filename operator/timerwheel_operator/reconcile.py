@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from timerwheel_operator import manifests
+from timerwheel_operator import recovery as rcv
 from timerwheel_operator.autoscale import Decision, Load, decide
 from timerwheel_operator.crd import SHARD_OWNERS, STAGES
 from timerwheel_operator.kube import Cluster
-from timerwheel_operator.metrics import MetricsParseError, Sample, parse_prometheus, shard_status
+from timerwheel_operator.metrics import MetricsParseError, Sample, ShardStatus, parse_prometheus, shard_status
 from timerwheel_operator.spec import HTTP_PORT, SpecError, Wheel, read, workload_name
 from timerwheel_operator.status import (
+    Care,
     StageState,
     compute,
     invalid_spec_status,
@@ -124,11 +126,101 @@ def scrape_all(wheel: Wheel, cluster: Cluster, stages: Sequence[str] = SHARD_OWN
     return samples, errors
 
 
+def _finished_outcome(wheel: Wheel, cluster: Cluster, view: rcv.JobView) -> dict[str, Any]:
+    """The ``recovery`` record of a finished Job: its pod's exit code and log (the JSON report)."""
+    pods = cluster.pods(wheel.namespace, {"job-name": view.name})
+    pod = pods[-1] if pods else None
+    name = str(pod["metadata"]["name"]) if pod else None
+    exit_code = None
+    message = ""
+    for cs in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term.get("exitCode") is not None:
+            exit_code = int(term["exitCode"])
+            message = str(term.get("message") or "")
+    log = ""
+    if name is not None:
+        try:
+            log = cluster.pod_log(wheel.namespace, name)
+        except Exception:  # noqa: BLE001 - the log may be gone: the termination message stands in
+            log = message
+    return rcv.outcome(view, exit_code, log, name)
+
+
+def tend(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, shards: Sequence[ShardStatus],
+         stages: Mapping[str, StageState], now_ms: int, events: list[Event], failures: dict[str, str]) -> Care:
+    """Day-2 care of the shards, levels not edges: run, follow and record the recovery Jobs
+    (``recovery.decide``) and restart the owner of a stalled shard (``recovery.stalled``), from the
+    shards just observed, the Jobs that exist and the last status."""
+    policy = wheel.recovery
+    before = {int(x["shard"]): x for x in (body.get("status") or {}).get("shards") or [] if "shard" in x}
+    care = Care()
+    try:
+        views = [v for v in (rcv.job_view(j) for j in cluster.jobs(
+            wheel.namespace, manifests.selector(wheel.name, manifests.RECOVERY))) if v is not None]
+    except Exception as exc:  # noqa: BLE001 - no Jobs readable: no recovery this round, said in Degraded
+        failures["Job/list"] = str(getattr(exc, "reason", None) or exc)[:300]
+        views = None
+    newest: dict[int, rcv.JobView] = {}
+    for v in views or []:
+        if v.shard not in newest or v.serial > newest[v.shard].serial:
+            newest[v.shard] = v
+    running = any(v.phase == "Running" for v in newest.values())
+    for st in shards:
+        prev = before.get(st.shard, {})
+        record = prev.get("recovery")
+        if views is not None:
+            job = newest.get(st.shard)
+            finished = None
+            if job is not None and job.phase != "Running" and not (
+                    record and record.get("job") == job.name and record.get("state") != "Running"):
+                finished = _finished_outcome(wheel, cluster, job)
+            step = rcv.decide(st, record, job, finished, policy, running, now_ms)
+            record = dict(step.record) if step.record is not None else None
+            if step.start_job and record is not None:
+                manifest = manifests.recovery_job(wheel, st.shard, int(record["serial"]), body)
+                try:
+                    cluster.apply(manifest)
+                    record.update(job=manifest["metadata"]["name"], state="Running")
+                    running = True
+                except Exception as exc:  # noqa: BLE001 - refused (RBAC, quota): said in Degraded, tried next round
+                    failures[f"Job/{manifest['metadata']['name']}"] = str(getattr(exc, "reason", None) or exc)[:300]
+                    record = dict(prev.get("recovery") or {}) or None
+                    step = rcv.Step()
+            if step.event is not None:
+                reason, message, warning = step.event
+                events.append(Event(reason, message, warning))
+        if record is not None:
+            care.recovery[st.shard] = record
+        w_since = rcv.advanced(prev, "W", st.write_ms, now_ms)
+        r_since = rcv.advanced(prev, "R", st.read_ms, now_ms)
+        care.advanced[st.shard] = (w_since, r_since)
+        downstream = all(stages[s].ready > 0 for s in ("dequeue-getmsg", "dequeue-put"))
+        cap = wheel.config.wheel_slots * wheel.config.tick_ms - wheel.config.roll_window_ms - wheel.config.tick_ms
+        for stall in rcv.stalled(st, w_since, r_since, policy, now_ms, cap, wheel.config.tick_ms, downstream):
+            care.stalls.append(stall)
+            last = int(prev.get("restartedMs") or 0)
+            if policy.restart_stalled and now_ms - last >= policy.stall_after_ms:
+                try:
+                    cluster.delete_pod(wheel.namespace, stall.pod)
+                except Exception as exc:  # noqa: BLE001 - said in the Event, tried again next round
+                    events.append(Event("ShardStalled", f"{rcv.stall_message([stall])}; cannot delete pod "
+                                        f"{stall.pod}: {exc}"[:500], True))
+                    continue
+                care.restarted[st.shard] = now_ms
+                events.append(Event("ShardStalled", f"{rcv.stall_message([stall])}: deleted pod {stall.pod} "
+                                    "(restarted by its StatefulSet)", True))
+            elif prev.get("restartedMs") is not None:
+                care.restarted[st.shard] = last
+    return care
+
+
 def observe(body: Mapping[str, Any], applied: Applied, cluster: Cluster,
             scraped: tuple[dict[str, list[Sample]], dict[str, str]] | None = None,
-            replicas: Mapping[str, int] | None = None) -> dict[str, Any]:
+            replicas: Mapping[str, int] | None = None, now_ms: int | None = None) -> dict[str, Any]:
     """The status to write (a merge patch of ``.status``); ``scraped``: what ``scrape_all``
-    read already this round, ``replicas``: the counts applied instead of the spec's."""
+    read already this round, ``replicas``: the counts applied instead of the spec's. With
+    ``now_ms`` the shards are tended too (``tend``: recovery Jobs, stalls)."""
     generation = int(body.get("metadata", {}).get("generation") or 0)
     previous = (body.get("status") or {}).get("conditions") or []
     now = now_rfc3339()
@@ -141,7 +233,10 @@ def observe(body: Mapping[str, Any], applied: Applied, cluster: Cluster,
     except Exception as exc:  # the API server refused a read: say so, keep the last figures
         return unobserved_status(generation, f"cannot read the stage workloads or pods: {exc}"[:300], previous, now)
     shards = shard_status(samples, wheel.config.shards)
-    return compute(generation, stages, shards, previous, now, errors, applied.failures)
+    care = None
+    if now_ms is not None:
+        care = tend(wheel, body, cluster, shards, stages, now_ms, applied.events, applied.failures)
+    return compute(generation, stages, shards, previous, now, errors, applied.failures, care)
 
 
 #: The input queue of each autoscaled stage (its ``queue_depth{queue=...}``).
@@ -193,17 +288,17 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, settings: Settings, now
         return applied, observe(body, applied, cluster)
     if not wheel.autoscale:
         applied = ensure(body, cluster, settings)
-        return applied, observe(body, applied, cluster)
+        return applied, observe(body, applied, cluster, now_ms=now_ms)
     stages = [*SHARD_OWNERS, *wheel.autoscale]
     try:
         scraped = scrape_all(wheel, cluster, stages)
     except Exception:  # noqa: BLE001 - cannot read the pods: keep the replicas as they are, observe says why
         applied = ensure(body, cluster, settings, _kept(body, wheel))
-        return applied, observe(body, applied, cluster, replicas=_kept(body, wheel))
+        return applied, observe(body, applied, cluster, replicas=_kept(body, wheel), now_ms=now_ms)
     decisions = autoscale(wheel, body, cluster, scraped[0], now_ms)
     replicas = {s: d.replicas for s, d in decisions.items()}
     applied = ensure(body, cluster, settings, replicas, {s: f"autoscale: {d.message}" for s, d in decisions.items()})
-    status = observe(body, applied, cluster, scraped, replicas)
+    status = observe(body, applied, cluster, scraped, replicas, now_ms)
     last = (body.get("status") or {}).get("autoscale") or {}
     status["autoscale"] = {
         s: {"replicas": d.replicas, "reason": d.reason, "message": d.message[:300],

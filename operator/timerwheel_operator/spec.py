@@ -18,6 +18,7 @@ from timerwheel.errors import ConfigError
 
 from timerwheel_operator.autoscale import AUTOSCALED, Policy
 from timerwheel_operator.crd import STAGES, stage_key
+from timerwheel_operator.recovery import Policy as RecoveryPolicy
 
 #: Port of /healthz, /readyz and /metrics in every stage container (TW_HTTP_PORT).
 HTTP_PORT = 8080
@@ -72,6 +73,8 @@ class Wheel:
     pull_policy: str
     #: stage -> its autoscale policy, for the stages the operator autoscales (empty: off).
     autoscale: Mapping[str, Policy] = dataclasses.field(default_factory=dict)
+    #: ``spec.recovery``: recovery Jobs and stall detection (``recovery``).
+    recovery: RecoveryPolicy = dataclasses.field(default_factory=RecoveryPolicy)
 
     def stage(self, name: str) -> StageSpec:
         return next(s for s in self.stages if s.name == name)
@@ -190,4 +193,5 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
         image=image,
         pull_policy=str(image_spec.get("pullPolicy") or default_pull_policy),
         autoscale=autoscale_policies(spec, {s.name: s for s in stages}),
+        recovery=RecoveryPolicy.of(spec, config.tick_ms),
     )

@@ -9,7 +9,8 @@ status changes) and ``observedGeneration``.
 - ``Scaling``: a stage's replica count differs from the desired one (``ScalingUp`` /
   ``ScalingDown``, naming the stages and counts), until the workload has exactly the desired
   replicas, all ready.
-- ``Recovering``: with every shard-owning stage rolled out, a shard has no enqueue-put or
+- ``Recovering``: a recovery Job runs ``timerwheel recover`` on a shard (``RecoveryJob``, see
+  ``recovery``); or, with every shard-owning stage rolled out, a shard has no enqueue-put or
   dequeue-get owner reporting it (``ShardsTakingOver``): its old owner let go or died and the
   next one is taking it (lease, recovery of the TimerLog). Normal for seconds after a scale, a
   rollout or a crash.
@@ -17,7 +18,10 @@ status changes) and ``observedGeneration``.
   (``ApplyFailed``), an owner reports it cannot open a shard (``ShardUnopenable``: a torn
   checkpoint, a lost file, a failed recovery; the error's class, the pod's log has the rest)
   or a shard stayed without an owner for ``RECOVERY_GRACE_S`` (``ShardUnowned``:
-  its owner cannot open it, or no replica runs).
+  its owner cannot open it, or no replica runs); recovery Jobs failed ``maxAttempts`` times in a
+  row on a shard still unopenable (``RecoveryFailed``, naming the shard and the Job's pod); a
+  shard's W or R stopped advancing while it should (``ShardStalled``). In order of precedence:
+  ApplyFailed, RecoveryFailed, ShardStalled, ShardUnopenable, ShardUnowned.
 - ``WindowRolling``: always False in this version (``Immutable``): the API server refuses a
   change of tickMs, rollWindowMs or wheelSpanMs (``crd.WINDOW_IMMUTABLE``).
 """
@@ -26,14 +30,41 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from timerwheel_operator.crd import SHARD_OWNERS, STAGES, WINDOW_IMMUTABLE
 from timerwheel_operator.metrics import ShardStatus
+from timerwheel_operator.recovery import Stall, stall_message
 
 #: A shard without an owner this long after Recovering turned True is Degraded.
 RECOVERY_GRACE_S = 60
+
+
+@dataclass(slots=True)
+class Care:
+    """What the operator did and found about the shards this round (``reconcile.tend``)."""
+
+    #: shard -> its ``recovery`` record
+    recovery: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: shard -> (when W, when R last changed), operator's clock, ms
+    advanced: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
+    stalls: list[Stall] = field(default_factory=list)
+    #: shard -> when its stalled owner pod was last deleted, ms
+    restarted: dict[int, int] = field(default_factory=dict)
+
+    def shard_fields(self, shard: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if shard in self.recovery:
+            out["recovery"] = self.recovery[shard]
+        w_since, r_since = self.advanced.get(shard, (None, None))
+        if w_since is not None:
+            out["wAdvancedMs"] = w_since
+        if r_since is not None:
+            out["rAdvancedMs"] = r_since
+        if shard in self.restarted:
+            out["restartedMs"] = self.restarted[shard]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +157,9 @@ def unobserved_status(generation: int, error: str, previous: Sequence[Mapping[st
 
 def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[ShardStatus],
             previous: Sequence[Mapping[str, Any]], now: str, scrape_errors: Mapping[str, str] | None = None,
-            apply_failures: Mapping[str, str] | None = None) -> dict[str, Any]:
+            apply_failures: Mapping[str, str] | None = None, care: Care | None = None) -> dict[str, Any]:
     """The whole status (a merge patch of ``.status``) from what was observed."""
+    care = care or Care()
     waiting = [s for s in STAGES if not stages[s].rolled_out]
     unowned = []
     for st in shards:
@@ -138,7 +170,13 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
     progressing = bool(waiting)
     taking_over = bool(unowned) and not any(s in waiting for s in SHARD_OWNERS)
     note = "; ".join(f"{pod}: {err}" for pod, err in sorted((scrape_errors or {}).items()))
-    if taking_over:
+    jobs = [(n, r) for n, r in sorted(care.recovery.items()) if r.get("state") == "Running"]
+    open_now = {st.shard for st in shards if st.open_errors}
+    gave_up = [(n, r) for n, r in sorted(care.recovery.items()) if r.get("state") == "GaveUp" and n in open_now]
+    if jobs:
+        recovering = condition("Recovering", True, "RecoveryJob", "; ".join(
+            f"shard {n}: Job {r.get('job')} runs timerwheel recover" for n, r in jobs), generation, previous, now)
+    elif taking_over:
         recovering = condition("Recovering", True, "ShardsTakingOver", "shards without an owner: " + ", ".join(unowned)
                                + (f"; metrics unread from {note}" if note else ""), generation, previous, now)
     else:
@@ -146,8 +184,8 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
                                previous, now)
     stuck = taking_over and _seconds_between(recovering["lastTransitionTime"], now) >= RECOVERY_GRACE_S
     unopenable = [f"shard {st.shard} ({'; '.join(st.open_errors)})" for st in shards if st.open_errors]
-    degraded = bool(apply_failures) or stuck or bool(unopenable)
-    ready = not progressing and not degraded and not taking_over
+    degraded = bool(apply_failures) or stuck or bool(unopenable) or bool(gave_up) or bool(care.stalls)
+    ready = not progressing and not degraded and not taking_over and not jobs
     if progressing:
         progress = condition("Progressing", True, "RollingOut", "waiting for " + ", ".join(
             f"{s} ({stages[s].ready}/{stages[s].desired} ready)" for s in waiting), generation, previous, now)
@@ -158,6 +196,14 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
         failed = "; ".join(f"{k}: {v}" for k, v in sorted(apply_failures.items()))
         degrade = condition("Degraded", True, "ApplyFailed", f"the API server refused {failed}",
                             generation, previous, now)
+    elif gave_up:
+        degrade = condition("Degraded", True, "RecoveryFailed", "; ".join(
+            f"shard {n}: timerwheel recover failed {r.get('attempts')} times, the last: {r.get('reason')}: "
+            f"{r.get('message')} (read `kubectl logs {r.get('pod') or 'job/' + str(r.get('job'))}`; repair by hand "
+            "as README 'Recovering a shard' says)" for n, r in gave_up), generation, previous, now)
+    elif care.stalls:
+        degrade = condition("Degraded", True, "ShardStalled", "stopped advancing while due: "
+                            + stall_message(care.stalls), generation, previous, now)
     elif unopenable:
         degrade = condition("Degraded", True, "ShardUnopenable", "cannot be opened by its owner: " + ", ".join(
             unopenable) + " (see the pod's log: 'shard cannot be opened', or for RecoveryNeeded 'shard needs recovery' and "
@@ -172,6 +218,8 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
                             generation, previous, now)
     elif degraded:
         ready_c = condition("Ready", False, "Degraded", degrade["message"], generation, previous, now)
+    elif jobs:
+        ready_c = condition("Ready", False, "Recovering", recovering["message"], generation, previous, now)
     elif progressing:
         ready_c = condition("Ready", False, "Progressing", progress["message"], generation, previous, now)
     else:
@@ -181,7 +229,7 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
         "observedGeneration": generation,
         "conditions": [ready_c, progress, degrade, scaling_condition(stages, generation, previous, now), recovering,
                        window_condition(generation, previous, now)],
-        "shards": [s.to_status() for s in shards],
+        "shards": [{**s.to_status(), **care.shard_fields(s.shard)} for s in shards],
         "stages": {s: {"desired": stages[s].desired, "replicas": stages[s].replicas,
                        "readyReplicas": stages[s].ready} for s in STAGES},
         "readyStages": f"{sum(1 for s in STAGES if stages[s].rolled_out)}/{len(STAGES)}",

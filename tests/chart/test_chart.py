@@ -124,8 +124,12 @@ def test_rbac_is_namespaced_unless_cluster_wide(helm: str) -> None:
     main = next(r for r in roles if r["metadata"]["name"] == "timerwheel-full-operator")
     resources = {res for rule in main["rules"] for res in rule["resources"]}
     assert {"timerwheels", "timerwheels/status", "statefulsets", "deployments", "poddisruptionbudgets"} <= resources
+    assert {"jobs", "pods/log"} <= resources  # recovery Jobs and their reports
     verbs = {v for rule in main["rules"] for v in rule["verbs"]}
-    assert "delete" not in verbs and "*" not in verbs  # garbage collection deletes, not the operator
+    assert "*" not in verbs
+    # garbage collection deletes what the operator made; it deletes only a stalled shard's owner pod
+    deleting = [rule["resources"] for rule in main["rules"] if "delete" in rule["verbs"]]
+    assert deleting == [["pods"]], deleting
     (dep,) = [d for d in full if d["kind"] == "Deployment"]
     env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TIMERWHEEL_WATCH_NAMESPACE"] == ""

@@ -27,6 +27,7 @@ class FakeCluster:
         self.applies = 0
         self.refuse = refuse or set()
         self.metrics: dict[str, str] = {}
+        self.deleted: list[str] = []
 
     def apply(self, manifest: Mapping[str, Any]) -> None:
         self.applies += 1
@@ -54,6 +55,15 @@ class FakeCluster:
         if ip not in self.metrics:
             raise OSError(f"connection refused: {ip}:{port}")
         return self.metrics[ip]
+
+    def jobs(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+        return [o for (kind, _), o in self.objects.items() if kind == "Job"]
+
+    def pod_log(self, namespace: str, name: str) -> str:
+        raise OSError(f"no pod {name}")
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.deleted.append(name)
 
 
 def owner_metrics(stage: str, epoch: int) -> str:
