@@ -367,6 +367,9 @@ _SHARD_STATUS: Schema = {
         "inFlight": {"type": "integer", "format": "int64"},
         "pending": {"type": "integer", "format": "int64", "description": "messages in the wheel from R on"},
         "timerLogBytes": {"type": "integer", "format": "int64"},
+        "inputWaitMs": {"type": "integer", "format": "int64",
+                        "description": "how long W has waited for timer records not yet written (enqueue-get "
+                                       "down or behind, Kafka unreachable): not a stall of the owner"},
         "openError": {"type": "string", "description": "pods that cannot open the shard, and why"},
         "wAdvancedMs": {"type": "integer", "format": "int64",
                         "description": "when the operator last saw W change, epoch ms (stall detection)"},

@@ -83,6 +83,8 @@ class ShardStatus:
     in_flight: int | None = None
     pending: int | None = None
     timerlog_bytes: int | None = None
+    #: How long W has waited for timer records not yet written (enqueue-get down or behind, Kafka away).
+    input_wait_ms: int | None = None
     #: "stage pod: ErrorClass" of each pod that reports it cannot open the shard.
     open_errors: list[str] = field(default_factory=list)
 
@@ -92,6 +94,7 @@ class ShardStatus:
             "shard": self.shard, "owner": self.owner, "reader": self.reader, "epoch": self.epoch,
             "W": self.write_ms, "R": self.read_ms, "writeLagMs": self.write_lag_ms, "lagMs": self.lag_ms,
             "inFlight": self.in_flight, "pending": self.pending, "timerLogBytes": self.timerlog_bytes,
+            "inputWaitMs": self.input_wait_ms,
             "openError": "; ".join(self.open_errors) or None,
         }
         return {k: v for k, v in pairs.items() if v is not None}
@@ -106,7 +109,7 @@ class _Pick:
     values: dict[str, float] = field(default_factory=dict)
 
 
-_WRITER = {"timerwheel_write_ms", "timerwheel_write_lag_ms", "timerwheel_timerlog_bytes"}
+_WRITER = {"timerwheel_write_ms", "timerwheel_write_lag_ms", "timerwheel_timerlog_bytes", "timerwheel_input_wait_ms"}
 _READER = {"timerwheel_read_ms", "timerwheel_read_lag_ms", "timerwheel_in_flight"}
 
 
@@ -153,6 +156,7 @@ def shard_status(scrapes: Mapping[str, Iterable[Sample]], shards: int) -> list[S
             st.write_ms = _int(w.values.get("timerwheel_write_ms"))
             st.write_lag_ms = _int(w.values.get("timerwheel_write_lag_ms"))
             st.timerlog_bytes = _int(w.values.get("timerwheel_timerlog_bytes"))
+            st.input_wait_ms = _int(w.values.get("timerwheel_input_wait_ms"))
         r = picks.get((shard, "dequeue-get"))
         if r is not None:
             st.reader, st.read_epoch = r.pod, r.epoch

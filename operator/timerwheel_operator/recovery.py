@@ -226,8 +226,9 @@ def stalled(st: ShardStatus, w_since: int | None, r_since: int | None, policy: P
     """The stalls of one shard (see the module header); ``cap_ms``: how far W may run ahead of R."""
     limit = policy.stall_after_ms
     out = []
+    # W waiting for its input (``inputWaitMs``) is not the owner's stall: restarting it would not help.
     if (st.write_ms is not None and w_since is not None and st.owner is not None and now_ms - w_since >= limit
-            and now_ms - st.write_ms >= limit
+            and now_ms - st.write_ms >= limit and not st.input_wait_ms
             and not (st.read_ms is not None and st.write_ms >= st.read_ms + cap_ms - 2 * tick_ms)):
         out.append(Stall(st.shard, "W", st.owner, now_ms - w_since))
     if (st.read_ms is not None and r_since is not None and st.reader is not None and now_ms - r_since >= limit

@@ -167,6 +167,9 @@ def test_a_frozen_w_or_r_with_work_due_is_a_stall_and_the_conservative_cases_are
     assert [s.which for s in rcv.stalled(at_w, old, old, POLICY, NOW, CAP, TICK, True)] == ["W"]
     # the downstream stages have no ready replica: they are what is stuck
     assert [s.which for s in rcv.stalled(owned(), old, old, POLICY, NOW, CAP, TICK, False)] == ["W"]
+    # W held back for its input (enqueue-get down, Kafka away): restarting enqueue-put would not help
+    waiting = owned(pending=0, in_flight=0, input_wait_ms=limit + 5_000)
+    assert rcv.stalled(waiting, old, old, POLICY, NOW, CAP, TICK, True) == []
     # a recent W or R (idle W publication keeps W near now)
     fresh = owned(write_ms=NOW - 1_000, read_ms=NOW - 1_000)
     assert rcv.stalled(fresh, old, old, POLICY, NOW, CAP, TICK, True) == []
