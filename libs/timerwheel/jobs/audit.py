@@ -31,6 +31,10 @@ from timerwheel.wire import H_DELIVERED_AT, H_ID
 HOUR_MS = 3_600_000
 FIGURES = ("scheduled", "cancelled", "delivered", "duplicated", "lost", "pending", "cancelled_delivered", "early")
 PERCENTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
+#: DIR/hourly/'s columns: per topic and hour of the delivery time, the figures.
+HOURLY_COLUMNS = ("topic", "hour_ms", *FIGURES, *PERCENTILES, "max")
+HOURLY_SCHEMA = ", ".join(f"`{c}` {'string' if c == 'topic' else 'double' if c in PERCENTILES else 'long'}"
+                          for c in HOURLY_COLUMNS)
 
 log = stage_logger("audit")
 
@@ -48,15 +52,22 @@ def scheduled(reqs: Any) -> tuple[Any, Any]:
     return sched, cancels
 
 
-def delivered(raw: Any) -> Any:
-    """topic, id, copies, first_delivered_at (null if no copy had a parsable ``tw-delivered-at``)
-    of destination records that carry ``tw-id``."""
+def destination_rows(raw: Any) -> Any:
+    """topic, id (null: no ``tw-id``), delivered_at (null: no parsable ``tw-delivered-at``) of each
+    destination record: the headers read once, the key and value dropped."""
     from pyspark.sql import functions as F
 
     at = last_header(H_DELIVERED_AT).cast("string")
-    return (raw.select("topic", last_header(H_ID).cast("string").alias("id"),
-                       F.when(at.rlike("^[0-9]{1,18}$"), at.try_cast("long")).alias("delivered_at"))
-            .filter(F.col("id").isNotNull())
+    return raw.select("topic", last_header(H_ID).cast("string").alias("id"),
+                      F.when(at.rlike("^[0-9]{1,18}$"), at.try_cast("long")).alias("delivered_at"))
+
+
+def delivered(rows: Any) -> Any:
+    """topic, id, copies, first_delivered_at (null if no copy had a parsable ``tw-delivered-at``)
+    of ``destination_rows`` that carry ``tw-id``."""
+    from pyspark.sql import functions as F
+
+    return (rows.filter(F.col("id").isNotNull())
             .groupBy("topic", "id").agg(F.count(F.lit(1)).alias("copies"),
                                         F.min("delivered_at").alias("first_delivered_at")))
 
@@ -76,8 +87,9 @@ def joined(sched: Any, cancels: Any, deliv: Any) -> Any:
                     (F.col("first_delivered_at") - F.col("deliver_ms")).alias("lateness_ms")))
 
 
-def figures(j: Any, now_ms: int, grace_ms: int, by: list[str]) -> Any:
-    """The audit's figures per group of ``by`` (empty: one row, the total)."""
+def figures(j: Any, now_ms: int, grace_ms: int) -> Any:
+    """The audit's figures per topic and hour, per topic and in total, in one aggregation (a
+    rollup): columns topic, hour_ms, level ("hour", "topic" or "total"), the figures."""
     from pyspark.sql import functions as F
 
     was = F.col("copies") > 0
@@ -101,7 +113,10 @@ def figures(j: Any, now_ms: int, grace_ms: int, by: list[str]) -> Any:
           for name, q in PERCENTILES.items()],
         F.max("lateness_ms").alias("max"),
     ]
-    return j.groupBy(*by).agg(*aggs)
+    level = F.grouping_id("topic", "hour_ms")
+    return (j.rollup("topic", "hour_ms").agg(*aggs, level.alias("g"))
+            .withColumn("level", F.when(F.col("g") == 0, "hour").when(F.col("g") == 1, "topic").otherwise("total"))
+            .drop("g"))
 
 
 def _as_summary(row: dict[str, Any]) -> dict[str, Any]:
@@ -116,23 +131,31 @@ def timer_requests(raw_timer: Any, config: TimerConfig) -> Any:
 
 
 def audit(reqs: Any, raw_dest: Any, now_ms: int, grace_ms: int) -> dict[str, Any]:
-    """The audit as frames: total and topics (summary.json's dicts), joined (one row per
-    scheduled id), hourly, and the bad-input counts. Pure: ``reqs`` from ``timer_requests``,
-    ``raw_dest`` Kafka rows of the destinations (``spark.read_topics``)."""
+    """The audit: total and topics (summary.json's dicts), joined (one row per scheduled id,
+    persisted), hourly (rows of ``figures``' hour level) and the bad-input counts. Pure: ``reqs``
+    from ``timer_requests``, ``raw_dest`` Kafka rows of the destinations (``spark.read_topics``).
+
+    Few Spark jobs, each destination record read once: the figures of every level come from one
+    rollup, the bad-input counts of the destinations from one aggregation of their cached rows."""
     from pyspark.sql import functions as F
 
     sched, cancels = scheduled(reqs)
-    j = joined(sched, cancels, delivered(raw_dest)).persist()
-    total = figures(j, now_ms, grace_ms, []).collect()[0].asDict()
-    per_topic = {r["topic"]: _as_summary(r.asDict()) for r in figures(j, now_ms, grace_ms, ["topic"]).collect()}
-    hourly = figures(j, now_ms, grace_ms, ["topic", "hour_ms"])
-    ids = F.col("id")
+    dest = destination_rows(raw_dest).persist()
+    j = joined(sched, cancels, delivered(dest)).persist()
+    levels = figures(j, now_ms, grace_ms).collect()
+    hourly = [r.asDict() for r in levels if r["level"] == "hour"]
+    (total,) = [r.asDict() for r in levels if r["level"] == "total"] or [{k: None for k in (*FIGURES, *PERCENTILES, "max")}]
+    per_topic = {r["topic"]: _as_summary(r.asDict()) for r in levels if r["level"] == "topic"}
+    seen = dest.agg(F.count(F.when(F.col("id").isNull(), 1)).alias("without_id"),
+                    F.count_distinct("topic", "id").alias("ids")).collect()[0]
+    summary_total = _as_summary(total)
     bad = {
         "invalid_timer_records": reqs.filter(F.col("error").isNotNull()).count(),
-        "deliveries_without_id": raw_dest.filter(last_header(H_ID).isNull()).count(),
-        "deliveries_of_unknown_ids": delivered(raw_dest).join(sched, ["topic", "id"], "left_anti").select(ids).count(),
+        "deliveries_without_id": int(seen["without_id"]),
+        # distinct (topic, id) delivered: those of scheduled ids, and the others
+        "deliveries_of_unknown_ids": int(seen["ids"]) - summary_total["delivered"],
     }
-    return {"total": _as_summary(total), "topics": per_topic, "joined": j, "hourly": hourly, "bad_input": bad}
+    return {"total": summary_total, "topics": per_topic, "joined": j, "hourly": hourly, "bad_input": bad}
 
 
 def _plot(hourly_pd: Any, path: Path) -> None:
@@ -172,9 +195,11 @@ def main(bootstrap: str, out: str, config: TimerConfig, topics: list[str] | None
     j.filter(F.col("copies") > 1).select(*cols).write.mode("overwrite").parquet(str(outdir / "duplicated"))
     j.filter(F.col("cancelled") & (F.col("copies") > 0)).select(*cols).write.mode("overwrite").parquet(
         str(outdir / "cancelled_delivered"))
-    hourly = result["hourly"]
-    hourly.write.mode("overwrite").parquet(str(outdir / "hourly"))
-    _plot(hourly.toPandas(), outdir / "lateness.png")
+    import pandas as pd
+
+    hourly = [tuple(r[c] for c in HOURLY_COLUMNS) for r in result["hourly"]]
+    spark.createDataFrame(hourly, schema=HOURLY_SCHEMA).write.mode("overwrite").parquet(str(outdir / "hourly"))
+    _plot(pd.DataFrame(hourly, columns=list(HOURLY_COLUMNS)), outdir / "lateness.png")
     tmp = outdir / f".summary.json.{os.getpid()}"
     tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     tmp.replace(outdir / "summary.json")
