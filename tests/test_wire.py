@@ -167,6 +167,8 @@ def test_the_short_path_of_parse_agrees_with_the_full_checks() -> None:
         (rec(("tw-topic", "orders"), at, ("tw-id", "")), "tw-id must be"),
         (rec(("tw-topic", "orders"), at, ("tw-id", "i" * 1025)), "tw-id must be"),
         (rec(("tw-topic", "orders"), ("tw-deliver-at", "9" * 16)), "out of range"),
+        # zero-padded past 20 digits: a valid number, yet what parse's grammar refuses (issue 16)
+        (rec(("tw-topic", "orders"), ("tw-deliver-at", str(NOW + 5_000).zfill(21))), "unparsable tw-deliver-at"),
         (rec(("tw-topic", "orders"), at, ("tw-delay-ms", "5")), "more than one delivery time"),
         (rec(("tw-topic", "__internal"), at), "not allowed"),
     ]

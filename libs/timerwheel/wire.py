@@ -224,7 +224,7 @@ class TimerRules:
         for every record: its hottest code."""
         topic = self.known_topics.get(hdr.get(H_TOPIC))  # type: ignore[arg-type]  # None finds nothing
         at = hdr.get(H_DELIVER_AT)
-        if topic is None or at is None or not at.isdigit() or not _FULL_PARSE.isdisjoint(hdr):
+        if topic is None or at is None or not at.isdigit() or len(at) > 20 or not _FULL_PARSE.isdisjoint(hdr):
             return None
         key, value = record.key, record.value
         size = (len(key) if key else 0) + (len(value) if value else 0)  # Record.size, inlined: the hot path
