@@ -120,8 +120,9 @@ def requests(narrowed: Any, config: TimerConfig) -> Any:
     h = {name: F.col(f"h.{field(name)}") for name in CONTROL}
     at = h[H_DELIVER_AT].cast("string")
     raw_id = h[H_ID]
-    # TimerRules.common takes any run of ASCII digits (int() of it): leading zeros stripped, a
-    # value of more than 15 digits is past MAX_EPOCH_MS and goes to parse for its reason.
+    # TimerRules.common takes a run of at most 20 ASCII digits (int() of it; a longer one, even
+    # zero-padded, is refused by parse's grammar): leading zeros stripped, a value of more than
+    # 15 digits is past MAX_EPOCH_MS and goes to parse for its reason.
     digits = F.regexp_replace(at, "^0+", "")
     deliver = F.when(digits == "", F.lit(0).cast("long")).otherwise(digits.try_cast("long"))
     joined = narrowed.join(verdicts, h[H_TOPIC] == verdicts["topic_raw"], "left")
@@ -130,7 +131,7 @@ def requests(narrowed: Any, config: TimerConfig) -> Any:
         off_common_absent = off_common_absent & h[name].isNull()
     common = (
         F.col("verdict").eqNullSafe("")
-        & F.coalesce(at.rlike("^[0-9]+$") & (F.length(digits) <= _COMMON_DIGITS), F.lit(False))
+        & F.coalesce(at.rlike("^[0-9]{1,20}$") & (F.length(digits) <= _COMMON_DIGITS), F.lit(False))
         & off_common_absent
         & (F.col("size") <= F.lit(config.max_record_bytes))
         & (deliver <= F.lit(MAX_EPOCH_MS))
