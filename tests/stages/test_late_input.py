@@ -15,6 +15,7 @@ import pytest
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.client import TimerClient
 from timerwheel.embedded import local_transports, open_reader_if_exists, open_shard
+from timerwheel.records import OutRecord
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
@@ -166,10 +167,33 @@ def test_rolling_is_relative_to_the_clock_not_to_a_w_held_back(tmp_path: Path) -
         assert s.ctx.metrics.counter("timerlog_records", shard=0) == 1
         slot = s.put.owned[0].shard.slot_time(START + 4_500)
         assert s.put.owned[0].shard.next_nonempty(START, START + 10_000) == slot  # its own slot, not a roll slot
-        s.ends_ahead = 0
+        s.ends_ahead = 0  # the record comes: one more on each partition (invalid: dead-lettered)
+        s.log.append([OutRecord(s.config.timer_topic, None, b"x", (), partition=p) for p in (0, 1)])
         s.clock.set(START + 4_600)
         s.run()
         assert s.delivered() == [m.message_id]
         assert s.ctx.metrics.counter("rolled", topic="dest") == 0
     finally:
         s.close()
+
+
+def test_a_failed_request_never_pairs_a_new_time_with_old_ends(stages: Stages) -> None:
+    """Found by the chaos run's broker restart: a failed request re-stamped the last ends with
+    the time of the failure, and W ran on with the clock over records appended since."""
+    doomed = stages.client.schedule("dest", b"doomed", deliver_at_ms=START + 1_000)
+    stages.run()
+    stages.clock.advance(500)
+    stages.run()  # observed: the topic's ends at START + 500
+    assert stages.put.owned[0].write_ms == START + 500
+    stages.client.cancel(doomed)  # appended, never read: enqueue-get is held back below
+    stages.ends_fail = True
+    for _ in range(3):
+        stages.clock.advance(1_000)
+        stages.run(enqueue_get=False)
+    assert stages.put.owned[0].write_ms == START + 500
+    stages.ends_fail = False
+    stages.run(enqueue_get=False)
+    assert stages.put.owned[0].write_ms == START + 500  # the cancel is now seen as not yet written
+    stages.run()
+    assert stages.delivered() == []
+    assert stages.ctx.metrics.counter("cancelled", topic="dest") == 1

@@ -104,6 +104,8 @@ class InputWatermark:
         self.ends = ends
         self.interval_s = interval_s
         self._last: tuple[float, int, dict[int, int]] | None = None
+        #: When the last request failed (time.monotonic()): the next waits ``interval_s``.
+        self._failed_at = -1e18
 
     def observe(self) -> tuple[int, dict[int, int]] | None:
         """(t0, end offsets): a new observation, or the last one when it is recent enough
@@ -111,13 +113,15 @@ class InputWatermark:
         mono, now = time.monotonic(), self.ctx.clock.now_ms()
         last = self._last
         if last is not None and (last[1] == now or mono - last[0] < self.interval_s):
-            return last[1], last[2]
+            return last[1], last[2]  # an observation is only ever its own time with its own ends
+        if mono - self._failed_at < self.interval_s:
+            return None
         try:
             ends = self.ends()
         except Exception as exc:  # noqa: BLE001 - W waits (deliveries pause); the stage carries on
             self.ctx.metrics.inc("input_end_failures")
             stage_logger(STAGE).warning("timer topic end offsets unavailable, W waits", error=str(exc))
-            self._last = (mono, now, last[2]) if last is not None else None
+            self._failed_at = mono
             return None
         self._last = (mono, now, ends)
         return now, ends
@@ -447,11 +451,9 @@ class EnqueuePut:
             if seen is not None and (not pending or seen[0] > pending[-1][0]):
                 t0, ends = seen
                 shards = self.ctx.config.shards
-                mine = {p: e for p, e in ends.items() if p % shards == st.shard_id}
-                # An end never moves back, unless the log was cut (an unclean leader election):
-                # what is no longer there will never be written, so it is not waited for.
-                pending[:] = [(t, {p: min(e, mine.get(p, e)) for p, e in old.items()}) for t, old in pending]
-                pending.append((t0, mine))
+                # An end that seems to move back (a broker just restarted) is not trusted: the
+                # records below the higher end are waited for, as new ones soon pass it anyway.
+                pending.append((t0, {p: e for p, e in ends.items() if p % shards == st.shard_id}))
         done = 0
         for t0, ends in pending:
             if any(have.get(p, 0) < e for p, e in ends.items()):
