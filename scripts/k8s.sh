@@ -216,14 +216,32 @@ launch() {
     setsid nohup "$@" >>"$STATE/logs/$name.log" 2>&1 </dev/null 8>&- 9>&- &
     local pid=$! i
     echo "$pid" >"$STATE/pids/$name.pid"
-    # Until the forked child has exec'd the command, its command line is this script's, and a
-    # check right after launch would take the component for exited (it failed CI once so, with
-    # an empty log): wait for the exec, or for the child to be gone (wait_for reports that).
-    for ((i = 0; i < 200; i++)); do
+    # The child runs this script, then setsid, then nohup, then the command, all under one pid;
+    # during each exec its command line reads as empty for a moment. A check while nohup is
+    # exec'ing the command took the component for exited twice in CI (kube-proxy, with an empty
+    # log): wait until argv[0] is the command itself (no exec is left), or the child is gone.
+    for ((i = 0; i < 600; i++)); do
         [[ -r "/proc/$pid/cmdline" ]] || return 0
-        { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null | grep -qF -- "$1" && return 0
+        [[ "$({ tr '\0' '\n' <"/proc/$pid/cmdline" | head -n 1; } 2>/dev/null)" == "$1" ]] && return 0
         sleep 0.05
     done
+}
+
+# Whether the launched component $1 has ended (its pid gone or a zombie); then ENDED says how:
+# "exit status N" or "killed by signal N" when it is this shell's child. A component that still
+# runs has not ended, whatever its command line reads for a moment.
+ENDED=""
+comp_ended() {
+    local pid state status
+    pid="$(cat "$STATE/pids/$1.pid" 2>/dev/null)" || { ENDED="no pid recorded"; return 0; }
+    state="$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)"
+    [[ -n "$state" && "$state" != Z ]] && return 1
+    wait "$pid" 2>/dev/null
+    status=$?
+    if ((status == 127)); then ENDED="ended"
+    elif ((status > 128)); then ENDED="killed by signal $((status - 128))"
+    else ENDED="exit status $status"; fi
+    return 0
 }
 
 # wait until "$2..." succeeds; $1 names what we wait for; fail naming the component's log
@@ -231,9 +249,9 @@ wait_for() {
     local what="$1" comp="$2" pattern="$3" deadline=$((SECONDS + START_TIMEOUT))
     shift 3
     until "$@" >/dev/null 2>&1; do
-        if ! comp_pid "$comp" "$pattern" >/dev/null; then
+        if ! comp_pid "$comp" "$pattern" >/dev/null && comp_ended "$comp"; then
             tail -n 25 "$STATE/logs/$comp.log" >&2 2>/dev/null || true
-            die "$comp exited before $what (log: ${STATE#"$ROOT"/}/logs/$comp.log)"
+            die "$comp exited before $what ($ENDED; log: ${STATE#"$ROOT"/}/logs/$comp.log)"
         fi
         if ((SECONDS >= deadline)); then
             tail -n 25 "$STATE/logs/$comp.log" >&2 2>/dev/null || true
