@@ -11,6 +11,9 @@
 #   scripts/k8s.sh down        stop everything by recorded pid, remove pods' mounts, network
 #                              namespaces, the bridge and the iptables chains, restore ip_forward,
 #                              delete the cluster state
+#   scripts/k8s.sh restart-component containerd|kubelet
+#                              stop the component (TERM, KILL after a few seconds) and start it
+#                              again, as a node's crash-and-restart does; the pods run on
 #   scripts/k8s.sh status      exit 0 when the API server answers and the node is Ready
 #   scripts/k8s.sh env         print KUBECONFIG=..., TW_KUBECTL=..., TW_K8S_HOST_IP=...
 #   scripts/k8s.sh kubectl ... run the cached kubectl against the cluster
@@ -641,6 +644,24 @@ cmd_load_image() {
     log "$IMAGE loaded in $((SECONDS - t0))s (pods use image: $IMAGE, imagePullPolicy: Never)"
 }
 
+# Stop containerd or the kubelet and start it again (the chaos e2e): the pods' containers run on
+# meanwhile (their shims do not need containerd), as on a node whose runtime or kubelet restarts.
+cmd_restart_component() {
+    local comp="$1" t0=$SECONDS
+    healthy || die "no healthy cluster of this checkout to restart $comp in: run 'scripts/k8s.sh up'"
+    case "$comp" in
+    containerd)
+        stop_comp containerd "$STATE/containerd/config.toml" 3
+        start_containerd
+        ;;
+    kubelet)
+        stop_comp kubelet "$STATE/kubelet-config.yaml"
+        start_kubelet "$(cat "$PKI/ip")"
+        ;;
+    esac
+    log "$comp restarted in $((SECONDS - t0))s"
+}
+
 main() {
     local verb="${1:-}"
     mkdir -p "$RUN"
@@ -661,12 +682,16 @@ main() {
         exec "$BIN/kubectl" --kubeconfig "$KUBECONFIG_FILE" "$@"
         ;;
     up | down | build | load-image) ;;
-    *) die "usage: scripts/k8s.sh up|down|status|env|build|load-image|kubectl ..." ;;
+    restart-component)
+        [[ "${2:-}" == containerd || "${2:-}" == kubelet ]] ||
+            die "usage: scripts/k8s.sh restart-component containerd|kubelet"
+        ;;
+    *) die "usage: scripts/k8s.sh up|down|status|env|build|load-image|restart-component|kubectl ..." ;;
     esac
     [[ $(id -u) == 0 ]] || die "scripts/k8s.sh $verb needs root (containerd, kubelet, iptables, chroot)"
     mkdir -p "$CACHE"
     # builds share the cache with other checkouts (down builds nothing)
-    if [[ "$verb" != down ]]; then
+    if [[ "$verb" != down && "$verb" != restart-component ]]; then
         exec 8>"$CACHE/k8s-build.lock"
         flock 8
     fi
@@ -680,6 +705,7 @@ main() {
     up) cmd_up ;;
     down) cmd_down ;;
     load-image) cmd_load_image ;;
+    restart-component) cmd_restart_component "$2" ;;
     esac
 }
 

@@ -88,6 +88,10 @@ class TimerConfig:
     fsync: bool = True
     #: Seconds a shard lease lasts without renewal; a paused owner is fenced after it.
     lease_ttl_ms: int = 10_000
+    #: How far W may run past the time up to which a shard's input is complete (enqueue-put's
+    #: ``InputWatermark``). 0: every cancel acknowledged before its target's delivery time meets
+    #: it; N: only those acknowledged at least N ms before it, for deliveries up to N ms sooner.
+    cancel_lead_ms: int = 0
     #: Shards this process may own (enqueue-put, dequeue-get); empty: all.
     own_shards: tuple[int, ...] = ()
     #: enqueue-get replicas split the timer partitions: p % replicas == replica_index.
@@ -178,6 +182,7 @@ class TimerConfig:
         need(self.max_in_flight >= self.batch_size, "max_in_flight", f"must be >= batch_size, got {self.max_in_flight}")
         need(self.queue_put_timeout_s > 0, "queue_put_timeout_s", "must be > 0")
         need(self.lease_ttl_ms >= 1000, "lease_ttl_ms", f"must be >= 1000, got {self.lease_ttl_ms}")
+        need(0 <= self.cancel_lead_ms <= 60_000, "cancel_lead_ms", f"must be 0..60000, got {self.cancel_lead_ms}")
         need(all(0 <= s < self.shards for s in self.own_shards), "own_shards",
              f"every shard must be 0..{self.shards - 1}, got {list(self.own_shards)}")
         need(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
@@ -353,6 +358,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "TW_MAX_IN_FLIGHT": ("max_in_flight", "int", "messages per shard sent but not yet delivered"),
     "TW_FSYNC": ("fsync", "bool", "fsync TimerLog, wheel and local log writes (default true)"),
     "TW_LEASE_TTL_MS": ("lease_ttl_ms", "int", "shard lease duration; a paused owner is fenced after it"),
+    "TW_CANCEL_LEAD_MS": ("cancel_lead_ms", "int",
+                          "how far W may run past a shard's complete input (default 0: every cancel "
+                          "acknowledged before its target is due meets it); 0..60000"),
     "TW_OWN_SHARDS": ("own_shards", "ints", "comma-separated shards this process may own (default: all)"),
     "TW_REPLICA_INDEX": ("replica_index", "int", "this enqueue-get replica's index (partitions p % replicas)"),
     "TW_REPLICAS": ("replicas", "int", "number of enqueue-get replicas"),

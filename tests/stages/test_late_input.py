@@ -27,9 +27,11 @@ TICK_MS = 100
 class Stages:
     """The five stages over one in-process installation; ``ends`` may be replaced (a failing Kafka)."""
 
-    def __init__(self, root: Path, watermark: bool = True, roll_window_ms: int = 2 * 86_400_000) -> None:
+    def __init__(self, root: Path, watermark: bool = True, roll_window_ms: int = 2 * 86_400_000,
+                 lead_ms: int = 0) -> None:
         self.config = cfg = TimerConfig(data_dir=str(root), tick_ms=TICK_MS, shards=1, timer_partitions=2,
-                                        roll_window_ms=roll_window_ms, wheel_span_ms=4 * roll_window_ms, fsync=False)
+                                        roll_window_ms=roll_window_ms, wheel_span_ms=4 * roll_window_ms, fsync=False,
+                                        cancel_lead_ms=lead_ms)
         self.clock = SimulatedClock(START)
         t = local_transports(cfg, self.clock)
         self.log, q = t.commit_log, t.queues
@@ -197,3 +199,79 @@ def test_a_failed_request_never_pairs_a_new_time_with_old_ends(stages: Stages) -
     stages.run()
     assert stages.delivered() == []
     assert stages.ctx.metrics.counter("cancelled", topic="dest") == 1
+
+
+# -- TW_CANCEL_LEAD_MS: W may run that far past the complete input -------------------------------
+
+
+def test_with_a_lead_w_runs_at_most_the_lead_past_the_input(tmp_path: Path) -> None:
+    s = Stages(tmp_path, lead_ms=300)
+    try:
+        s.run()
+        s.client.schedule("dest", b"unread", deliver_at_ms=START + 60_000)  # in the topic, not yet read
+        s.clock.advance(2_000)
+        s.run(enqueue_get=False)
+        st = s.put.owned[0]
+        assert st.input_ms == START and st.write_ms == START + 300  # not the clock's START + 2000
+        s.run()
+        assert st.write_ms == START + 2_000
+    finally:
+        s.close()
+
+
+def test_a_cancel_acknowledged_the_lead_before_due_still_cancels(tmp_path: Path) -> None:
+    s = Stages(tmp_path, lead_ms=300)
+    try:
+        doomed = s.client.schedule("dest", b"doomed", deliver_at_ms=START + 1_000)
+        s.run()
+        s.clock.advance(700)
+        s.run()
+        s.client.cancel(doomed)  # exactly the lead before it is due, then read late
+        s.clock.advance(2_000)
+        s.run(enqueue_get=False)
+        assert s.put.owned[0].write_ms == START + 1_000  # input complete to START + 700, + 300
+        s.run()
+        assert s.delivered() == []
+        assert s.ctx.metrics.counter("cancelled", topic="dest") == 1
+    finally:
+        s.close()
+
+
+def test_a_cancel_later_than_the_lead_and_read_late_may_miss(tmp_path: Path) -> None:
+    """What the lead gives up: a cancel acknowledged 100 ms before due (under the 300 ms lead),
+    read late, reaches the wheel after its target's slot was read."""
+    s = Stages(tmp_path, lead_ms=300)
+    try:
+        doomed = s.client.schedule("dest", b"doomed", deliver_at_ms=START + 1_000)
+        s.run()
+        s.clock.advance(900)
+        s.run()
+        s.client.cancel(doomed)
+        s.clock.advance(2_000)
+        s.run(enqueue_get=False)
+        s.run()
+        assert s.delivered() == [doomed.message_id]
+    finally:
+        s.close()
+
+
+def test_a_restarted_owner_counts_its_input_complete_only_to_w_less_the_lead(tmp_path: Path) -> None:
+    """W was checkpointed up to the lead past the complete input; the next owner must not take
+    that W for complete input, or it would run on another lead (2 x 300 ms past it)."""
+    s = Stages(tmp_path, lead_ms=300)
+    try:
+        s.run()
+        s.client.schedule("dest", b"unread", deliver_at_ms=START + 60_000)  # in the topic, not yet read
+        s.clock.advance(2_000)
+        s.run(enqueue_get=False)
+        assert s.put.owned[0].write_ms == START + 300
+        s.put.close()
+        s.put = EnqueuePut(s.ctx, [0], lambda i: open_shard(s.config, i, writer=True), s.put.queue,
+                           Ownership(local_transports(s.config, s.clock).leases, "enqueue-put", "next", s.config.lease_ttl_ms),
+                           input_ends=s._ends)
+        s.put.step(0)
+        st = s.put.owned[0]
+        assert st.input_ms == START
+        assert st.write_ms == START + 300
+    finally:
+        s.close()

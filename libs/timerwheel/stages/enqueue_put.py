@@ -9,7 +9,7 @@ Owns shards. For each batch of entries of a shard:
 3. append to the TimerLog, link into the wheel, flush (TimerLog, then wheel);
 4. advance ``W`` (to now, capped so the wheel never laps an unread slot: a write never goes
    past ``R + span - tick``, and never past the time up to which the shard's input is complete,
-   see ``InputWatermark``), save ``enqueue.ckpt`` atomically, and only then ack the queue.
+   see ``InputWatermark``, plus ``TW_CANCEL_LEAD_MS`` if set), save ``enqueue.ckpt`` atomically, and only then ack the queue.
 
 Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
 unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
@@ -321,7 +321,8 @@ class EnqueuePut:
             log.info("recovered", epoch=epoch, checked_from=report.checked_from, end_pos=report.end_pos,
                      records=report.records_checked, truncated_bytes=report.truncated_bytes,
                      relinked=report.relinked, corrupt=len(report.corrupt), seconds=round(report.seconds, 3))
-        st.input_ms = st.write_ms  # a checkpointed W had its input complete
+        # A checkpointed W had its input complete up to W less the lead it may have run ahead.
+        st.input_ms = st.write_ms - self.ctx.config.cancel_lead_ms
         self._advance_w(st)
         self._publish(st)
         return st
@@ -475,7 +476,7 @@ class EnqueuePut:
         if self.input is not None and target > st.input_ms:
             if observe:
                 self._input_complete(st)
-            target = min(target, st.input_ms)
+            target = min(target, st.input_ms + cfg.cancel_lead_ms)
         return max(st.write_ms, target)
 
     def _roll_base(self, st: PutShard) -> int:
