@@ -216,6 +216,9 @@ class EnqueuePut:
             ctx, input_ends, ctx.config.tick_ms / 2000 if ctx.wait_on_inputs else 0.0,
             background=ctx.wait_on_inputs)
         self.queue = put_queue
+        cfg = ctx.config
+        #: How far W may run past R: a write (at most W + roll window) never laps an unread slot.
+        self._headroom = cfg.wheel_slots * cfg.tick_ms - cfg.roll_window_ms - cfg.tick_ms
         self.ownership = ownership
         self.open_shard = open_shard
         self.logger = stage_logger(STAGE)
@@ -466,17 +469,15 @@ class EnqueuePut:
         ``observe``: ask where the timer topic ends if that would move W).
 
         R only grows, so the last R we read gives a safe cap; R is re-read only when that cap binds."""
-        cfg = self.ctx.config
         now = self.ctx.clock.now_ms()
-        headroom = cfg.wheel_slots * cfg.tick_ms - cfg.roll_window_ms - cfg.tick_ms
-        if now > st.read_ms + headroom:
+        if now > st.read_ms + self._headroom:
             dq = st.shard.load_dequeue_checkpoint()
             st.read_ms = dq.read_ms if dq else st.write_ms
-        target = min(now, st.read_ms + headroom)
+        target = min(now, st.read_ms + self._headroom)
         if self.input is not None and target > st.input_ms:
             if observe:
                 self._input_complete(st)
-            target = min(target, st.input_ms + cfg.cancel_lead_ms)
+            target = min(target, st.input_ms + self.ctx.config.cancel_lead_ms)
         return max(st.write_ms, target)
 
     def _roll_base(self, st: PutShard) -> int:
@@ -486,9 +487,7 @@ class EnqueuePut:
         up, could come back after their delivery time, each into the slot of W then: a message
         and its cancel would no longer meet. Writes stay inside the wheel: up to this + roll
         window, which the cap keeps clear of unread slots."""
-        cfg = self.ctx.config
-        headroom = cfg.wheel_slots * cfg.tick_ms - cfg.roll_window_ms - cfg.tick_ms
-        return max(st.write_ms, min(self.ctx.clock.now_ms(), st.read_ms + headroom))
+        return max(st.write_ms, min(self.ctx.clock.now_ms(), st.read_ms + self._headroom))
 
     def _input_complete(self, st: PutShard) -> None:
         """Move ``st.input_ms`` to the newest observation of the timer topic's end that the
