@@ -19,6 +19,8 @@ from two_mounts import two_mounts
 pytestmark = pytest.mark.e2e
 
 ROLL_WINDOW_MS = 20_000
+#: How long after its send a record may reach enqueue-put and still be sure to roll (see the check).
+ROLL_MARGIN_MS = 8_000
 MAX_DELAY_S = 50
 
 
@@ -140,8 +142,10 @@ def check_correctness(pipe: Pipeline) -> None:
             assert not {"tw-topic", "tw-deliver-at", "tw-delay-ms", "tw-cancel"} & set(d.headers)
             # From its own send, not from the loop's start: on a loaded machine the sends take
             # seconds, and a message sent late is less far ahead of W than its time from start says.
+            # A record reaches enqueue-put some time after its send (seconds on a loaded machine),
+            # and rolls only if it is still a roll window ahead of the clock then: ROLL_MARGIN_MS.
             rolls, delay = int(d.headers["tw-roll"]), m.deliver_at_ms - m.sent_ms
-            if delay >= ROLL_WINDOW_MS + 2_000:
+            if delay >= ROLL_WINDOW_MS + ROLL_MARGIN_MS:
                 assert rolls >= 1, f"{m} was not rolled"
             elif delay < ROLL_WINDOW_MS - 2_000:
                 assert rolls == 0, f"{m} was rolled {rolls} times"
