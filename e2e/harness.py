@@ -741,6 +741,33 @@ class Collector:
         self.close()
 
 
+def late_hops(pipe: Pipeline, targets: dict[str, Scheduled], timeout_s: float = 60) -> dict[str, int]:
+    """Of ``targets`` (rolled messages), those whose last roll hop reached the timer topic only at
+    or after their delivery time: id -> when (the hop record's timestamp). Their cancels may miss
+    (README, Delivery guarantees: dequeue-get read the roll slot more than a third of the roll
+    window late), which a test must tell apart from a cancel that should have met its target."""
+    consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
+                             client_id=f"e2e-hops-{pipe.uid}", **pipe.kafka_options)
+    try:
+        tps = [TopicPartition(pipe.timer_topic, p) for p in sorted(consumer.partitions_for_topic(pipe.timer_topic) or ())]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        last_hop: dict[str, int] = {}
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"the timer topic not read to its end within {timeout_s:.0f} s"
+            for recs in consumer.poll(timeout_ms=500, max_records=10_000).values():
+                for r in recs:
+                    headers = {k: bytes(v) for k, v in (r.headers or ())}
+                    mid = headers.get("tw-id", b"").decode()
+                    if mid in targets and int(headers.get("tw-roll", b"0") or 0) >= 1:
+                        last_hop[mid] = max(last_hop.get(mid, 0), r.timestamp)
+    finally:
+        consumer.close(autocommit=False)
+    return {m: at for m, at in last_hop.items() if at >= targets[m].deliver_at_ms}
+
+
 class LoadRun:
     """A steady load and what watches it, for the length of a ``with`` block: a TimerProducer
     (``producer``), a Collector of ``topic`` (``collector``) and a SteadyLoad into ``topic``

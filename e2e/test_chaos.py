@@ -3,7 +3,10 @@
 Each run reports scheduled, delivered, lost, duplicated and late (> 1 s). Nothing may be lost.
 A sixth of the messages is cancelled 0.3 to 1.5 s before it is due, through the disruptions: no
 cancel acknowledged before its target's delivery time may leak (W waits for the input, so a
-cancel that enqueue-get reads late still meets its target).
+cancel that enqueue-get reads late still meets its target), except the cancel of a rolled message
+whose roll hop reached the timer topic only after its delivery time (README: dequeue-get more than
+a third of the roll window behind, 6.7 s here, as it falls on a loaded machine): those are counted
+apart, from the hop records in the timer topic (``late_hops``).
 
 Duplicates are bounded, and the bound is computed from the run (``Ledger``):
 
@@ -33,6 +36,7 @@ from harness import (
     LoadRun,
     Pipeline,
     TimerProducer,
+    late_hops,
     make_report,
     now_ms,
 )
@@ -117,8 +121,13 @@ def finish(pipe: Pipeline, run: LoadRun, name: str, ledger: Ledger, damaged: int
     print(f"[{name}] duplicates by the disruption before them: {duplicates_after(run.collector, ledger.events)}",
           flush=True)
     in_time = run.producer.cancels_in_time()
+    # The documented limitation: a rolled message whose hop came back after its delivery time
+    # (dequeue-get over a third of the roll window behind, as on a loaded machine) may miss its
+    # cancel. Any other leak fails.
+    late = late_hops(pipe, {m: in_time[m] for m in rep.cancelled_delivered if m in in_time})
+    leaked = [m for m in rep.cancelled_delivered if m not in late]
     print(f"[{name}] cancels sent={run.load.cancels} acknowledged before due={len(in_time)} "
-          f"leaked={len(rep.cancelled_delivered)}", flush=True)
+          f"leaked={len(leaked)} missed by a roll hop back after the delivery time={len(late)}", flush=True)
     assert not pipe.dead(), f"stages died: {pipe.dead()}\n{pipe.tails(pipe.dead())}"
     assert not missing and not rep.lost, (
         f"lost {len(rep.lost)} of {rep.scheduled}: {rep.lost[:20]}\n"
@@ -130,9 +139,9 @@ def finish(pipe: Pipeline, run: LoadRun, name: str, ledger: Ledger, damaged: int
     # A broker restart holds acknowledgements back: a cancel acknowledged only after its target
     # was due may miss and is not counted; enough others must remain for the check to mean something.
     assert len(in_time) >= MIN_CANCELS_IN_TIME, f"only {len(in_time)} cancels acknowledged in time"
-    assert not rep.cancelled_delivered, (
-        f"{len(rep.cancelled_delivered)} of {len(in_time)} cancels acknowledged before their target's delivery "
-        f"time leaked: {[(m, in_time[m].deliver_at_ms, run.producer.cancel_acked.get(m)) for m in rep.cancelled_delivered[:5]]}")
+    assert not leaked, (
+        f"{len(leaked)} of {len(in_time)} cancels acknowledged before their target's delivery "
+        f"time leaked: {[(m, in_time[m].deliver_at_ms, run.producer.cancel_acked.get(m)) for m in leaked[:5]]}")
 
 
 def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
