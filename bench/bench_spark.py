@@ -38,6 +38,7 @@ def main() -> None:
     master = os.environ.get("TW_BENCH_SPARK_MASTER", "local[*]")
     kafka, _ = servers(("kafka",))
     spark = session(master, app="timerwheel-bench")
+    kcfg = TimerConfig(kafka_bootstrap=kafka)
     tag = uuid.uuid4().hex[:8]
     timer, dest, plain = f"bench-spark-timer-{tag}", f"bench-spark-dest-{tag}", f"bench-spark-plain-{tag}"
     now = int(time.time() * 1000)
@@ -50,19 +51,19 @@ def main() -> None:
     say(f"filling {n:,} timer records and {n:,} deliveries")
     write_topic(ids.select(F.col("mid").cast("binary").alias("key"), F.lit(b"x" * 100).alias("value"),
                            F.array(h("tw-topic", F.lit(dest)), h("tw-deliver-at", deliver), h("tw-id", F.col("mid")))
-                           .alias("headers")), kafka, timer)
+                           .alias("headers")), kcfg, timer)
     write_topic(ids.select(F.col("mid").cast("binary").alias("key"), F.lit(b"x" * 100).alias("value"),
                            F.array(h("tw-id", F.col("mid")), h("tw-delivered-at", deliver + F.col("id") % 500))
-                           .alias("headers")), kafka, dest)
+                           .alias("headers")), kcfg, dest)
 
     def plain_read() -> None:
-        df = read_topics(spark, kafka, [timer, dest])
+        df = read_topics(spark, kcfg, [timer, dest])
         df.agg(F.sum(F.length("value")), F.sum(F.size("headers")), F.max("offset")).collect()
 
     out = tempfile.mkdtemp(prefix="bench-audit-")
-    cfg = TimerConfig(timer_topic=timer)
+    cfg = TimerConfig(timer_topic=timer, kafka_bootstrap=kafka)
     read_s = _timed("plain read of both topics", plain_read)
-    audit_s = _timed("audit", lambda: audit.main(kafka, out, cfg, None, 60_000, now, master))
+    audit_s = _timed("audit", lambda: audit.main(out, cfg, None, 60_000, now, master))
     emit("spark_audit", 2 * n / audit_s, "records/s", records=2 * n, wall_s=round(audit_s, 1),
          plain_read_s=round(read_s, 1), ratio_to_read=round(audit_s / read_s, 2))
 
@@ -71,16 +72,16 @@ def main() -> None:
                F.lit(b"x" * 100).alias("value"),
                (F.lit(now + 3_600_000) + F.col("id") % 3_600_000).cast("string").alias("deliver_at_ms")) \
         .write.parquet(rows)
-    bcfg = TimerConfig(timer_topic=f"bench-spark-bulk-{tag}")
+    bcfg = TimerConfig(timer_topic=f"bench-spark-bulk-{tag}", kafka_bootstrap=kafka)
 
     def plain_write() -> None:
         df = spark.read.parquet(rows)
         write_topic(df.select("key", "value", F.array(h("tw-topic", F.col("topic")),
                                                       h("tw-deliver-at", F.col("deliver_at_ms")),
-                                                      h("tw-id", F.col("id"))).alias("headers")), kafka, plain)
+                                                      h("tw-id", F.col("id"))).alias("headers")), kcfg, plain)
 
     write_s = _timed("plain Spark Kafka write", plain_write)
-    bulk_s = _timed("bulk-schedule", lambda: bulk.main(kafka, rows, "parquet", os.path.join(out, "rejects"), bcfg,
+    bulk_s = _timed("bulk-schedule", lambda: bulk.main(rows, "parquet", os.path.join(out, "rejects"), bcfg,
                                                         master))
     emit("spark_bulk", n / bulk_s, "rows/s", rows=n, wall_s=round(bulk_s, 1), plain_write_s=round(write_s, 1),
          ratio_to_write=round(bulk_s / write_s, 2))
