@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= ./data
 
-.PHONY: setup setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image down clean
+.PHONY: setup setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
 
 setup: $(VENV)/.installed
 
@@ -64,6 +64,12 @@ k8s-up:
 
 k8s-image:
 	scripts/k8s.sh load-image
+
+## The Spark image (services/spark/Dockerfile: the stage package plus Java 17, PySpark and Spark's
+## Kafka connector) as timerwheel-spark:dev, built without Docker by scripts/image.py (layers cached
+## in ~/.cache/timerwheel/image or $$TW_CACHE_DIR); prints the docker-archive's path.
+spark-image:
+	python3 scripts/image.py build --dockerfile services/spark/Dockerfile --tag timerwheel-spark:dev
 
 k8s-down:
 	scripts/k8s.sh down

@@ -3,6 +3,11 @@
 
     scripts/image.py build [--tag timerwheel:dev]   build (cached) and print the docker-archive path
     scripts/image.py plan                           print, as JSON, the image config the build gives
+    scripts/image.py run [--tag T] -- CMD ...       build (cached), then run CMD in a chroot of the
+                                                    image as its USER, WORKDIR and ENV (a smoke test)
+
+``--dockerfile`` picks another Dockerfile of the checkout (the Spark image's:
+services/spark/Dockerfile, ``make spark-image``); each tag keeps its own docker-archive.
 
 The Dockerfile is the one definition of the image. This builder reads it and carries out the same
 instructions: FROM (a Debian base made with `debootstrap --variant=minbase`, see BASES), RUN (in a
@@ -55,6 +60,8 @@ BASES: dict[str, dict[str, object]] = {
     },
 }
 # Host settings a RUN step's pip needs (a TLS-inspecting proxy's CA, timeouts); never put in layers.
+# The host's Java trust store, for a RUN step's Maven (a TLS-inspecting proxy's CA); never in layers.
+JAVA_CACERTS = Path("/etc/ssl/certs/java/cacerts")
 PASS_ENV = ("PIP_DEFAULT_TIMEOUT", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_DISABLE_PIP_VERSION_CHECK")
 SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "USER", "ENV", "EXPOSE", "ENTRYPOINT", "CMD")
 
@@ -232,6 +239,8 @@ def mounted(rootfs: Path) -> Iterator[None]:
         ca = Path(os.environ.get("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt"))
         if ca.exists():
             shutil.copy(ca, rootfs / "tmp" / "tw-host-ca.crt")
+        if JAVA_CACERTS.exists():  # the same CAs for Java (Maven), as the host's Java trusts them
+            shutil.copy(JAVA_CACERTS, rootfs / "tmp" / "tw-host-cacerts")
         yield
     finally:
         for d in reversed(done):
@@ -240,6 +249,7 @@ def mounted(rootfs: Path) -> Iterator[None]:
         if saved_resolv is not None:
             saved_resolv.rename(resolv)
         (rootfs / "tmp" / "tw-host-ca.crt").unlink(missing_ok=True)
+        (rootfs / "tmp" / "tw-host-cacerts").unlink(missing_ok=True)
 
 
 def safe_rmtree(path: Path) -> None:
@@ -370,6 +380,8 @@ def apply_run(args: str, rootfs: Path, env: dict[str, str], workdir: str, user: 
         if not (rootfs / "tmp" / "tw-host-ca.crt").exists():
             run_env.pop("PIP_CERT")
             run_env.pop("REQUESTS_CA_BUNDLE")
+        if (rootfs / "tmp" / "tw-host-cacerts").exists():
+            run_env["JAVA_TOOL_OPTIONS"] = "-Djavax.net.ssl.trustStore=/tmp/tw-host-cacerts"
         cmd = ["chroot", f"--userspec={user_spec(rootfs, user)}", str(rootfs),
                "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in run_env.items()),
                "/bin/sh", "-c", f"cd {shlex.quote(workdir)} && {args}"]
@@ -383,14 +395,15 @@ def apply_run(args: str, rootfs: Path, env: dict[str, str], workdir: str, user: 
             child.unlink(missing_ok=True)
 
 
-def build(image_tag: str) -> Path:
+def build(image_tag: str, dockerfile: Path = DOCKERFILE) -> tuple[Path, str]:
+    """(the docker-archive, the final tag in the OCI layout) of ``dockerfile``'s image."""
     if os.geteuid() != 0:
         raise BuildError("scripts/image.py build needs root (chroot and file ownership)")
     CACHE.mkdir(parents=True, exist_ok=True)
     for stale in CACHE.glob("*.tmp.*"):  # what interrupted builds left (we hold the lock)
         safe_rmtree(stale)
-    cfg = plan()
-    instrs = parse()
+    cfg = plan(dockerfile)
+    instrs = parse(dockerfile)
     patterns = ignore_patterns()
     tag, key = ensure_base(str(cfg["from"]))
     init_layout()
@@ -458,10 +471,36 @@ def build(image_tag: str) -> Path:
             tmp.unlink(missing_ok=True)
             run(["skopeo", "copy", "--quiet", f"oci:{OCI}:{final}", f"docker-archive:{tmp}:{image_tag}"])
             tmp.rename(archive)
-            for old in CACHE.glob("final-*.tar"):  # earlier builds' archives: the layers stay cached
+            # earlier builds' archives of this tag (another tag's image stays): the layers stay cached
+            for old in CACHE.glob(f"final-*-{sha(image_tag)}.tar"):
                 if old != archive:
                     old.unlink(missing_ok=True)
-        return archive
+        return archive, final
+    finally:
+        safe_rmtree(work)
+
+
+def run_in_image(final: str, cfg: dict[str, object], command: list[str]) -> int:
+    """Run ``command`` (default: the image's ENTRYPOINT + CMD) in a chroot of the image ``final``
+    as its USER, in its WORKDIR, with only its ENV; the unpacked copy is deleted afterwards."""
+    work = Path(tempfile.mkdtemp(prefix="run.tmp.", dir=CACHE))
+    try:
+        bundle = work / "bundle"
+        run(["umoci", "unpack", "--image", f"{OCI}:{final}", str(bundle)])
+        rootfs = bundle / "rootfs"
+        argv = command or [*cfg["entrypoint"], *cfg["cmd"]]  # type: ignore[misc]
+        if not argv:
+            raise BuildError("run: no command given and the image has no ENTRYPOINT or CMD")
+        env = [f"{k}={v}" for k, v in cfg["env"].items()]  # type: ignore[attr-defined]
+        (rootfs / "tmp").chmod(0o1777)
+        # as a container runtime provides it: this host's name resolves (Spark looks it up)
+        shutil.copy("/etc/hosts", rootfs / "etc" / "hosts")
+        with mounted(rootfs):
+            done = subprocess.run(["chroot", f"--userspec={user_spec(rootfs, str(cfg['user']))}", str(rootfs),
+                                   "/usr/bin/env", "-i", *env, "/bin/sh", "-c",
+                                   f"cd {shlex.quote(str(cfg['workdir']))} && exec \"$@\"", "sh", *argv],
+                                  check=False)
+        return done.returncode
     finally:
         safe_rmtree(work)
 
@@ -471,8 +510,13 @@ def main(argv: list[str]) -> int:
     sub = ap.add_subparsers(dest="verb", required=True)
     b = sub.add_parser("build")
     b.add_argument("--tag", default="timerwheel:dev")
+    b.add_argument("--dockerfile", type=Path, default=DOCKERFILE)
     p = sub.add_parser("plan")
     p.add_argument("--dockerfile", type=Path, default=DOCKERFILE)
+    r = sub.add_parser("run")
+    r.add_argument("--tag", default="timerwheel:dev")
+    r.add_argument("--dockerfile", type=Path, default=DOCKERFILE)
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ... (default: ENTRYPOINT + CMD)")
     a = ap.parse_args(argv)
     # a TERM (scripts/k8s.sh stopping a background build) unwinds: chroot mounts are undone
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -481,9 +525,17 @@ def main(argv: list[str]) -> int:
             print(json.dumps(plan(a.dockerfile), indent=2))
         else:
             CACHE.mkdir(parents=True, exist_ok=True)
-            with open(CACHE / "build.lock", "w") as lock:  # one build at a time per cache
+            dockerfile = a.dockerfile.resolve()
+            # one build at a time per cache; a run holds it too (a build deletes what it takes for
+            # an interrupted build's work directory, the run's unpacked image among them)
+            with open(CACHE / "build.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                print(build(a.tag))
+                archive, final = build(a.tag, dockerfile)
+                if a.verb == "build":
+                    print(archive)
+                    return 0
+                command = a.command[1:] if a.command[:1] == ["--"] else a.command
+                return run_in_image(final, plan(dockerfile), command)
     except BuildError as e:
         print(f"image.py: {e}", file=sys.stderr)
         return 1

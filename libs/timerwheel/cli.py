@@ -38,6 +38,7 @@ from timerwheel import telemetry
 from timerwheel.client import Timer, TimerClient
 from timerwheel.config import DAY_MS, ENV_VARS, TimerConfig, parse_duration_ms
 from timerwheel.errors import (
+    AccessError,
     ConfigError,
     FormatMismatchError,
     InvalidTimerMessage,
@@ -292,26 +293,27 @@ def cmd_spark_job(args: argparse.Namespace) -> int:
         raise CliError(f"{args.command} needs PySpark: pip install 'timerwheel[spark]' (make setup-spark)") from None
     from timerwheel.jobs import spark as sp
 
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"kafka_bootstrap": args.kafka}
     if getattr(args, "shards", None) is not None:
         extra["shards"] = args.shards
+    # TLS and SASL from the same TW_KAFKA_* settings as the stages (timerwheel.security)
     cfg = build_config(args, **extra)
     try:
         if args.command == "audit":
             from timerwheel.jobs import audit
 
             topics = [t for t in args.topics.split(",") if t] if args.topics else None
-            summary = audit.main(args.kafka, args.out, cfg, topics, args.grace_ms, args.now_ms, args.master)
+            summary = audit.main(args.out, cfg, topics, args.grace_ms, args.now_ms, args.master)
             print(json.dumps(summary["total"], sort_keys=True))
         elif args.command == "bulk-schedule":
             from timerwheel.jobs import bulk
 
-            print(json.dumps(bulk.main(args.kafka, args.input, args.format, args.rejects, cfg, args.master)))
+            print(json.dumps(bulk.main(args.input, args.format, args.rejects, cfg, args.master)))
         else:
             from timerwheel.jobs import forecast
 
-            print(json.dumps(forecast.main(args.kafka, args.out, cfg, args.hours, args.now_ms, args.master)))
-    except sp.KafkaUnreachable as exc:
+            print(json.dumps(forecast.main(args.out, cfg, args.hours, args.now_ms, args.master)))
+    except (sp.KafkaUnreachable, AccessError) as exc:  # a wrong password is the user's to fix: exit 2
         raise CliError(str(exc)) from None
     return 0
 

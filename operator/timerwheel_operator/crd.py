@@ -60,6 +60,41 @@ def _secret_ref(doc: str, key_default: str) -> Schema:
     }
 
 
+#: spec.kafka's keys of its Secret -> the TW_* file setting each becomes (spec.KAFKA_SECRET_FILES).
+KAFKA_SECRET_KEYS = {"saslPasswordKey": "the SASL password (TW_KAFKA_SASL_PASSWORD_FILE)",
+                     "caKey": "the PEM CA bundle that signed the brokers' certificates (TW_KAFKA_SSL_CAFILE)",
+                     "certKey": "the PEM client certificate, for mutual TLS (TW_KAFKA_SSL_CERTFILE)",
+                     "keyKey": "the PEM private key of certKey (TW_KAFKA_SSL_KEYFILE)"}
+
+
+def _kafka_schema() -> Schema:
+    """spec.kafka: the bootstrap servers and the client's TLS / SASL settings, as the stages read
+    them (TW_KAFKA_*); the secret material comes from keys of one Secret mounted in every stage."""
+    keys = {k: _str(f"key in secretName holding {doc}", maxLength=253, pattern=r"^[-._a-zA-Z0-9]+$")
+            for k, doc in KAFKA_SECRET_KEYS.items()}
+    return {
+        "type": "object",
+        "required": ["bootstrap"],
+        "properties": {
+            "bootstrap": _str("Kafka bootstrap servers, host:port[,host:port] (TW_KAFKA_BOOTSTRAP)",
+                              minLength=1, maxLength=4096, pattern=r"^[^\s,]+(,[^\s,]+)*$"),
+            "secretName": _str("Secret with the client's SASL/TLS material, mounted read-only at "
+                               "/etc/timerwheel/kafka in every stage", maxLength=253, pattern=DNS_LABEL),
+            "securityProtocol": _str("TW_KAFKA_SECURITY_PROTOCOL (unset: PLAINTEXT)",
+                                     enum=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]),
+            "saslMechanism": _str("TW_KAFKA_SASL_MECHANISM, with SASL_*", enum=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]),
+            "saslUsername": _str("TW_KAFKA_SASL_USERNAME, with SASL_*", maxLength=1024),
+            "checkHostname": {"type": "boolean", "description": "TW_KAFKA_SSL_CHECK_HOSTNAME (unset: true): the "
+                              "brokers' certificates must name the host connected to"},
+            **keys,
+        },
+        "x-kubernetes-validations": [{
+            "rule": "has(self.secretName) || !(" + " || ".join(f"has(self.{k})" for k in KAFKA_SECRET_KEYS) + ")",
+            "message": "spec.kafka: saslPasswordKey, caKey, certKey and keyKey name keys of secretName: set it",
+        }],
+    }
+
+
 QUANTITY: Schema = {
     "x-kubernetes-int-or-string": True,
     "anyOf": [{"type": "integer"}, {"type": "string"}],
@@ -194,16 +229,7 @@ def spec_schema() -> Schema:
                 "maxItems": 100,
                 "items": {"type": "string", "minLength": 1, "maxLength": 512, "pattern": r"^[^,]+$"},
             },
-            "kafka": {
-                "type": "object",
-                "required": ["bootstrap"],
-                "properties": {
-                    "bootstrap": _str("Kafka bootstrap servers, host:port[,host:port] (TW_KAFKA_BOOTSTRAP)",
-                                      minLength=1, maxLength=4096, pattern=r"^[^\s,]+(,[^\s,]+)*$"),
-                    "secretName": _str("Secret with the client's SASL/TLS material, mounted read-only at "
-                                       "/etc/timerwheel/kafka in every stage", maxLength=253, pattern=DNS_LABEL),
-                },
-            },
+            "kafka": _kafka_schema(),
             "redis": {
                 "type": "object",
                 "properties": {

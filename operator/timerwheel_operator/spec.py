@@ -9,11 +9,13 @@ operator reports it in the status and an Event instead of failing.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from timerwheel.config import DAY_MS, DEFAULT_ALLOW_TOPICS, DEFAULT_DELAY_LEVELS, TimerConfig
+from timerwheel.config import DAY_MS, DEFAULT_ALLOW_TOPICS, DEFAULT_DELAY_LEVELS, ENV_VARS, TimerConfig
 from timerwheel.errors import ConfigError
 
 from timerwheel_operator.autoscale import AUTOSCALED, Policy
@@ -25,6 +27,14 @@ HTTP_PORT = 8080
 #: Mount point of the shared volume (TW_DATA_DIR).
 DATA_DIR = "/data"
 KAFKA_SECRET_DIR = "/etc/timerwheel/kafka"
+
+#: spec.kafka field -> the TW_* variable it sets (only when the field is set: a TimerWheel without
+#: them keeps the ConfigMap, and so the pods, it had).
+KAFKA_ENV = {"securityProtocol": "TW_KAFKA_SECURITY_PROTOCOL", "saslMechanism": "TW_KAFKA_SASL_MECHANISM",
+             "saslUsername": "TW_KAFKA_SASL_USERNAME", "checkHostname": "TW_KAFKA_SSL_CHECK_HOSTNAME"}
+#: spec.kafka key of its Secret -> the TW_*_FILE variable naming that key's file under KAFKA_SECRET_DIR.
+KAFKA_SECRET_FILES = {"saslPasswordKey": "TW_KAFKA_SASL_PASSWORD_FILE", "caKey": "TW_KAFKA_SSL_CAFILE",
+                      "certKey": "TW_KAFKA_SSL_CERTFILE", "keyKey": "TW_KAFKA_SSL_KEYFILE"}
 
 #: spec field -> (TW_* variable, default): the spec's settings as the stages read them.
 SPEC_ENV: dict[str, tuple[str, Any]] = {
@@ -61,6 +71,7 @@ class Wheel:
     name: str
     namespace: str
     env: Mapping[str, str]
+    #: as checked: its Kafka secret-file settings name a stand-in (``_checkable``), not the Secret
     config: TimerConfig
     stages: tuple[StageSpec, ...]
     claim: str
@@ -123,7 +134,7 @@ def settings_env(spec: Mapping[str, Any]) -> dict[str, str]:
     """The ConfigMap's ``TW_*`` settings: every SPEC_ENV field (its default when absent), Kafka,
     the data directory and the HTTP port. Redis comes from the spec's url or Secret (``env``)."""
     env = {var: _env_value(spec.get(field, default)) for field, (var, default) in SPEC_ENV.items()}
-    env["TW_KAFKA_BOOTSTRAP"] = str(spec.get("kafka", {}).get("bootstrap", ""))
+    env.update(kafka_env(spec.get("kafka") or {}))
     url = spec.get("redis", {}).get("url")
     if url and not spec.get("redis", {}).get("secretRef"):
         env["TW_REDIS_URL"] = str(url)
@@ -132,11 +143,44 @@ def settings_env(spec: Mapping[str, Any]) -> dict[str, str]:
     return dict(sorted(env.items()))
 
 
+def kafka_env(kafka: Mapping[str, Any]) -> dict[str, str]:
+    """``spec.kafka`` as the stages' ``TW_KAFKA_*`` settings: the bootstrap servers, the TLS / SASL
+    settings that are set, and each named key of ``secretName`` as a file under KAFKA_SECRET_DIR
+    (the Secret's mount). The chart's Spark jobs set the same (templates/spark-jobs.yaml)."""
+    env = {"TW_KAFKA_BOOTSTRAP": str(kafka.get("bootstrap", ""))}
+    for field, var in KAFKA_ENV.items():
+        if kafka.get(field) is not None:
+            env[var] = _env_value(kafka[field])
+    for field, var in KAFKA_SECRET_FILES.items():
+        if kafka.get(field):
+            env[var] = f"{KAFKA_SECRET_DIR}/{kafka[field]}"
+    return env
+
+
 def _field_of(var: str) -> str:
     for field, (env_var, _default) in SPEC_ENV.items():
         if env_var == var:
             return f"spec.{field}"
-    return {"TW_KAFKA_BOOTSTRAP": "spec.kafka.bootstrap", "TW_REDIS_URL": "spec.redis.url"}.get(var, var)
+    kafka = {v: f"spec.kafka.{f}" for f, v in (*KAFKA_ENV.items(), *KAFKA_SECRET_FILES.items())}
+    kafka["TW_KAFKA_SASL_PASSWORD"] = "spec.kafka.saslPasswordKey"
+    return {"TW_KAFKA_BOOTSTRAP": "spec.kafka.bootstrap", "TW_REDIS_URL": "spec.redis.url", **kafka}.get(var, var)
+
+
+def _in_spec_words(message: str) -> str:
+    """A ``TimerConfig`` message with the Kafka attributes it names (``kafka_ssl_certfile``) given
+    as the spec fields that set them (``spec.kafka.certKey``)."""
+    for var, (attr, _kind, _doc) in ENV_VARS.items():
+        if attr.startswith("kafka_") and attr in message and _field_of(var) != var:
+            message = re.sub(rf"\b{attr}\b", _field_of(var), message)
+    return message
+
+
+def _checkable(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as this process can check it: the Secret's files exist only in the stages' pods, so
+    each ``*_FILE`` setting names a stand-in (this module: readable, not empty). What the files
+    hold is the stages' to check, when they connect."""
+    stand_in = os.path.abspath(__file__)
+    return {k: stand_in if k in KAFKA_SECRET_FILES.values() else v for k, v in env.items()}
 
 
 def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str = "IfNotPresent") -> Wheel:
@@ -148,11 +192,16 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
     env = settings_env(spec)
     try:
         # The stages' own check; TW_REDIS_URL may live in a Secret, so a stand-in is validated.
-        config = TimerConfig.from_env({**env, "TW_REDIS_URL": env.get("TW_REDIS_URL", "redis://secret")})
+        config = TimerConfig.from_env({**_checkable(env), "TW_REDIS_URL": env.get("TW_REDIS_URL", "redis://secret")})
     except ConfigError as exc:
-        raise SpecError(_field_of(exc.field), str(exc).split(": ", 1)[1]) from None
+        field = _field_of(exc.field)
+        raise SpecError(field, _in_spec_words(str(exc).split(": ", 1)[1]).replace(f" (or {field})", "")) from None
     if not env["TW_KAFKA_BOOTSTRAP"]:
         raise SpecError("spec.kafka.bootstrap", "must name the Kafka bootstrap servers")
+    kafka = spec.get("kafka") or {}
+    for field in KAFKA_SECRET_FILES:
+        if kafka.get(field) and not kafka.get("secretName"):
+            raise SpecError(f"spec.kafka.{field}", "names a key of spec.kafka.secretName, which is not set")
     redis = spec.get("redis") or {}
     secret_ref = redis.get("secretRef")
     if not redis.get("url") and not secret_ref:

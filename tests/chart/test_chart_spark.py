@@ -4,6 +4,7 @@ Spark image, with the secure pod defaults and a writable /tmp; bad values are re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import kubernetes_validate
 import pytest
 from test_chart import CHART, KUBE_VERSION, SCHEMA_VERSION, helm, run, template
 from timerwheel.cli import make_parser
+from timerwheel_operator.spec import KAFKA_SECRET_DIR, kafka_env
 
 __all__ = ["helm"]
 
@@ -67,3 +69,30 @@ def test_bad_spark_values_are_refused_naming_the_field(helm: str, setting: str, 
     out = run(helm, "template", "tw", str(CHART), "--kube-version", KUBE_VERSION, "--set", setting)
     assert out.returncode != 0
     assert named in out.stderr, out.stderr
+
+
+SECURE_KAFKA = {"bootstrap": "kafka-0.kafka:9096", "secretName": "kafka-client", "securityProtocol": "SASL_SSL",
+                "saslMechanism": "SCRAM-SHA-512", "saslUsername": "timerwheel", "saslPasswordKey": "password",
+                "caKey": "ca.crt", "certKey": "tls.crt", "keyKey": "tls.key", "checkHostname": False}
+
+
+@pytest.mark.parametrize("kafka", [SECURE_KAFKA, {"bootstrap": "kafka:9092"},
+                                   {"bootstrap": "k:9093", "securityProtocol": "SSL", "checkHostname": True}],
+                         ids=["sasl-ssl", "plaintext", "ssl"])
+def test_spark_jobs_reach_kafka_as_the_stages_do(helm: str, kafka: dict[str, Any]) -> None:
+    """The Spark pods get spec.kafka as the operator gives it to the stages (spec.kafka_env) and
+    the Secret at the same mount; the TimerWheel carries the same spec.kafka."""
+    docs = template(helm, "-f", str(SPARK), "--set-json", f"timerwheel.spec.kafka={json.dumps(kafka)}")
+    (wheel,) = [d for d in docs if d["kind"] == "TimerWheel"]
+    assert wheel["spec"]["kafka"] == kafka
+    for name, pod in _jobs(docs).items():
+        kubernetes_validate.validate(next(d for d in docs if d["kind"] in ("CronJob", "Job")), SCHEMA_VERSION,
+                                     strict=True)
+        (c,) = pod["containers"]
+        env = {e["name"]: e["value"] for e in c["env"] if e["name"].startswith("TW_KAFKA_")}
+        assert env == kafka_env(kafka), name
+        mount = {"name": "kafka-secret", "mountPath": KAFKA_SECRET_DIR, "readOnly": True}
+        volume = {"name": "kafka-secret", "secret": {"secretName": "kafka-client"}}
+        secret = "secretName" in kafka
+        assert (mount in c["volumeMounts"], volume in pod["volumes"]) == (secret, secret), name
+        assert make_parser().parse_args(c["args"]).kafka == kafka["bootstrap"]

@@ -119,3 +119,33 @@ def test_spark_reads_timer_records_as_timer_rules_parse_does(spark: Any) -> None
     # both paths ran: valid common records and everything else
     assert sum(1 for v in expected.values() if v[2] is None) > 100
     assert sum(1 for v in expected.values() if v[2] is not None) > 50
+
+
+def _raw(spark: Any, records: list[Record]) -> Any:
+    rows = [(r.partition, r.offset, r.timestamp_ms, r.key, r.value, [(k, v) for k, v in r.headers]) for r in records]
+    return spark.createDataFrame(rows, "partition int, offset long, timestamp_ms long, key binary, value binary, "
+                                       "headers array<struct<key: string, value: binary>>")
+
+
+def _plan(df: Any) -> str:
+    return str(df._jdf.queryExecution().executedPlan().toString())
+
+
+def test_records_that_are_all_common_need_no_python_udf(spark: Any) -> None:
+    at = str(NOW + 5000).encode()
+    common = [Record("__timer", i % 2, i, NOW, b"k", b"v", (("tw-topic", b"orders" if i % 3 else b"pay"),
+                                                            ("tw-deliver-at", at), ("tw-id", b"m%d" % i)))
+              for i in range(30)]
+    narrowed = narrow(_raw(spark, common)).cache()
+    short = requests(narrowed, CONFIG)
+    assert "EvalPython" not in _plan(short)
+    full = requests(narrowed, CONFIG, short_cut=False)
+    assert "EvalPython" in _plan(full)  # the check above can fail
+    assert sorted(map(tuple, short.collect())) == sorted(map(tuple, full.collect()))
+    rules = TimerRules(CONFIG)
+    assert {(r.partition, r.offset, r.error, r.cancel, r.id, r.topic, r.deliver_ms, r.roll)
+            for r in short.collect()} == {_expected(rules, r) for r in common}
+    # one record of another kind, or a destination the rules refuse, brings the UDF back
+    for odd in [(("tw-topic", b"orders"), ("tw-delay-ms", b"5")), (("tw-topic", b"other"), ("tw-deliver-at", at))]:
+        mixed = narrow(_raw(spark, [*common, Record("__timer", 0, 99, NOW, None, None, odd)])).cache()
+        assert "EvalPython" in _plan(requests(mixed, CONFIG))

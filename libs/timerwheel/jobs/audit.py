@@ -167,22 +167,22 @@ def _plot(hourly_pd: Any, path: Path) -> None:
                "timerwheel delivery lateness per topic and hour", path)
 
 
-def main(bootstrap: str, out: str, config: TimerConfig, topics: list[str] | None, grace_ms: int,
+def main(out: str, config: TimerConfig, topics: list[str] | None, grace_ms: int,
          now_ms: int | None, master: str) -> dict[str, Any]:
     """Run the audit against Kafka; write ``out``; return summary.json's content."""
     from pyspark.sql import functions as F
 
-    existing = sp.kafka_topics(bootstrap)
+    existing = sp.kafka_topics(config)
     now = int(time.time() * 1000) if now_ms is None else now_ms
     spark = sp.session(master, app="timerwheel-audit")
-    timer = sp.read_topics(spark, bootstrap, [config.timer_topic] if config.timer_topic in existing else [])
-    dlq = sp.read_topics(spark, bootstrap, [config.dlq_topic] if config.dlq_topic in existing else [])
+    timer = sp.read_topics(spark, config, [config.timer_topic] if config.timer_topic in existing else [])
+    dlq = sp.read_topics(spark, config, [config.dlq_topic] if config.dlq_topic in existing else [])
     reqs = timer_requests(timer, config)
     if topics is None:
         topics = sorted(r[0] for r in reqs.filter(F.col("topic").isNotNull() & F.col("error").isNull())
                         .select("topic").distinct().collect())
     unknown = sorted(set(topics) - existing)
-    dest = sp.read_topics(spark, bootstrap, [t for t in topics if t in existing])
+    dest = sp.read_topics(spark, config, [t for t in topics if t in existing])
     result = audit(reqs, dest, now, grace_ms)
     summary = {"now_ms": now, "grace_ms": grace_ms, "dead_lettered": dlq.count(), "total": result["total"],
                "topics": result["topics"], "bad_input": {**result["bad_input"], "unknown_topics": unknown}}

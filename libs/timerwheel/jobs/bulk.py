@@ -86,14 +86,14 @@ def judged(rows: Any, config: TimerConfig, now_ms: int) -> Any:
                         .when(F.col("nth") > 1, F.lit("id repeated in the input"))))
 
 
-def main(bootstrap: str, path: str, fmt: str, rejects: str, config: TimerConfig, master: str) -> dict[str, int]:
+def main(path: str, fmt: str, rejects: str, config: TimerConfig, master: str) -> dict[str, int]:
     from pyspark.sql import functions as F
 
-    existing = sp.kafka_topics(bootstrap)
+    existing = sp.kafka_topics(config)
     spark = sp.session(master, app="timerwheel-bulk-schedule")
     rows = read_rows(spark, path, fmt)
     j = judged(rows, config, int(time.time() * 1000)).persist()
-    timer = sp.read_topics(spark, bootstrap, [config.timer_topic] if config.timer_topic in existing else [])
+    timer = sp.read_topics(spark, config, [config.timer_topic] if config.timer_topic in existing else [])
     known = timer.select(last_header(H_ID).cast("string").alias("id")).filter(F.col("id").isNotNull()).distinct()
     valid = j.filter(F.col("reason").isNull())
     fresh = valid.join(known, "id", "left_anti").persist()
@@ -101,7 +101,7 @@ def main(bootstrap: str, path: str, fmt: str, rejects: str, config: TimerConfig,
     bad.select("id", "topic", "key", "value", "deliver_at_ms", "delay_ms", "partition", "headers", "reason") \
         .write.mode("overwrite").parquet(rejects)
     sp.write_topic(fresh.select("key", "value", "headers_out").withColumnRenamed("headers_out", "headers"),
-                   bootstrap, config.timer_topic)
+                   config, config.timer_topic)
     counts = {"read": j.count(), "scheduled": fresh.count(), "rejected": bad.count()}
     counts["already_scheduled"] = counts["read"] - counts["rejected"] - counts["scheduled"]
     log.info("bulk-schedule done", **counts)

@@ -42,11 +42,11 @@ def _plot(per_minute: Any, path: Path) -> None:
     line_chart(series, "minute (UTC)", "messages due", "timerwheel: messages due per minute", path)
 
 
-def main(bootstrap: str, out: str, config: TimerConfig, hours: int, now_ms: int | None, master: str) -> dict[str, Any]:
-    existing = sp.kafka_topics(bootstrap)
+def main(out: str, config: TimerConfig, hours: int, now_ms: int | None, master: str) -> dict[str, Any]:
+    existing = sp.kafka_topics(config)
     now = int(time.time() * 1000) if now_ms is None else now_ms
     spark = sp.session(master, app="timerwheel-forecast")
-    timer = sp.read_topics(spark, bootstrap, [config.timer_topic] if config.timer_topic in existing else [])
+    timer = sp.read_topics(spark, config, [config.timer_topic] if config.timer_topic in existing else [])
     sched, cancels = scheduled(timer_requests(timer, config))
     minutes = due_per_minute(sched, cancels, now, hours, config.shards).persist()
     outdir = Path(out)

@@ -7,7 +7,8 @@ edge cases included):
 - The common record (what ``TimerRules.common`` accepts: an absolute ``tw-deliver-at``, none of the other control headers, size, id and max delay within the limits, an
   allowed destination) is read by Spark SQL expressions, with no Python per row.
 - Every other record (cancels, roll hops, ``tw-delay-ms``, ``tw-delay-level``, anything invalid or
-  odd) goes through ``TimerRules.parse_sized`` in a pandas UDF.
+  odd) goes through ``TimerRules.parse_sized`` in a pandas UDF; when there is none (found in the
+  same pass that collects the destinations), the UDF branch is left out of the plan.
 - Destinations are few: the distinct ``tw-topic`` values are judged on the driver by
   ``TimerRules.destination_error`` (allow-list, topic names, not the timer topic) and joined back.
 
@@ -70,15 +71,28 @@ def narrow(raw: Any) -> Any:
 RESULT_FIELDS = "error string, cancel boolean, id string, topic string, deliver_ms long, roll long"
 
 
-def _verdicts(spark: Any, narrowed: Any, config: TimerConfig) -> Any:
-    """raw tw-topic -> (verdict, decoded topic) for each distinct value, judged by TimerRules."""
+def _verdicts(spark: Any, narrowed: Any, config: TimerConfig, common_but_topic: Any) -> tuple[Any, bool]:
+    """(raw tw-topic -> (verdict, decoded topic) for each distinct value, judged by TimerRules;
+    whether every record is common). One pass over ``narrowed``: per distinct tw-topic, how many of
+    its records fail ``common_but_topic`` (the short path's tests other than the destination's)."""
+    from pyspark.sql import functions as F
+
     from timerwheel.wire import TimerRules
 
     rules = TimerRules(config)
-    rows = [r[0] for r in narrowed.select(f"h.{field(H_TOPIC)}").distinct().collect() if r[0] is not None]
-    judged = [(bytes(raw), rules.destination_error(bytes(raw).decode("utf-8", "replace")),
-               bytes(raw).decode("utf-8", "replace")) for raw in rows]
-    return spark.createDataFrame(judged, "topic_raw binary, verdict string, topic_name string")
+    topic = F.col(f"h.{field(H_TOPIC)}")
+    per_topic = (narrowed.groupBy(topic.alias("t"))
+                 .agg(F.count(F.when(~F.coalesce(common_but_topic, F.lit(False)), 1)).alias("odd")).collect())
+    judged, all_common = [], True
+    for raw, odd in per_topic:
+        if raw is None:
+            all_common = False
+            continue
+        name = bytes(raw).decode("utf-8", "replace")
+        verdict = rules.destination_error(name)
+        judged.append((bytes(raw), verdict, name))
+        all_common = all_common and odd == 0 and verdict == ""
+    return spark.createDataFrame(judged, "topic_raw binary, verdict string, topic_name string"), all_common
 
 
 def _parse_udf(config: TimerConfig) -> Any:
@@ -109,14 +123,15 @@ def _parse_udf(config: TimerConfig) -> Any:
     return parse
 
 
-def requests(narrowed: Any, config: TimerConfig) -> Any:
+def requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = True) -> Any:
     """partition, offset, timestamp_ms, error (null when valid), cancel, id (the message id, or
     the cancelled one's), topic (null for a cancel), deliver_ms, roll: ``TimerRules.parse`` of
-    every record of ``narrowed`` (``narrow``'s columns). Cache ``narrowed`` first: it is read twice."""
+    every record of ``narrowed`` (``narrow``'s columns). Cache ``narrowed`` first: it is read twice.
+    When every record is common there is no UDF branch (``short_cut=False`` keeps it: the bench's
+    "before")."""
     from pyspark.sql import functions as F
 
     spark = narrowed.sparkSession
-    verdicts = F.broadcast(_verdicts(spark, narrowed, config))
     h = {name: F.col(f"h.{field(name)}") for name in CONTROL}
     at = h[H_DELIVER_AT].cast("string")
     raw_id = h[H_ID]
@@ -125,13 +140,11 @@ def requests(narrowed: Any, config: TimerConfig) -> Any:
     # 15 digits is past MAX_EPOCH_MS and goes to parse for its reason.
     digits = F.regexp_replace(at, "^0+", "")
     deliver = F.when(digits == "", F.lit(0).cast("long")).otherwise(digits.try_cast("long"))
-    joined = narrowed.join(verdicts, h[H_TOPIC] == verdicts["topic_raw"], "left")
     off_common_absent = F.lit(True)
     for name in _OFF_COMMON:
         off_common_absent = off_common_absent & h[name].isNull()
-    common = (
-        F.col("verdict").eqNullSafe("")
-        & F.coalesce(at.rlike("^[0-9]{1,20}$") & (F.length(digits) <= _COMMON_DIGITS), F.lit(False))
+    common_but_topic = (
+        F.coalesce(at.rlike("^[0-9]{1,20}$") & (F.length(digits) <= _COMMON_DIGITS), F.lit(False))
         & off_common_absent
         & (F.col("size") <= F.lit(config.max_record_bytes))
         & (deliver <= F.lit(MAX_EPOCH_MS))
@@ -139,6 +152,9 @@ def requests(narrowed: Any, config: TimerConfig) -> Any:
         & (raw_id.isNull() | ((F.octet_length(raw_id) > 0) & (F.octet_length(raw_id) <= MAX_ID_BYTES)
                               & F.is_valid_utf8(raw_id.cast("string"))))
     )
+    verdicts, all_common = _verdicts(spark, narrowed, config, common_but_topic)
+    joined = narrowed.join(F.broadcast(verdicts), h[H_TOPIC] == verdicts["topic_raw"], "left")
+    common = F.col("verdict").eqNullSafe("") & common_but_topic
     keys = ["partition", "offset", "timestamp_ms"]
     fast = joined.filter(common).select(
         *keys,
@@ -149,6 +165,10 @@ def requests(narrowed: Any, config: TimerConfig) -> Any:
         deliver.alias("deliver_ms"),
         F.lit(0).cast("long").alias("roll"),
     )
+    if all_common and short_cut:
+        # No record for the UDF: its branch would still start a Python worker per partition and
+        # scan the records a second time.
+        return fast
     parse = _parse_udf(config)
     slow = (joined.filter(~common)
             .select(*keys, parse("partition", "offset", "timestamp_ms", "size", "h").alias("r"))

@@ -4,6 +4,12 @@ The connector's jars come from ``scripts/spark.sh`` (Maven, cached outside the w
 passed as ``spark.jars``; ``TW_SPARK_JARS`` names a directory of them instead (the Spark image sets
 it), and without either Spark resolves the connector itself (``spark.jars.packages``). One session
 per process: ``session`` returns the active one if there is one, so tests share a single JVM.
+
+Kafka is reached with the service's own settings (``TimerConfig``: ``TW_KAFKA_*``, TLS and SASL):
+``security.spark_kafka_options`` gives them to Spark's source and sink as ``kafka.``-prefixed Java
+client properties, ``kafka_client_options`` to the admin client that lists the topics. Before Spark
+starts, ``kafka_topics`` runs the stages' access check: a wrong password or an untrusted
+certificate is one ``AccessError`` naming the setting, never minutes of Spark's retries.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from timerwheel.config import TimerConfig
 from timerwheel.errors import TimerwheelError
+from timerwheel.security import check_kafka_access, kafka_client_options, spark_kafka_options
 
 #: The connector's Maven coordinate, at the PySpark version (pyproject.toml pins it).
 CONNECTOR = "org.apache.spark:spark-sql-kafka-0-10_2.13"
@@ -69,14 +77,18 @@ def session(master: str = "local[*]", app: str = "timerwheel") -> Any:
     return spark
 
 
-def kafka_topics(bootstrap: str, timeout_s: float = 10.0) -> set[str]:
-    """The broker's topics; ``KafkaUnreachable`` if it does not answer within ``timeout_s``.
-    Checked before Spark starts: Spark's own client retries for minutes and then prints pages."""
+def kafka_topics(config: TimerConfig, timeout_s: float = 10.0) -> set[str]:
+    """The broker's topics; ``AccessError`` if it refuses ``config``'s TLS / SASL settings,
+    ``KafkaUnreachable`` if it does not answer within ``timeout_s``. Checked before Spark starts:
+    Spark's own client retries for minutes and then prints pages."""
     from kafka import KafkaAdminClient
 
+    bootstrap = config.kafka_bootstrap
+    check_kafka_access(config, bootstrap, timeout_s)
     ms = int(timeout_s * 1000)
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms)
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms,
+                                 **kafka_client_options(config))
     except Exception as exc:  # kafka-python raises NoBrokersAvailable, ValueError, socket errors
         raise KafkaUnreachable(f"--kafka: cannot reach Kafka at {bootstrap}: {exc.__class__.__name__}") from None
     try:
@@ -85,7 +97,7 @@ def kafka_topics(bootstrap: str, timeout_s: float = 10.0) -> set[str]:
         admin.close()
 
 
-def read_topics(spark: Any, bootstrap: str, topics: list[str]) -> Any:
+def read_topics(spark: Any, config: TimerConfig, topics: list[str]) -> Any:
     """Every record of ``topics`` now (a batch read, earliest to latest), headers included:
     columns topic, partition, offset, timestamp, key, value, headers (array of key, value)."""
     from pyspark.sql import functions as F
@@ -102,14 +114,14 @@ def read_topics(spark: Any, bootstrap: str, topics: list[str]) -> Any:
         ])
         df = spark.createDataFrame([], schema)
     else:
-        df = (spark.read.format("kafka").option("kafka.bootstrap.servers", bootstrap)
+        df = (spark.read.format("kafka").options(**spark_kafka_options(config))
               .option("subscribe", ",".join(sorted(topics))).option("includeHeaders", "true")
               .option("startingOffsets", "earliest").option("endingOffsets", "latest")
               .option("failOnDataLoss", "false").load())
     return df.withColumn("timestamp_ms", F.unix_millis("timestamp"))
 
 
-def write_topic(df: Any, bootstrap: str, topic: str) -> None:
+def write_topic(df: Any, config: TimerConfig, topic: str) -> None:
     """Append ``df`` (key, value, headers[, partition]) to ``topic`` through Spark's Kafka sink."""
-    (df.write.format("kafka").option("kafka.bootstrap.servers", bootstrap).option("topic", topic)
+    (df.write.format("kafka").options(**spark_kafka_options(config)).option("topic", topic)
      .option("kafka.enable.idempotence", "true").save())
