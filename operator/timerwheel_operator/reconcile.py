@@ -391,6 +391,10 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, settings: Settings, now
         applied.events.append(Event(reason, message, warning))
     if step.retention is not None:
         status["retention"] = step.retention.to_status()
+    for key in ("window", "retention"):  # a merge patch keeps what it does not name: null drops a key
+        before = (body.get("status") or {}).get(key) or {}
+        if key in status:
+            status[key].update({k: None for k in before if k not in status[key]})
     status["deliverySelector"] = ",".join(f"{k}={v}" for k, v in manifests.selector(wheel.name, "x").items()
                                           if k != "app.kubernetes.io/component") + \
         f",app.kubernetes.io/component in ({','.join(DELIVERY_STAGES)})"
