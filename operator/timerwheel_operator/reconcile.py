@@ -86,7 +86,7 @@ def ensure(body: Mapping[str, Any], cluster: Cluster, settings: Settings,
         have = (live or {}).get("spec", {}).get("replicas") if live else None
         if have is not None and int(have) != want:
             source = (why or {}).get(stage)
-            events.append(Event("Autoscaled" if source else "Scaled",
+            events.append(Event("Autoscaled" if source and source.startswith("autoscale") else "Scaled",
                                 f"{stage}: {have} -> {want} replicas ({source or 'spec'})"))
     for manifest in manifests.build_all(wheel, body, replicas):
         try:
@@ -281,6 +281,10 @@ def autoscale(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, samples: 
     return out
 
 
+#: Why the shard owners are at 0 replicas during a window change (the ``Scaled`` Event says it).
+PAUSED = "window change: paused"
+
+
 def _job_outcome(wheel: Wheel, cluster: Cluster, job_name: str) -> tuple[int | None, str]:
     """(exit code, log) of a finished Job's pod; the termination message stands in for a lost log."""
     pods = cluster.pods(wheel.namespace, {"job-name": job_name})
@@ -407,18 +411,19 @@ def _round(body: Mapping[str, Any], wheel: Wheel, cluster: Cluster, settings: Se
     ``paused``: stages held at 0 replicas whatever else says."""
     wheel = read(body, settings.image, settings.pull_policy)
     if not wheel.autoscale:
-        applied = ensure(body, cluster, settings, dict(paused) or None)
+        applied = ensure(body, cluster, settings, dict(paused) or None, {s: PAUSED for s in paused})
         return applied, observe(body, applied, cluster, replicas=dict(paused) or None, now_ms=now_ms)
     stages = [*SHARD_OWNERS, *wheel.autoscale]
     try:
         scraped = scrape_all(wheel, cluster, stages)
     except Exception:  # noqa: BLE001 - cannot read the pods: keep the replicas as they are, observe says why
         kept = {**_kept(body, wheel), **paused}
-        applied = ensure(body, cluster, settings, kept)
+        applied = ensure(body, cluster, settings, kept, {s: PAUSED for s in paused})
         return applied, observe(body, applied, cluster, replicas=kept, now_ms=now_ms)
     decisions = autoscale(wheel, body, cluster, scraped[0], now_ms)
     replicas = {**{s: d.replicas for s, d in decisions.items()}, **paused}
-    applied = ensure(body, cluster, settings, replicas, {s: f"autoscale: {d.message}" for s, d in decisions.items()})
+    applied = ensure(body, cluster, settings, replicas, {**{s: f"autoscale: {d.message}" for s, d in decisions.items()},
+                                                         **{s: PAUSED for s in paused}})
     status = observe(body, applied, cluster, scraped, replicas, now_ms)
     last = (body.get("status") or {}).get("autoscale") or {}
     status["autoscale"] = {
