@@ -128,6 +128,8 @@ class KafkaAdmin:
         self.attempts = attempts
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
+        #: one admin call at a time: kopf's handler and timer may reconcile together
+        self._calls = threading.Lock()
 
     def _client(self, bootstrap: str) -> Any:
         from kafka import KafkaAdminClient
@@ -154,7 +156,8 @@ class KafkaAdmin:
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, ["retention.ms"])
         for attempt in range(self.attempts):
             try:
-                found = self._client(bootstrap).describe_configs([resource], config_filter="all")
+                with self._calls:
+                    found = self._client(bootstrap).describe_configs([resource], config_filter="all")
                 break
             except UnknownTopicOrPartitionError:
                 raise TopicMissing(topic) from None
@@ -175,7 +178,8 @@ class KafkaAdmin:
         from kafka.admin import ConfigResource, ConfigResourceType
 
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"retention.ms": str(value)})
-        result = self._client(bootstrap).alter_configs([resource])
+        with self._calls:
+            result = self._client(bootstrap).alter_configs([resource])
         outcome = (result.get("topic") or {}).get(topic) if isinstance(result, dict) else None
         if outcome is not None and not _ok(outcome):
             raise RuntimeError(f"alter_configs of {topic}: {outcome}")
