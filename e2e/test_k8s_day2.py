@@ -36,6 +36,7 @@ import pytest
 import yaml
 from harness import LoadRun, Report, now_ms
 from k8s_cluster import ROOT
+from kafka.admin import ConfigResource, ConfigResourceType
 from test_k8s_helm import NAMESPACE, RELEASE, STAGES, WHEEL, Release, release  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
@@ -277,6 +278,9 @@ def test_a_window_change_under_load_pauses_rebuilds_and_resumes_with_nothing_los
     _wait("one pod per stage", lambda: all(_all_ready(rel, s, 1) for s in STAGES) and _ready_at_generation(rel), rel)
     old = int(_tw(rel)["spec"]["rollWindowMs"])
     new = 2 * old
+    # Enough for the old window (1.5 x), too little for the new one: the operator raises it first.
+    timer = ConfigResource(ConfigResourceType.TOPIC, rel.pipe.timer_topic, {"retention.ms": str(2 * old)})
+    rel.pipe.admin.alter_configs([timer])
     dest = rel.pipe.new_dest("day2-window", 4)
     seen: set[str] = set()
 
@@ -314,6 +318,10 @@ def test_a_window_change_under_load_pauses_rebuilds_and_resumes_with_nothing_los
     reasons = {e["reason"] for e in rel.get("events", "--field-selector", f"involvedObject.name={WHEEL}")["items"]}
     assert {"WindowRolling", "WindowRebuilt", "WindowRolled"} <= reasons, sorted(reasons)
     retention = tw["status"].get("retention") or {}
+    assert retention.get("state") in ("Raised", "Ok") and retention.get("neededMs") == new * 3 // 2, retention
+    found = rel.pipe.admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, rel.pipe.timer_topic,
+                                                            ["retention.ms"])], config_filter="all")
+    assert int(found["topic"][rel.pipe.timer_topic]["retention.ms"]["value"]) >= new * 3 // 2, found
     report = window.get("report") or {}
     print(f"FIGURE window change (rollWindowMs {old} -> {new}) under 50 msg/s: owners gone {paused:.1f} s after the "
           f"change, resumed {resumed:.1f} s after it (status: owners paused {window.get('pausedSeconds')} s), "
