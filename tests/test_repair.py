@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from timerwheel import SimulatedClock, Timer
 from timerwheel.embedded import EmbeddedTimerwheel
-from timerwheel.errors import ShardNeedsRecoveryError
+from timerwheel.errors import FormatMismatchError, ShardNeedsRecoveryError
 
 ENV = {**os.environ, "TW_LOG_LEVEL": "WARNING"}
 ENV.pop("TW_REDIS_URL", None)  # the lease check is not what these tests are about
@@ -179,3 +179,99 @@ def test_dequeue_get_leaves_a_shard_without_its_checkpoint_unowned_and_says_why(
         assert ctx.metrics.gauge("shard_open_failed", **failed) == 0
     finally:
         stage.close()
+
+
+# --- rebuild-wheel --change-window --------------------------------------------------------------
+
+def _spread(e: EmbeddedTimerwheel, n: int) -> dict[str, int]:
+    """n messages due from 1 s after START, three a second (those past the 60 s roll window are
+    rolled; a coarser tick puts several old slots in one); id -> due."""
+    due = {f"w{i}": START + 1_000 + 330 * i + 7 * (i % 5) for i in range(n)}
+    e.schedule_many([Timer("t", b"v", deliver_at_ms=at, message_id=m) for m, at in due.items()])
+    return due
+
+
+def _deliveries(e: EmbeddedTimerwheel) -> list[tuple[str, int]]:
+    return [((r.header("tw-id") or b"").decode(), int(r.header("tw-delivered-at") or b"0")) for r in e.read("t")]
+
+
+@pytest.mark.parametrize("new", [{"tick_ms": 1_000, "roll_window_ms": 120_000},
+                                 {"tick_ms": TICK, "roll_window_ms": 120_000},
+                                 {"tick_ms": 10, "roll_window_ms": 90_000, "wheel_span_ms": 200_000}],
+                         ids=["coarser-tick-doubled-window", "doubled-window", "finer-tick"])
+def test_a_window_change_rebuilds_the_wheel_and_every_message_comes_on_time(tmp_path: Path,
+                                                                            new: dict[str, int]) -> None:
+    data = tmp_path / "data"
+    clock = SimulatedClock(START)
+    with EmbeddedTimerwheel(data, clock=clock, **SETTINGS) as e:
+        due = _spread(e, 250)
+        e.wait_idle()
+        clock.set(START + 10_550)
+        e.wait_idle()
+        before = _deliveries(e)
+    assert sorted(m for m, _ in before) == sorted(m for m, at in due.items() if at < START + 10_500)
+    settings = {**SETTINGS, **new}
+    with pytest.raises(FormatMismatchError):  # the stored window is refused, as before
+        EmbeddedTimerwheel(data, clock=SimulatedClock(START + 10_550), **settings)
+    flags = [f"--{k.replace('_', '-')}" if k != "roll_window_ms" else "--roll-window-ms" for k in new]
+    args = [a for flag, v in zip(flags, new.values(), strict=True) for a in (flag, str(v))]
+    refused = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), *args)
+    assert refused.returncode == 2 and "--change-window" in refused.stderr, refused.stderr
+
+    done = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window", *args)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["status"] == "rebuilt" and report["records"] >= 250 and report["records_per_s"] > 0, report
+    assert report["tick_ms"] == new["tick_ms"] and report["roll_window_ms"] == new["roll_window_ms"]
+    assert report["rechained"] > 0 if new["tick_ms"] > TICK else True, report  # new slots, new links
+    stored = json.loads((data / "timerwheel.json").read_text())
+    assert stored["tick_ms"] == new["tick_ms"] and stored["roll_window_ms"] == new["roll_window_ms"]
+    assert stored["shards"] == 1
+
+    clock = SimulatedClock(START + 10_550)
+    with EmbeddedTimerwheel(data, clock=clock, **settings) as e:  # starts with the new settings
+        while clock.now_ms() < START + 125_000:
+            clock.advance(250)
+            e.wait_idle()
+        after = _deliveries(e)[len(before):]
+    got = before + after
+    first: dict[str, int] = {}
+    for m, at in got:
+        first.setdefault(m, at)
+    assert sorted(first) == sorted(due), sorted(set(due) - set(first))
+    early = [m for m, at in got if at < due[m]]
+    assert early == []
+    late = {m: first[m] - due[m] for m in due  # of those due after the change (the clock jumped before)
+            if due[m] > START + 10_550 and first[m] - due[m] > max(new["tick_ms"], TICK) + 500}
+    assert late == {}, late
+    assert len(got) - len(first) <= report["may_deliver_twice"], (len(got) - len(first), report)
+
+
+def test_a_window_the_span_cannot_hold_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    clock = SimulatedClock(START)
+    with EmbeddedTimerwheel(data, clock=clock, **{**SETTINGS, "roll_window_ms": 100_000}) as e:
+        _spread(e, 270)  # due up to 90 s ahead
+        e.wait_idle()
+    meta = (data / "shard-0000" / "meta.json").read_text()
+    stored = (data / "timerwheel.json").read_text()
+    done = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window",
+              "--roll-window-ms", "20000")  # a 40 s span: the records 90 s ahead do not fit
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("timerwheel: error: TW_WHEEL_SPAN_MS:") and "nothing was changed" in done.stderr
+    assert (data / "shard-0000" / "meta.json").read_text() == meta
+    assert (data / "timerwheel.json").read_text() == stored
+    bad = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window", "--tick-ms", "7")
+    assert bad.returncode == 2 and "--tick-ms" in bad.stderr, bad.stderr
+
+
+def test_change_window_of_a_shard_never_made_updates_the_deployment_file_only(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with EmbeddedTimerwheel(data, clock=SimulatedClock(START), **{**SETTINGS, "shards": 2}):
+        pass
+    done = tw("rebuild-wheel", "--shard", "5", "--data-dir", str(data), "--change-window",
+              "--roll-window-ms", "120000")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "no-shard"
+    stored = json.loads((data / "timerwheel.json").read_text())
+    assert stored["roll_window_ms"] == 120_000 and stored["shards"] == 2

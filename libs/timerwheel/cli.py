@@ -56,6 +56,13 @@ FLAG_OF = {
 }
 
 
+#: rebuild-wheel's window flags -> (TimerConfig field, TW_* variable).
+WINDOW_FLAGS = {"--tick-ms": "tick (ms)", "--roll-window-ms": "roll window (ms or 2d, 12h)",
+                "--wheel-span-ms": "wheel span (ms or 4d; 0: twice the roll window)"}
+_WINDOW_FIELD = {"--tick-ms": ("tick_ms", "TW_TICK_MS"), "--roll-window-ms": ("roll_window_ms", "TW_ROLL_WINDOW_MS"),
+                 "--wheel-span-ms": ("wheel_span_ms", "TW_WHEEL_SPAN_MS")}
+
+
 class CliError(Exception):
     pass
 
@@ -232,6 +239,14 @@ def make_parser() -> argparse.ArgumentParser:
         rp = sub.add_parser(name, help=short, description=text)
         rp.add_argument("--shard", type=int, required=True, help="the shard number")
         rp.add_argument("--data-dir", help=f"data directory (default $TW_DATA_DIR or {_DEFAULTS.data_dir})")
+        if name == "rebuild-wheel":
+            rp.add_argument("--change-window", action="store_true",
+                            help="rebuild with the tick, roll window and wheel span given here (or by TW_TICK_MS, "
+                                 "TW_ROLL_WINDOW_MS, TW_WHEEL_SPAN_MS) and store them in the data directory's "
+                                 "timerwheel.json; run it for every shard, with every stage stopped. Without it, "
+                                 "other values than the stored ones are refused")
+            for flag, what in WINDOW_FLAGS.items():
+                rp.add_argument(flag, type=_duration, help=f"new {what} (with --change-window)")
 
     demo = sub.add_parser("demo", help="schedule random timers in a temporary directory and watch them fire")
     demo.add_argument("--count", type=int, default=3000, help="timers to schedule (default 3000)")
@@ -672,16 +687,59 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_repair(args: argparse.Namespace) -> int:
     """``recover`` / ``rebuild-wheel``: one stopped shard, one JSON report (timerwheel.repair)."""
-    from timerwheel.repair import rebuild_wheel, recover_shard
+    from timerwheel.repair import change_window, rebuild_wheel, recover_shard
 
-    cfg = build_config(args)
+    window = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _var) in _WINDOW_FIELD.items()
+              if getattr(args, flag[2:].replace("-", "_"), None) is not None}
+    cfg = _window_config(args, window) if args.command == "rebuild-wheel" else build_config(args)
     if args.shard < 0:
         raise CliError(f"--shard: must be >= 0, got {args.shard}")
     if not Path(cfg.data_dir).is_dir():
         raise CliError(f"--data-dir: {cfg.data_dir} is not a directory")
-    report = recover_shard(cfg, args.shard) if args.command == "recover" else rebuild_wheel(cfg, args.shard)
+    if args.command == "recover":
+        report = recover_shard(cfg, args.shard)
+    elif getattr(args, "change_window", False):
+        report = change_window(cfg, args.shard)
+    else:
+        asked = {field for flag, (field, var) in _WINDOW_FIELD.items() if field in window or var in os.environ}
+        _refuse_other_window(cfg, asked)
+        report = rebuild_wheel(cfg, args.shard)
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _window_config(args: argparse.Namespace, window: dict[str, int]) -> TimerConfig:
+    """rebuild-wheel's settings: TW_* with the window flags over them; a bad value names its flag."""
+    overrides: dict[str, Any] = dict(window)
+    if args.data_dir is not None:
+        overrides["data_dir"] = args.data_dir
+    try:
+        return TimerConfig.from_env(os.environ, **overrides)
+    except ConfigError as exc:
+        flag = next((f for f, (field, _var) in _WINDOW_FIELD.items() if field == exc.field and field in window), None)
+        if flag is None and exc.field == "data_dir" and args.data_dir is not None:
+            flag = "--data-dir"
+        raise CliError(f"{flag}: {str(exc).split(': ', 1)[1]}" if flag else str(exc)) from None
+
+
+def _refuse_other_window(cfg: TimerConfig, asked: set[str]) -> None:
+    """Without --change-window, a tick, roll window or span given that differs from the stored
+    one is refused as a stage's start refuses it (exit 2), pointing to --change-window."""
+    from timerwheel.store.deployment import DeploymentSettings, load_settings
+
+    stored = load_settings(cfg.data_dir)
+    if stored is None or not asked:
+        return
+    wanted = DeploymentSettings.of(cfg)
+    names = {"tick_ms": ("TW_TICK_MS", "--tick-ms"), "roll_window_ms": ("TW_ROLL_WINDOW_MS", "--roll-window-ms"),
+             "wheel_span_ms": ("TW_WHEEL_SPAN_MS", "--wheel-span-ms")}
+    wrong = [f"{names[n][1]} ({names[n][0]}): stored {getattr(stored, n)}, requested {getattr(wanted, n)}"
+             for n in names if (n in asked or (n == "wheel_span_ms" and "roll_window_ms" in asked))
+             and getattr(stored, n) != getattr(wanted, n)]
+    if wrong:
+        raise FormatMismatchError(f"data directory {cfg.data_dir} was made with other settings ({'; '.join(wrong)}; "
+                                  "see timerwheel.json): add --change-window to rebuild every shard's wheel with "
+                                  "the new values (stages stopped), or give the stored ones")
 
 
 def cmd_stage(args: argparse.Namespace) -> int:

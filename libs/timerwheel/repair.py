@@ -27,12 +27,32 @@ so the report's keys and the exit codes are stable (README, "Recovering a shard"
 
 ``rebuild-wheel`` deletes the wheel file and re-links every retained TimerLog record into a new
 one (the same recovery scan, from the TimerLog's first record).
+
+``rebuild-wheel --change-window`` (``change_window``) does the same with another tick, wheel span or
+roll window, then stores them in the data directory's deployment file (the shard count and the
+timer topic never change). A wheel of another geometry needs three more things:
+
+1. the span must hold every record not yet read: the slots from R (aligned down to the new tick)
+   to the latest slot a retained record fires in must all be distinct wheel slots; a span too
+   small for them is refused before anything is changed (exit 2, naming TW_WHEEL_SPAN_MS);
+2. each record's ``prev_pos`` links the records of its slot, and a new tick makes new slots: the
+   links are computed again (the previous retained record of the same new slot time) and each
+   segment whose links differ is rewritten as a whole (a temp file renamed over it: a crash
+   leaves every segment either old or new, and a second run computes the same links);
+3. R moves down to a multiple of the new tick: the messages of the old slots in between were
+   delivered and may be delivered again (``may_deliver_twice``). Never early: a slot is read
+   only once ``W`` is past its end, and dequeue-put waits for a record not yet due.
+
+The order makes a second run after a crash finish the job: R first (a multiple of both ticks
+when the new one is coarser), then the links, the wheel, the shard's ``meta.json``, and the
+deployment file last.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -40,16 +60,20 @@ from typing import Any
 
 import numpy as np
 
-from timerwheel.config import TimerConfig
-from timerwheel.errors import FencedError, ShardInUseError, TimerwheelError
-from timerwheel.files import FILE_MODE
+from timerwheel.config import RECORD_SIZE, TimerConfig
+from timerwheel.errors import ConfigError, FencedError, ShardInUseError, TimerwheelError
+from timerwheel.files import FILE_MODE, atomic_write, fsync_dir, temp_path
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
-from timerwheel.store.format import Flag, valid_mask
+from timerwheel.store.deployment import DeploymentSettings, load_settings
+from timerwheel.store.deployment import change_window as store_window
+from timerwheel.store.format import RECORD_DTYPE, Flag, as_bytes, crc32_rows, valid_mask
 from timerwheel.store.shard import (
     DEQUEUE_CKPT,
     ENQUEUE_CKPT,
     LOCK_FILE,
+    LOG_DIR,
+    META_FILE,
     WHEEL_FILE,
     Shard,
     recovery_command,
@@ -251,3 +275,194 @@ def rebuild_wheel(config: TimerConfig, shard_id: int) -> dict[str, Any]:
         "corrupt_records": found.corrupt_count, "notes": list(found.notes),
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def _writer_lock(directory: str) -> int:
+    """The shard's writer lock, held (never delete a live writer's wheel); its fd."""
+    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ShardInUseError(f"shard {directory} is open for writing (lock {LOCK_FILE} is held); "
+                              "stop its owner first") from None
+    return fd
+
+
+def _segments(directory: str) -> list[tuple[int, str]]:
+    """(base position, path) of the shard's TimerLog segments, oldest first."""
+    log_dir = os.path.join(directory, LOG_DIR)
+    names = sorted(n for n in os.listdir(log_dir) if n.endswith(".tlog") and n[:-5].isdigit()) \
+        if os.path.isdir(log_dir) else []
+    return [(int(n[:-5]), os.path.join(log_dir, n)) for n in names]
+
+
+def _read_segment(path: str) -> tuple[Any, bytes]:
+    """A segment's whole records (RECORD_DTYPE) and the bytes of a torn tail after them."""
+    with open(path, "rb") as f:
+        data = f.read()
+    whole = len(data) - len(data) % RECORD_SIZE
+    return np.frombuffer(data[:whole], dtype=RECORD_DTYPE).copy(), data[whole:]
+
+
+class _Links:
+    """prev_pos of records taken in position order: the position of the previous record of the
+    same slot time, kept per wheel index of the new geometry (as ``TimerWheel.chain`` links them,
+    except that a record older than what its index holds, delivered long ago, starts no chain)."""
+
+    def __init__(self, tick_ms: int, slots: int) -> None:
+        self.tick_ms, self.slots = tick_ms, slots
+        self.last_t = np.full(slots, -1, dtype=np.int64)
+        self.last_p = np.full(slots, -1, dtype=np.int64)
+
+    def prev(self, slot_times: Any, positions: Any) -> Any:
+        n = len(positions)
+        out = np.full(n, -1, dtype=np.int64)
+        if not n:
+            return out
+        order = np.argsort(slot_times, kind="stable")  # positions ascend within a slot time
+        t_s, p_s = slot_times[order], positions[order]
+        start = np.ones(n, dtype=np.bool_)
+        start[1:] = t_s[1:] != t_s[:-1]
+        prev_s = np.empty(n, dtype=np.int64)
+        prev_s[1:] = p_s[:-1]
+        first = np.flatnonzero(start)
+        idx = (t_s[first] // self.tick_ms) % self.slots
+        carried = self.last_t[idx] == t_s[first]
+        prev_s[first] = np.where(carried, self.last_p[idx], -1)
+        out[order] = prev_s
+        last = np.append(first[1:], n) - 1
+        newer = t_s[last] >= self.last_t[idx]  # ascending slot times: the newest of an index wins
+        self.last_t[idx[newer]] = t_s[last][newer]
+        self.last_p[idx[newer]] = p_s[last][newer]
+        return out
+
+
+def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
+    """Rebuild one stopped shard's wheel with ``config``'s tick, wheel span and roll window and store
+    them in the deployment file (see the module header); the JSON report."""
+    started = time.perf_counter()
+    tick, slots = config.tick_ms, config.wheel_slots
+    stored = load_settings(config.data_dir)
+    wanted = (DeploymentSettings(stored.shards, tick, slots * tick, config.roll_window_ms, stored.timer_topic)
+              if stored is not None else DeploymentSettings.of(config))
+    report: dict[str, Any] = {
+        "command": "rebuild-wheel", "change_window": True, "shard": shard_id,
+        "data_dir": os.path.abspath(config.data_dir), "tick_ms": tick, "slots": slots,
+        "wheel_span_ms": slots * tick, "roll_window_ms": config.roll_window_ms,
+        "before": None if stored is None else {"tick_ms": stored.tick_ms, "wheel_span_ms": stored.wheel_span_ms,
+                                               "roll_window_ms": stored.roll_window_ms},
+    }
+    if not os.path.isdir(shard_dir(config.data_dir, shard_id)):
+        store_window(config.data_dir, wanted, fsync=config.fsync)
+        return {**report, "status": "no-shard", "records": 0, "records_per_s": 0.0, "relinked": 0,
+                "rechained": 0, "segments_rewritten": 0, "may_deliver_twice": 0,
+                "seconds": round(time.perf_counter() - started, 3)}
+    with _stopped_shard(config, shard_id) as directory:
+        fd = _writer_lock(directory)
+        try:
+            old_tick, _old_slots, segment_bytes = stored_settings(directory)
+            path = os.path.join(directory, DEQUEUE_CKPT)
+            try:
+                deq = checkpoint.load_dequeue(path)
+            except CorruptCheckpointError as exc:
+                raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}` first") from None
+            segments = _segments(directory)
+            # Pass 1, read only: the records, the latest slot one fires in at or after R, and
+            # whether the new span holds them all.
+            records = twice = 0
+            latest = None
+            read_ms = deq.read_ms if deq is not None else None
+            new_read = None if read_ms is None else read_ms - read_ms % tick
+            for _base, seg in segments:
+                arr, _tail = _read_segment(seg)
+                good = arr[valid_mask(arr)]
+                records += len(good)
+                if not len(good):
+                    continue
+                if new_read is None:
+                    raise TimerwheelError(f"shard {shard_id} holds TimerLog records but no dequeue checkpoint: run "
+                                          f"`{recovery_command(directory)}` first")
+                deliver = good["deliver_ms"].astype(np.int64)
+                slot = deliver - deliver % tick
+                ahead = slot[slot >= new_read]
+                if ahead.size:
+                    latest = max(latest or 0, int(ahead.max()))
+                if new_read != read_ms:
+                    marker = (good["magic"].astype(np.int64) & (_DELETE | _ROLL)) == _DELETE
+                    twice += int(np.count_nonzero((deliver >= new_read) & (deliver < (read_ms or 0)) & ~marker))
+            if latest is not None and new_read is not None and latest - new_read >= slots * tick:
+                raise ConfigError("TW_WHEEL_SPAN_MS", f"a span of {slots * tick} ms cannot hold shard {shard_id}: "
+                                  f"its records fire from R={new_read} to {latest}, so the span must exceed "
+                                  f"{latest - new_read} ms; nothing was changed")
+            # R first: a multiple of the new tick (and of the old one when the new is coarser).
+            if deq is not None and new_read is not None and new_read != deq.read_ms:
+                checkpoint.save_dequeue(path, DequeueCheckpoint(read_ms=new_read, epoch=deq.epoch), config.fsync)
+            # Pass 2: the links of the new slots; a segment whose links change is rewritten whole.
+            links = _Links(tick, slots)
+            rechained = rewritten = 0
+            for base, seg in segments:
+                arr, tail = _read_segment(seg)
+                ok = valid_mask(arr)
+                at = np.flatnonzero(ok)
+                deliver = arr["deliver_ms"][at].astype(np.int64)
+                positions = base + RECORD_SIZE * at.astype(np.int64)
+                prev = links.prev(deliver - deliver % tick, positions)
+                changed = at[arr["prev_pos"][at].astype(np.int64) != prev]
+                if not changed.size:
+                    continue
+                arr["prev_pos"][at] = prev
+                arr["crc32"][changed] = crc32_rows(as_bytes(arr[changed]))  # only the records relinked
+                _replace_file(seg, arr.tobytes() + tail, config.fsync)
+                rechained += int(changed.size)
+                rewritten += 1
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, WHEEL_FILE))
+            meta = {"format_version": _format_version(directory), "record_size": RECORD_SIZE, "tick_ms": tick,
+                    "slots": slots, "segment_bytes": segment_bytes}
+            atomic_write(os.path.join(directory, META_FILE), json.dumps(meta, indent=1).encode() + b"\n",
+                         config.fsync)
+        finally:
+            os.close(fd)
+        try:
+            shard = _open_writer(directory, config.fsync)
+        except CorruptCheckpointError as exc:
+            raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}`, then rebuild-wheel") from None
+        try:
+            found = shard.recovery
+            assert found is not None
+        finally:
+            shard.close()
+    store_window(config.data_dir, wanted, fsync=config.fsync)
+    seconds = time.perf_counter() - started
+    return {
+        **report, "status": "rebuilt", "old_tick_ms": old_tick,
+        "read_ms_before": read_ms, "read_ms": new_read, "may_deliver_twice": twice,
+        "timerlog_start": found.checked_from, "timerlog_end": found.end_pos, "records": records,
+        "relinked": found.relinked, "rechained": rechained, "segments_rewritten": rewritten,
+        "truncated_bytes": found.truncated_bytes, "corrupt_records": found.corrupt_count,
+        "notes": list(found.notes), "seconds": round(seconds, 3),
+        "records_per_s": round(records / seconds, 1) if seconds > 0 else 0.0,
+    }
+
+
+def _format_version(directory: str) -> int:
+    with open(os.path.join(directory, META_FILE), "rb") as f:
+        return int(json.load(f).get("format_version", 1))
+
+
+def _replace_file(path: str, data: bytes, fsync: bool) -> None:
+    """Replace ``path`` by ``data`` (a temp file renamed over it), keeping its mode."""
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(os.path.dirname(path))

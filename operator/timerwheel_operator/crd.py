@@ -21,6 +21,9 @@ Schema = dict[str, Any]
 STAGES = ("enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put")
 #: The stages that own shards: StatefulSets, one owner per shard through leases.
 SHARD_OWNERS = ("enqueue-put", "dequeue-get")
+#: The delivery stages: ``spec.deliveryReplicas`` (the scale subresource, ``kubectl scale``) sets
+#: their replicas unless ``spec.stages.<stage>.replicas`` does.
+DELIVERY_STAGES = ("dequeue-getmsg", "dequeue-put")
 #: Longest TimerWheel name: the StatefulSet "timerwheel-NAME-enqueue-put" must leave room for
 #: the controller-revision-hash label (63 characters at most).
 MAX_NAME = 28
@@ -80,6 +83,10 @@ def _kafka_schema() -> Schema:
                               minLength=1, maxLength=4096, pattern=r"^[^\s,]+(,[^\s,]+)*$"),
             "secretName": _str("Secret with the client's SASL/TLS material, mounted read-only at "
                                "/etc/timerwheel/kafka in every stage", maxLength=253, pattern=DNS_LABEL),
+            "manageRetention": {"type": "boolean", "default": True,
+                                "description": "the operator raises the timer topic's retention.ms to 1.5 x "
+                                               "rollWindowMs through Kafka's admin API (never lowers it); "
+                                               "false: a window change that needs more is refused"},
             "securityProtocol": _str("TW_KAFKA_SECURITY_PROTOCOL (unset: PLAINTEXT)",
                                      enum=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]),
             "saslMechanism": _str("TW_KAFKA_SASL_MECHANISM, with SASL_*", enum=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]),
@@ -119,7 +126,7 @@ def _stage_schema(stage: str) -> Schema:
     elif stage in SHARD_OWNERS:
         replicas = _int(0, 4096, 1, "pods competing for the shards (at most spec.shards); each shard has one owner")
     else:
-        replicas = _int(0, 1000, 1, "consumers of the stage's work queue")
+        replicas = _int(0, 1000, None, "consumers of the stage's work queue; unset: spec.deliveryReplicas")
     props: Schema = {"replicas": replicas, "resources": RESOURCES}
     if stage not in SHARD_OWNERS and stage != "enqueue-get":
         props["replicasManagedBy"] = {
@@ -134,17 +141,9 @@ def _stage_schema(stage: str) -> Schema:
     }
 
 
-#: Why the wheel's window cannot change: every shard's wheel file and deployment file were made
-#: with it, and the stages refuse to start on other values. Changing it needs each wheel rebuilt
-#: from its TimerLog while the shards are paused (``timerwheel rebuild-wheel``), which this
-#: operator version does not run: the API server refuses the change instead of letting the
-#: stages crash-loop.
-WINDOW_IMMUTABLE = ("is immutable in this version: the shards' wheels were built with it and the "
-                    "pause-rebuild-resume flow is not implemented; make a new TimerWheel to change it")
-
-
-def _window_immutable(field: str) -> Schema:
-    return {"rule": "self == oldSelf", "message": f"spec.{field} {WINDOW_IMMUTABLE}"}
+#: How a change of the window is done (``window``): not refused, but a managed operation.
+WINDOW_CHANGE = ("changing it pauses enqueue-put and dequeue-get, rebuilds every shard's wheel with a Job "
+                 "(timerwheel rebuild-wheel --change-window) and rolls the stages (condition WindowRolling)")
 
 
 def _autoscale_schema() -> Schema:
@@ -202,18 +201,19 @@ def spec_schema() -> Schema:
             },
             "tickMs": {
                 "type": "integer", "format": "int64", "enum": ticks, "default": 100,
-                "description": f"wheel precision in ms (TW_TICK_MS): one of {', '.join(map(str, ticks))}. "
-                               "Immutable (see WINDOW_IMMUTABLE)",
-                "x-kubernetes-validations": [_window_immutable("tickMs")],
+                "description": f"wheel precision in ms (TW_TICK_MS): one of {', '.join(map(str, ticks))}; "
+                               + WINDOW_CHANGE,
             },
-            "rollWindowMs": {**_int(10, MAX_MS, 2 * DAY_MS,
-                                    "messages due further than this past W are rolled (TW_ROLL_WINDOW_MS); "
-                                    "a multiple of tickMs, at least 10 ticks. Immutable"),
-                             "x-kubernetes-validations": [_window_immutable("rollWindowMs")]},
-            "wheelSpanMs": {**_int(0, 2 * MAX_MS, 0,
-                                   "span of the wheel (TW_WHEEL_SPAN_MS): 0 means 2 x rollWindowMs, else a "
-                                   "multiple of tickMs at least 2 x rollWindowMs. Immutable"),
-                            "x-kubernetes-validations": [_window_immutable("wheelSpanMs")]},
+            "rollWindowMs": _int(10, MAX_MS, 2 * DAY_MS,
+                                 "messages due further than this past W are rolled (TW_ROLL_WINDOW_MS); a multiple "
+                                 "of tickMs, at least 10 ticks; the timer topic keeps 1.5 x it; " + WINDOW_CHANGE),
+            "wheelSpanMs": _int(0, 2 * MAX_MS, 0,
+                                "span of the wheel (TW_WHEEL_SPAN_MS): 0 means 2 x rollWindowMs, else a "
+                                "multiple of tickMs at least 2 x rollWindowMs; " + WINDOW_CHANGE),
+            "deliveryReplicas": _int(0, 1000, 1, "replicas of dequeue-getmsg and dequeue-put, set by `kubectl scale "
+                                     "timerwheel/NAME --replicas=N` (the scale subresource); "
+                                     "spec.stages.<stage>.replicas, when set, wins for its stage; ignored while "
+                                     "spec.autoscale.enabled or replicasManagedBy: external"),
             "maxDelayMs": _int(1, MAX_MS, 400 * DAY_MS, "longest accepted delay (TW_MAX_DELAY_MS)"),
             "delayLevels": _str("delay-level table (TW_DELAY_LEVELS)", default=DEFAULT_DELAY_LEVELS,
                                 maxLength=1024, pattern=r"^\s*\d+(ms|s|m|h|d)?(\s+\d+(ms|s|m|h|d)?)*\s*$"),
@@ -417,6 +417,53 @@ _STAGE_STATUS: Schema = {
 }
 
 
+_WINDOW_SPEC: Schema = {"type": "object", "properties": {
+    "tickMs": {"type": "integer", "format": "int64"}, "rollWindowMs": {"type": "integer", "format": "int64"},
+    "wheelSpanMs": {"type": "integer", "format": "int64"}}}
+
+_WINDOW_STATUS: Schema = {
+    "type": "object",
+    "description": "the window change (timerwheel_operator.window): pause, rebuild every wheel, resume",
+    "properties": {
+        "current": {**_WINDOW_SPEC, "description": "the window the shards were built with"},
+        "currentUnknown": {"type": "boolean", "description": "a rebuild failed: the shards' window is unknown"},
+        "target": {**_WINDOW_SPEC, "description": "the window being rolled to"},
+        "phase": {"type": "string",
+                  "enum": ["Steady", "Refused", "Pausing", "Rebuilding", "Resuming", "Done", "Failed"]},
+        "reason": {"type": "string"},
+        "message": {"type": "string"},
+        "job": {"type": "string", "description": "the rebuild Job"},
+        "serial": {"type": "integer", "description": "rebuild Jobs started (names the next one)"},
+        "attempts": {"type": "integer"},
+        "failedGeneration": {"type": "integer", "format": "int64"},
+        "startedMs": {"type": "integer", "format": "int64", "description": "when the pause began, epoch ms"},
+        "pausedMs": {"type": "integer", "format": "int64", "description": "when no owner was left, epoch ms"},
+        "rebuiltMs": {"type": "integer", "format": "int64", "description": "when the Job succeeded, epoch ms"},
+        "doneMs": {"type": "integer", "format": "int64", "description": "when the TimerWheel was Ready again"},
+        "finishedMs": {"type": "integer", "format": "int64"},
+        "pausedSeconds": {"type": "number", "description": "shard owners stopped, from the pause to the resume"},
+        "report": {"type": "object", "description": "from the Job's reports", "properties": {
+            "shards": {"type": "integer"}, "records": {"type": "integer", "format": "int64"},
+            "seconds": {"type": "number"}, "recordsPerSecond": {"type": "number"},
+            "mayDeliverTwice": {"type": "integer", "format": "int64"}}},
+    },
+}
+
+_RETENTION_STATUS: Schema = {
+    "type": "object",
+    "description": "the timer topic's retention.ms as the operator last read it (timerwheel_operator.retention)",
+    "properties": {
+        "topic": {"type": "string"},
+        "retentionMs": {"type": "integer", "format": "int64", "description": "-1: unlimited"},
+        "neededMs": {"type": "integer", "format": "int64", "description": "1.5 x rollWindowMs"},
+        "managed": {"type": "boolean"},
+        "state": {"type": "string", "enum": ["Ok", "Raised", "TooLow", "Unknown"]},
+        "message": {"type": "string"},
+        "checkedMs": {"type": "integer", "format": "int64"},
+    },
+}
+
+
 def status_schema() -> Schema:
     return {
         "type": "object",
@@ -444,6 +491,11 @@ def status_schema() -> Schema:
                 } for s in ("dequeue-getmsg", "dequeue-put")},
             },
             "maxLagMs": {"type": "integer", "format": "int64"},
+            "deliveryReplicas": {"type": "integer", "description": "replicas of the delivery stages (the fewer of "
+                                 "dequeue-getmsg and dequeue-put): the scale subresource's status"},
+            "deliverySelector": {"type": "string", "description": "label selector of the delivery stages' pods"},
+            "window": _WINDOW_STATUS,
+            "retention": _RETENTION_STATUS,
         },
     }
 
@@ -465,7 +517,11 @@ def crd() -> dict[str, Any]:
                 "name": VERSION,
                 "served": True,
                 "storage": True,
-                "subresources": {"status": {}},
+                "subresources": {"status": {}, "scale": {
+                    "specReplicasPath": ".spec.deliveryReplicas",
+                    "statusReplicasPath": ".status.deliveryReplicas",
+                    "labelSelectorPath": ".status.deliverySelector",
+                }},
                 "additionalPrinterColumns": [
                     {"name": "Shards", "type": "integer", "jsonPath": ".spec.shards"},
                     {"name": "Tick", "type": "integer", "jsonPath": ".spec.tickMs"},

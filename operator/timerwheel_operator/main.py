@@ -55,6 +55,7 @@ def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) ->
     """All of kopf's settings, in one place."""
     from timerwheel_operator import runtime
     from timerwheel_operator.kube import KubeCluster
+    from timerwheel_operator.retention import KafkaAdmin
 
     # State in annotations only: the CRD's status schema is strict (structural), and kopf's
     # own status fields would be pruned.
@@ -71,7 +72,7 @@ def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) ->
     settings.networking.request_timeout = 30
     settings.execution.max_workers = 4
     ours = settings_from_env(os.environ)
-    runtime.install(KubeCluster(), ours)
+    runtime.install(KubeCluster(), ours, KafkaAdmin())
     logger.info("timerwheel operator configured: image=%s pullPolicy=%s", ours.image, ours.pull_policy)
 
 

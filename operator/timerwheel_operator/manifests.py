@@ -286,6 +286,64 @@ def recovery_job(wheel: Wheel, shard: int, serial: int, owner: Mapping[str, Any]
     }
 
 
+#: The component label of the window Jobs (``window``) and their pods.
+WINDOW = "window"
+#: A window Job that runs longer than this is failed by Kubernetes (the shards stay paused).
+WINDOW_DEADLINE_S = 3_600
+
+
+def window_job_name(wheel: Wheel, serial: int) -> str:
+    return f"{base_name(wheel.name)}-window-{serial}"
+
+
+def window_job(wheel: Wheel, serial: int, env: Mapping[str, str], annotation: str,
+               owner: Mapping[str, Any] | None) -> Manifest:
+    """A Job running ``timerwheel rebuild-wheel --shard N --change-window`` for every shard, one
+    after the other, with the new window's ``TW_*`` values (``env``) over the stages' ConfigMap;
+    the recovery Job's image, volume, ServiceAccount and pod defaults. One pod, no retries: the
+    operator decides (``window``). ``annotation`` names the window it builds."""
+    name = window_job_name(wheel, serial)
+    meta = _meta(wheel, name, WINDOW, owner)
+    marks = {"timerwheel.io/attempt": str(serial)}
+    meta["labels"].update(marks)
+    meta["annotations"] = {"timerwheel.io/window": annotation}
+    script = (f"set -e; s=0; while [ $s -lt {wheel.config.shards} ]; do "
+              f"timerwheel rebuild-wheel --shard $s --data-dir {DATA_DIR} --change-window; s=$((s+1)); done")
+    out = {
+        "name": "rebuild-wheel",
+        "image": wheel.image,
+        "imagePullPolicy": wheel.pull_policy,
+        "command": ["sh", "-c", script],
+        "envFrom": [{"configMapRef": {"name": settings_name(wheel)}}],
+        "env": [*_env(wheel), *({"name": k, "value": v} for k, v in sorted(env.items()))],
+        "volumeMounts": _mounts(wheel),
+        "securityContext": dict(CONTAINER_SECURITY),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": WINDOW_DEADLINE_S,
+            "ttlSecondsAfterFinished": RECOVERY_TTL_S,
+            "template": {
+                "metadata": {"labels": {**labels(wheel.name, WINDOW), **marks}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "serviceAccountName": base_name(wheel.name),
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": dict(POD_SECURITY),
+                    "containers": [out],
+                    "volumes": _volumes(wheel),
+                },
+            },
+        },
+    }
+
+
 def service(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None) -> Manifest:
     return {
         "apiVersion": "v1",

@@ -21,8 +21,10 @@ from typing import Any
 
 from timerwheel_operator import manifests
 from timerwheel_operator import recovery as rcv
+from timerwheel_operator import retention as ret
+from timerwheel_operator import window as win
 from timerwheel_operator.autoscale import Decision, Load, decide
-from timerwheel_operator.crd import SHARD_OWNERS, STAGES
+from timerwheel_operator.crd import DELIVERY_STAGES, SHARD_OWNERS, STAGES
 from timerwheel_operator.kube import Cluster
 from timerwheel_operator.metrics import MetricsParseError, Sample, ShardStatus, parse_prometheus, shard_status
 from timerwheel_operator.spec import HTTP_PORT, SpecError, Wheel, read, workload_name
@@ -84,7 +86,7 @@ def ensure(body: Mapping[str, Any], cluster: Cluster, settings: Settings,
         have = (live or {}).get("spec", {}).get("replicas") if live else None
         if have is not None and int(have) != want:
             source = (why or {}).get(stage)
-            events.append(Event("Autoscaled" if source else "Scaled",
+            events.append(Event("Autoscaled" if source and source.startswith("autoscale") else "Scaled",
                                 f"{stage}: {have} -> {want} replicas ({source or 'spec'})"))
     for manifest in manifests.build_all(wheel, body, replicas):
         try:
@@ -279,25 +281,149 @@ def autoscale(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, samples: 
     return out
 
 
-def reconcile(body: Mapping[str, Any], cluster: Cluster, settings: Settings, now_ms: int) -> tuple[Applied, dict[str, Any]]:
-    """One round: scrape, decide the autoscaled replicas, apply, and the status to write."""
+#: Why the shard owners are at 0 replicas during a window change (the ``Scaled`` Event says it).
+PAUSED = "window change: paused"
+
+
+def _job_outcome(wheel: Wheel, cluster: Cluster, job_name: str) -> tuple[int | None, str]:
+    """(exit code, log) of a finished Job's pod; the termination message stands in for a lost log."""
+    pods = cluster.pods(wheel.namespace, {"job-name": job_name})
+    pod = pods[-1] if pods else None
+    exit_code, message = None, ""
+    for cs in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term.get("exitCode") is not None:
+            exit_code, message = int(term["exitCode"]), str(term.get("message") or "")
+    if pod is None:
+        return exit_code, message
+    try:
+        return exit_code, cluster.pod_log(wheel.namespace, str(pod["metadata"]["name"]))
+    except Exception:  # noqa: BLE001 - the log may be gone
+        return exit_code, message
+
+
+def window_round(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, admin: ret.Admin | None, now_ms: int,
+                 failures: dict[str, str]) -> win.Step:
+    """The window's step this round (``window.decide``) from the status, the ConfigMap, the window
+    Jobs, the owner pods and the timer topic's retention; starts the rebuild Job it asks for."""
+    status = body.get("status") or {}
+    prev = dict(status.get("window") or {})
+    desired = win.Window(wheel.config.tick_ms, wheel.config.roll_window_ms, int(wheel.env["TW_WHEEL_SPAN_MS"]))
+    live = cluster.get("v1", "ConfigMap", wheel.namespace, manifests.settings_name(wheel))
+    running = win.Window.of_env((live or {}).get("data")) or desired
+    # The shards' window: the status's (unknown after a failed rebuild), else the ConfigMap's.
+    current = None if prev.get("currentUnknown") else win.Window.of_spec(prev.get("current")) or running
+    newest: win.JobView | None = None
+    try:
+        for job in cluster.jobs(wheel.namespace, manifests.selector(wheel.name, manifests.WINDOW)):
+            view = win.job_view(job)
+            if view is not None and (newest is None or view.serial > newest.serial):
+                newest = view
+    except Exception as exc:  # noqa: BLE001 - said in Degraded (ApplyFailed); no Job starts blind
+        failures["Job/list"] = str(getattr(exc, "reason", None) or exc)[:300]
+        return win.decide(desired, current, running, prev, None, None, None, False,
+                          int(body.get("metadata", {}).get("generation") or 0), now_ms)
+    finished = None
+    if newest is not None and newest.phase != "Running" and prev.get("job") == newest.name \
+            and prev.get("phase") == "Rebuilding":
+        finished = _job_outcome(wheel, cluster, newest.name)
+    target = win.Window.of_spec(prev.get("target"))
+    pending = not desired.same(current) and not (prev.get("phase") in ("Pausing", "Rebuilding")
+                                                 and target is not None and target.same(desired))
+    check = None
+    if admin is not None:
+        last = ret.Check.of_status(status.get("retention"))
+        roll = desired.roll_window_ms if pending or current is None else current.roll_window_ms
+        if pending or last is None or now_ms - last.checked_ms >= ret.CHECK_EVERY_MS \
+                or last.needed_ms != ret.needed_ms(roll) or last.topic != wheel.config.timer_topic:
+            check = ret.keep(admin, wheel.config.kafka_bootstrap or "", wheel.config.timer_topic, roll,
+                             wheel.manage_retention, now_ms)
+        else:
+            check = last
+    stopped = all(not cluster.pods(wheel.namespace, manifests.selector(wheel.name, s)) for s in SHARD_OWNERS)
+    step = win.decide(desired, current, running, prev, newest, finished, check, stopped,
+                      int(body.get("metadata", {}).get("generation") or 0), now_ms)
+    step.retention = check
+    if step.start_job is not None:
+        serial, want = step.start_job
+        job = manifests.window_job(wheel, serial, want.env(), want.annotation(), body)
+        try:
+            cluster.apply(job)
+            step.status["job"] = job["metadata"]["name"]
+        except Exception as exc:  # noqa: BLE001 - refused (RBAC, quota): said in Degraded, tried next round
+            failures[f"Job/{job['metadata']['name']}"] = str(getattr(exc, "reason", None) or exc)[:300]
+            step.status = {**prev, "phase": "Pausing"}
+            step.condition = (True, "Pausing", f"cannot start the rebuild Job: {exc}"[:300])
+    return step
+
+
+def _with_window(body: Mapping[str, Any], window: win.Window) -> dict[str, Any]:
+    """``body`` with ``window`` as its spec's tick, roll window and span: what the stages run now."""
+    return {**body, "spec": {**(body.get("spec") or {}), **window.to_spec()}}
+
+
+def reconcile(body: Mapping[str, Any], cluster: Cluster, settings: Settings, now_ms: int,
+              admin: ret.Admin | None = None) -> tuple[Applied, dict[str, Any]]:
+    """One round: the window's step, scrape, decide the autoscaled replicas, apply, and the status
+    to write. ``admin``: Kafka's admin API for the timer topic's retention (None: not checked)."""
     try:
         wheel = read(body, settings.image, settings.pull_policy)
     except SpecError:
         applied = ensure(body, cluster, settings)
         return applied, observe(body, applied, cluster)
+    failures: dict[str, str] = {}
+    try:
+        step = window_round(wheel, body, cluster, admin, now_ms, failures)
+    except Exception as exc:  # noqa: BLE001 - never crash the round: keep the stages as they are, say why
+        failures["window"] = f"{type(exc).__name__}: {exc}"[:300]
+        prev = (body.get("status") or {}).get("window") or {}
+        kept = win.Window.of_spec(prev.get("current")) or win.Window(
+            wheel.config.tick_ms, wheel.config.roll_window_ms, int(wheel.env["TW_WHEEL_SPAN_MS"]))
+        step = win.Step(kept, prev.get("phase") in (*win.ROLLING, "Failed"), dict(prev),
+                        (prev.get("phase") in win.ROLLING, str(prev.get("reason") or "Unknown"),
+                         str(prev.get("message") or "")))
+    effective = _with_window(body, step.run)
+    applied, status = _round(effective, wheel, cluster, settings, now_ms,
+                             {s: 0 for s in SHARD_OWNERS} if step.pause else {})
+    applied.failures.update(failures)
+    if failures:
+        status = observe(effective, applied, cluster, replicas={s: 0 for s in SHARD_OWNERS} if step.pause else None)
+    generation = int(body.get("metadata", {}).get("generation") or 0)
+    previous = (body.get("status") or {}).get("conditions") or []
+    for reason, message, warning in step.events + win.apply_to_status(status, step, generation, previous,
+                                                                      now_rfc3339(), now_ms):
+        applied.events.append(Event(reason, message, warning))
+    if step.retention is not None:
+        status["retention"] = step.retention.to_status()
+    for key in ("window", "retention"):  # a merge patch keeps what it does not name: null drops a key
+        before = (body.get("status") or {}).get(key) or {}
+        if key in status:
+            status[key].update({k: None for k in before if k not in status[key]})
+    status["deliverySelector"] = ",".join(f"{k}={v}" for k, v in manifests.selector(wheel.name, "x").items()
+                                          if k != "app.kubernetes.io/component") + \
+        f",app.kubernetes.io/component in ({','.join(DELIVERY_STAGES)})"
+    return applied, status
+
+
+def _round(body: Mapping[str, Any], wheel: Wheel, cluster: Cluster, settings: Settings, now_ms: int,
+           paused: Mapping[str, int]) -> tuple[Applied, dict[str, Any]]:
+    """Scrape, autoscale, apply and observe ``body`` (the window it runs already in its spec);
+    ``paused``: stages held at 0 replicas whatever else says."""
+    wheel = read(body, settings.image, settings.pull_policy)
     if not wheel.autoscale:
-        applied = ensure(body, cluster, settings)
-        return applied, observe(body, applied, cluster, now_ms=now_ms)
+        applied = ensure(body, cluster, settings, dict(paused) or None, {s: PAUSED for s in paused})
+        return applied, observe(body, applied, cluster, replicas=dict(paused) or None, now_ms=now_ms)
     stages = [*SHARD_OWNERS, *wheel.autoscale]
     try:
         scraped = scrape_all(wheel, cluster, stages)
     except Exception:  # noqa: BLE001 - cannot read the pods: keep the replicas as they are, observe says why
-        applied = ensure(body, cluster, settings, _kept(body, wheel))
-        return applied, observe(body, applied, cluster, replicas=_kept(body, wheel), now_ms=now_ms)
+        kept = {**_kept(body, wheel), **paused}
+        applied = ensure(body, cluster, settings, kept, {s: PAUSED for s in paused})
+        return applied, observe(body, applied, cluster, replicas=kept, now_ms=now_ms)
     decisions = autoscale(wheel, body, cluster, scraped[0], now_ms)
-    replicas = {s: d.replicas for s, d in decisions.items()}
-    applied = ensure(body, cluster, settings, replicas, {s: f"autoscale: {d.message}" for s, d in decisions.items()})
+    replicas = {**{s: d.replicas for s, d in decisions.items()}, **paused}
+    applied = ensure(body, cluster, settings, replicas, {**{s: f"autoscale: {d.message}" for s, d in decisions.items()},
+                                                         **{s: PAUSED for s in paused}})
     status = observe(body, applied, cluster, scraped, replicas, now_ms)
     last = (body.get("status") or {}).get("autoscale") or {}
     status["autoscale"] = {

@@ -19,7 +19,7 @@ from timerwheel.config import DAY_MS, DEFAULT_ALLOW_TOPICS, DEFAULT_DELAY_LEVELS
 from timerwheel.errors import ConfigError
 
 from timerwheel_operator.autoscale import AUTOSCALED, Policy
-from timerwheel_operator.crd import STAGES, stage_key
+from timerwheel_operator.crd import DELIVERY_STAGES, STAGES, stage_key
 from timerwheel_operator.recovery import Policy as RecoveryPolicy
 
 #: Port of /healthz, /readyz and /metrics in every stage container (TW_HTTP_PORT).
@@ -86,6 +86,8 @@ class Wheel:
     autoscale: Mapping[str, Policy] = dataclasses.field(default_factory=dict)
     #: ``spec.recovery``: recovery Jobs and stall detection (``recovery``).
     recovery: RecoveryPolicy = dataclasses.field(default_factory=RecoveryPolicy)
+    #: ``spec.kafka.manageRetention``: the operator raises the timer topic's retention.ms (``retention``).
+    manage_retention: bool = True
 
     def stage(self, name: str) -> StageSpec:
         return next(s for s in self.stages if s.name == name)
@@ -208,9 +210,13 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
         raise SpecError("spec.redis", "needs url or secretRef")
     stages_spec = spec.get("stages") or {}
     stages = []
+    delivery = int(spec.get("deliveryReplicas", 1))
+    if delivery < 0:
+        raise SpecError("spec.deliveryReplicas", f"must be >= 0, got {delivery}")
     for stage in STAGES:
         one = stages_spec.get(stage_key(stage)) or {}
-        replicas = int(one.get("replicas", 1))
+        # dequeue-getmsg and dequeue-put: their own replicas win over spec.deliveryReplicas (kubectl scale)
+        replicas = int(one.get("replicas", delivery if stage in DELIVERY_STAGES else 1))
         if replicas < 0:
             raise SpecError(f"spec.stages.{stage_key(stage)}.replicas", f"must be >= 0, got {replicas}")
         if stage == "enqueue-get" and replicas > 1:
@@ -243,4 +249,5 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
         pull_policy=str(image_spec.get("pullPolicy") or default_pull_policy),
         autoscale=autoscale_policies(spec, {s.name: s for s in stages}),
         recovery=RecoveryPolicy.of(spec, config.tick_ms),
+        manage_retention=bool((spec.get("kafka") or {}).get("manageRetention", True)),
     )

@@ -22,8 +22,11 @@ status changes) and ``observedGeneration``.
   row on a shard still unopenable (``RecoveryFailed``, naming the shard and the Job's pod); a
   shard's W or R stopped advancing while it should (``ShardStalled``). In order of precedence:
   ApplyFailed, RecoveryFailed, ShardStalled, ShardUnopenable, ShardUnowned.
-- ``WindowRolling``: always False in this version (``Immutable``): the API server refuses a
-  change of tickMs, rollWindowMs or wheelSpanMs (``crd.WINDOW_IMMUTABLE``).
+- ``WindowRolling``: True while a change of tickMs, rollWindowMs or wheelSpanMs is rolled
+  (``Pausing``, ``Rebuilding``, ``Resuming``; see ``window``), False otherwise (``AsSpec``,
+  ``WindowRolled`` after one, ``WindowChangeRefused`` naming the setting, ``WindowRollFailed``;
+  the last also makes the TimerWheel ``Degraded``). ``window.apply_to_status`` sets it over
+  what ``compute`` says.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from timerwheel_operator.crd import SHARD_OWNERS, STAGES, WINDOW_IMMUTABLE
+from timerwheel_operator.crd import DELIVERY_STAGES, SHARD_OWNERS, STAGES
 from timerwheel_operator.metrics import ShardStatus
 from timerwheel_operator.recovery import Stall, stall_message
 
@@ -108,8 +111,9 @@ def _seconds_between(earlier: str, later: str) -> float:
 
 
 def window_condition(generation: int, previous: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
-    return condition("WindowRolling", False, "Immutable",
-                     f"tickMs, rollWindowMs and wheelSpanMs: each {WINDOW_IMMUTABLE}", generation, previous, now)
+    """The default: no change of the window under way (``window`` says more when one is)."""
+    return condition("WindowRolling", False, "AsSpec", "the shards run the spec's tickMs, rollWindowMs and "
+                     "wheelSpanMs", generation, previous, now)
 
 
 def scaling_condition(stages: Mapping[str, StageState], generation: int, previous: Sequence[Mapping[str, Any]],
@@ -236,4 +240,5 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
     }
     if lags:
         status["maxLagMs"] = max(lags)
+    status["deliveryReplicas"] = min(stages[s].replicas for s in DELIVERY_STAGES)
     return status

@@ -84,9 +84,9 @@ def test_scaling_names_the_stages_until_they_have_their_replicas() -> None:
     assert (done["Scaling"]["status"], done["Scaling"]["observedGeneration"]) == ("False", 4)
 
 
-def test_the_window_is_reported_immutable() -> None:
+def test_no_window_change_under_way_is_reported_as_spec() -> None:
     c = conditions(compute(1, all_rolled(), [owned(0)], [], T0))
-    assert (c["WindowRolling"]["status"], c["WindowRolling"]["reason"]) == ("False", "Immutable")
+    assert (c["WindowRolling"]["status"], c["WindowRolling"]["reason"]) == ("False", "AsSpec")
 
 
 def test_a_refused_object_is_degraded() -> None:

@@ -12,7 +12,8 @@ wheels with the wrong geometry; another timer topic would pair these offsets wit
 A data directory made before this file existed is adopted: the first start writes the current
 settings, unless a ``shard-NNNN`` directory at or beyond the requested shard count shows the data
 was made with more shards. The shard count is never changed in place; tick, span and roll window
-change only through ``timerwheel rebuild-wheel`` (the operator's procedure).
+change only through ``timerwheel rebuild-wheel --change-window`` (the operator's procedure), which
+rebuilds every shard's wheel and then rewrites this file (``change_window``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from timerwheel.errors import FormatMismatchError, TimerwheelError
-from timerwheel.files import FILE_MODE, fsync_dir, temp_path
+from timerwheel.files import FILE_MODE, atomic_write, fsync_dir, temp_path
 from timerwheel.store.format import FORMAT_VERSION
 
 SETTINGS_FILE = "timerwheel.json"
@@ -154,4 +155,27 @@ def _write_once(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, fs
     stored = load_settings(data_dir)
     if stored is None:
         raise TimerwheelError(f"deployment file {path} vanished right after it was written")
+    return stored
+
+
+#: The settings ``change_window`` may change; the others (shard count, timer topic) never change.
+WINDOW_FIELDS = ("tick_ms", "wheel_span_ms", "roll_window_ms")
+
+
+def change_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, *,
+                  fsync: bool = True) -> DeploymentSettings | None:
+    """Store ``wanted``'s tick, wheel span and roll window in the deployment file (atomically
+    replaced); the settings stored before, or None if there was no file (it is written then).
+
+    Only for ``timerwheel rebuild-wheel --change-window`` once it has rebuilt the shards: any other
+    difference (shard count, timer topic, format version) is refused as ``check_settings`` does."""
+    stored = load_settings(data_dir)
+    if stored is None:
+        check_settings(data_dir, wanted, fsync=fsync)
+        return None
+    fixed = {n: getattr(wanted, n) for n in DeploymentSettings.__dataclass_fields__ if n not in WINDOW_FIELDS}
+    _refuse(data_dir, stored, DeploymentSettings(**fixed, **{n: getattr(stored, n) for n in WINDOW_FIELDS}))
+    if stored != wanted:
+        atomic_write(settings_path(data_dir), json.dumps(asdict(wanted), indent=1, sort_keys=True).encode() + b"\n",
+                     fsync)
     return stored

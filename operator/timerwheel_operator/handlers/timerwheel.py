@@ -21,7 +21,7 @@ import kopf
 
 from timerwheel_operator import GROUP, PLURAL, VERSION
 from timerwheel_operator import reconcile as rec
-from timerwheel_operator.runtime import cluster, settings
+from timerwheel_operator.runtime import admin, cluster, settings
 
 RECONCILE_INTERVAL_S = 10.0
 
@@ -38,7 +38,7 @@ def _post(body: kopf.Body, applied: rec.Applied, logger: kopf.Logger) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def spec_changed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-    applied, status = rec.reconcile(body, cluster(), settings(), int(time.time() * 1000))
+    applied, status = rec.reconcile(body, cluster(), settings(), int(time.time() * 1000), admin())
     if applied.error is not None:
         kopf.warn(body, reason="InvalidSpec", message=str(applied.error))
         logger.warning("invalid spec, nothing applied: %s", applied.error)
@@ -50,7 +50,7 @@ def spec_changed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: A
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL_S, initial_delay=RECONCILE_INTERVAL_S)
 def level(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-    applied, status = rec.reconcile(body, cluster(), settings(), int(time.time() * 1000))
+    applied, status = rec.reconcile(body, cluster(), settings(), int(time.time() * 1000), admin())
     _post(body, applied, logger)
     patch.status.update(status)
 
