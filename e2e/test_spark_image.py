@@ -21,9 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT_S = 3600
 
 
+def _apt_install(*packages: str) -> None:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", *packages]
+    if subprocess.run(install, capture_output=True, env=env, timeout=900, check=False).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=900, check=False)
+        subprocess.run(install, capture_output=True, env=env, timeout=900, check=False)
+
+
 def in_image(*command: str) -> subprocess.CompletedProcess[str]:
     """``command`` in the Spark image (built first if its sources changed)."""
     missing = [t for t in ("debootstrap", "umoci", "skopeo", "chroot") if not shutil.which(t)]
+    if os.geteuid() == 0 and missing:  # as scripts/k8s.sh does for the stage image (a fresh machine)
+        _apt_install(*(t for t in missing if t != "chroot"))
+        missing = [t for t in ("debootstrap", "umoci", "skopeo", "chroot") if not shutil.which(t)]
     if os.geteuid() != 0 or missing:
         pytest.fail(f"the Spark image needs root and {', '.join(missing) or 'nothing else'} "
                     f"(apt-get install debootstrap umoci skopeo)", pytrace=False)
