@@ -62,12 +62,13 @@ import numpy as np
 
 from timerwheel.config import RECORD_SIZE, TimerConfig
 from timerwheel.errors import ConfigError, FencedError, ShardInUseError, TimerwheelError
-from timerwheel.files import FILE_MODE, atomic_write, fsync_dir, temp_path
+from timerwheel.files import FILE_MODE, atomic_write
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.deployment import DeploymentSettings, load_settings
 from timerwheel.store.deployment import change_window as store_window
 from timerwheel.store.format import RECORD_DTYPE, Flag, as_bytes, crc32_rows, valid_mask
+from timerwheel.store.recovery import RecoveryReport
 from timerwheel.store.shard import (
     DEQUEUE_CKPT,
     ENQUEUE_CKPT,
@@ -246,27 +247,13 @@ def rebuild_wheel(config: TimerConfig, shard_id: int) -> dict[str, Any]:
     """Replace the shard's wheel by one re-linked from every retained TimerLog record; the JSON report."""
     started = time.perf_counter()
     with _stopped_shard(config, shard_id) as directory:
-        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
+        fd = _writer_lock(directory)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # never delete a live writer's wheel
-            except BlockingIOError:
-                raise ShardInUseError(f"shard {directory} is open for writing (lock {LOCK_FILE} is held); "
-                                      "stop its owner first") from None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, WHEEL_FILE))
         finally:
             os.close(fd)
-        try:
-            shard = _open_writer(directory, config.fsync)
-        except CorruptCheckpointError as exc:
-            raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}`, then rebuild-wheel") from None
-        try:
-            found = shard.recovery
-            assert found is not None
-            slots, tick_ms = shard.slots, shard.tick_ms
-        finally:
-            shard.close()
+        found, slots, tick_ms = _relink(directory, config.fsync)
     return {
         "command": "rebuild-wheel", "shard": shard_id, "data_dir": os.path.abspath(config.data_dir),
         "status": "rebuilt", "tick_ms": tick_ms, "slots": slots,
@@ -287,6 +274,21 @@ def _writer_lock(directory: str) -> int:
         raise ShardInUseError(f"shard {directory} is open for writing (lock {LOCK_FILE} is held); "
                               "stop its owner first") from None
     return fd
+
+
+def _relink(directory: str, fsync: bool) -> tuple[RecoveryReport, int, int]:
+    """Open the shard (its wheel deleted) as a writer, which re-links every retained TimerLog
+    record into a new wheel; its recovery report, slots and tick."""
+    try:
+        shard = _open_writer(directory, fsync)
+    except CorruptCheckpointError as exc:
+        raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}`, then rebuild-wheel") from None
+    try:
+        found = shard.recovery
+        assert found is not None
+        return found, shard.slots, shard.tick_ms
+    finally:
+        shard.close()
 
 
 def _segments(directory: str) -> list[tuple[int, str]]:
@@ -413,7 +415,7 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
                     continue
                 arr["prev_pos"][at] = prev
                 arr["crc32"][changed] = crc32_rows(as_bytes(arr[changed]))  # only the records relinked
-                _replace_file(seg, arr.tobytes() + tail, config.fsync)
+                atomic_write(seg, arr.tobytes() + tail, config.fsync)
                 rechained += int(changed.size)
                 rewritten += 1
             with contextlib.suppress(FileNotFoundError):
@@ -424,15 +426,7 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
                          config.fsync)
         finally:
             os.close(fd)
-        try:
-            shard = _open_writer(directory, config.fsync)
-        except CorruptCheckpointError as exc:
-            raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}`, then rebuild-wheel") from None
-        try:
-            found = shard.recovery
-            assert found is not None
-        finally:
-            shard.close()
+        found, _slots, _tick = _relink(directory, config.fsync)
     store_window(config.data_dir, wanted, fsync=config.fsync)
     seconds = time.perf_counter() - started
     return {
@@ -449,20 +443,3 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
 def _format_version(directory: str) -> int:
     with open(os.path.join(directory, META_FILE), "rb") as f:
         return int(json.load(f).get("format_version", 1))
-
-
-def _replace_file(path: str, data: bytes, fsync: bool) -> None:
-    """Replace ``path`` by ``data`` (a temp file renamed over it), keeping its mode."""
-    tmp = temp_path(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(os.path.dirname(path))

@@ -238,6 +238,35 @@ RECOVERY_DEADLINE_S = 600
 RECOVERY_TTL_S = 86_400
 
 
+def _one_pod_job(wheel: Wheel, meta: Manifest, component: str, marks: Mapping[str, str],
+                 container: Manifest, deadline_s: int) -> Manifest:
+    """The operator's Jobs (recovery, window): one pod of ``container``, never retried by
+    Kubernetes (the operator decides), failed after ``deadline_s``, kept RECOVERY_TTL_S; the
+    stages' ServiceAccount (no role, no token), pod defaults and volumes."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": deadline_s,
+            "ttlSecondsAfterFinished": RECOVERY_TTL_S,
+            "template": {
+                "metadata": {"labels": {**labels(wheel.name, component), **marks}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "serviceAccountName": base_name(wheel.name),
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": dict(POD_SECURITY),
+                    "containers": [container],
+                    "volumes": _volumes(wheel),
+                },
+            },
+        },
+    }
+
+
 def recovery_job_name(wheel: Wheel, shard: int, serial: int) -> str:
     return f"{base_name(wheel.name)}-recover-{shard}-{serial}"
 
@@ -262,28 +291,7 @@ def recovery_job(wheel: Wheel, shard: int, serial: int, owner: Mapping[str, Any]
         # the report's last lines as the termination message when the log is gone
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": meta,
-        "spec": {
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": RECOVERY_DEADLINE_S,
-            "ttlSecondsAfterFinished": RECOVERY_TTL_S,
-            "template": {
-                "metadata": {"labels": {**labels(wheel.name, RECOVERY), **marks}},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "serviceAccountName": base_name(wheel.name),
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "securityContext": dict(POD_SECURITY),
-                    "containers": [out],
-                    "volumes": _volumes(wheel),
-                },
-            },
-        },
-    }
+    return _one_pod_job(wheel, meta, RECOVERY, marks, out, RECOVERY_DEADLINE_S)
 
 
 #: The component label of the window Jobs (``window``) and their pods.
@@ -320,28 +328,7 @@ def window_job(wheel: Wheel, serial: int, env: Mapping[str, str], annotation: st
         "securityContext": dict(CONTAINER_SECURITY),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": meta,
-        "spec": {
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": WINDOW_DEADLINE_S,
-            "ttlSecondsAfterFinished": RECOVERY_TTL_S,
-            "template": {
-                "metadata": {"labels": {**labels(wheel.name, WINDOW), **marks}},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "serviceAccountName": base_name(wheel.name),
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "securityContext": dict(POD_SECURITY),
-                    "containers": [out],
-                    "volumes": _volumes(wheel),
-                },
-            },
-        },
-    }
+    return _one_pod_job(wheel, meta, WINDOW, marks, out, WINDOW_DEADLINE_S)
 
 
 def service(wheel: Wheel, stage: str, owner: Mapping[str, Any] | None) -> Manifest:

@@ -88,13 +88,18 @@ def job_view(job: Mapping[str, Any]) -> JobView | None:
         shard, serial = int(labels["timerwheel.io/shard"]), int(labels["timerwheel.io/attempt"])
     except (KeyError, ValueError):
         return None
+    return JobView(str(meta.get("name")), shard, serial, job_phase(job))
+
+
+def job_phase(job: Mapping[str, Any]) -> str:
+    """Running, Succeeded or Failed, from the Job's conditions."""
     phase = "Running"
     for cond in (job.get("status") or {}).get("conditions") or []:
         if cond.get("status") == "True" and cond.get("type") in ("Complete", "SuccessCriteriaMet"):
             phase = "Succeeded"
         elif cond.get("status") == "True" and cond.get("type") in ("Failed", "FailureTarget"):
             phase = "Failed"
-    return JobView(str(meta.get("name")), shard, serial, phase)
+    return phase
 
 
 def parse_report(log: str) -> dict[str, Any] | None:

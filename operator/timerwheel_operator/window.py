@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from timerwheel_operator import retention as ret
-from timerwheel_operator.recovery import error_line
+from timerwheel_operator.recovery import error_line, job_phase
 
 #: The component label of the window Jobs and their pods.
 COMPONENT = "window"
@@ -115,14 +115,8 @@ def job_view(job: Mapping[str, Any]) -> JobView | None:
         serial = int((meta.get("labels") or {})["timerwheel.io/attempt"])
     except (KeyError, ValueError):
         return None
-    phase = "Running"
-    for cond in (job.get("status") or {}).get("conditions") or []:
-        if cond.get("status") == "True" and cond.get("type") in ("Complete", "SuccessCriteriaMet"):
-            phase = "Succeeded"
-        elif cond.get("status") == "True" and cond.get("type") in ("Failed", "FailureTarget"):
-            phase = "Failed"
     target = Window.of_annotation((meta.get("annotations") or {}).get("timerwheel.io/window"))
-    return JobView(str(meta.get("name")), serial, phase, target)
+    return JobView(str(meta.get("name")), serial, job_phase(job), target)
 
 
 def parse_reports(log: str) -> list[dict[str, Any]]:
