@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from timerwheel_operator import manifests
+from timerwheel_operator import kafka_access, manifests
 from timerwheel_operator import recovery as rcv
 from timerwheel_operator import retention as ret
 from timerwheel_operator import window as win
@@ -336,7 +336,7 @@ def window_round(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, admin:
         roll = desired.roll_window_ms if pending or current is None else current.roll_window_ms
         if pending or last is None or now_ms - last.checked_ms >= ret.CHECK_EVERY_MS \
                 or last.needed_ms != ret.needed_ms(roll) or last.topic != wheel.config.timer_topic:
-            check = ret.keep(admin, wheel.config.kafka_bootstrap or "", wheel.config.timer_topic, roll,
+            check = ret.keep(admin, lambda: kafka_access.access(wheel, cluster), wheel.config.timer_topic, roll,
                              wheel.manage_retention, now_ms)
         else:
             check = last

@@ -11,8 +11,9 @@ retention is refused (``window``: ``WindowChangeRefused`` naming ``retention.ms`
 and the value needed) and the old window keeps running.
 
 ``Admin`` is the door (tests give a fake); ``KafkaAdmin`` is kafka-python's ``KafkaAdminClient``,
-one per bootstrap, kept: a fresh broker answers ``NodeNotReadyError`` for a moment, so a read is
-retried a few times before it counts as failed.
+one per bootstrap, kept, connected as the stages connect (``kafka_access``: the TLS / SASL settings
+and the Secret of ``spec.kafka``). A fresh broker answers ``NodeNotReadyError`` for a moment, so a
+read is retried a few times before it counts as failed.
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from timerwheel.errors import AccessError
+from timerwheel.security import check_kafka_access
+
+from timerwheel_operator.kafka_access import Access, AccessUnknown
+from timerwheel_operator.spec import field_of, in_spec_words
 
 FACTOR = 1.5
 #: How often the retention is read when no window change waits for it.
@@ -35,10 +42,10 @@ class TopicMissing(Exception):
 
 
 class Admin(Protocol):
-    def retention_ms(self, bootstrap: str, topic: str) -> int | None:
+    def retention_ms(self, kafka: Access, topic: str) -> int | None:
         """The topic's effective retention.ms; None when unlimited. TopicMissing, or any error."""
 
-    def set_retention_ms(self, bootstrap: str, topic: str, value: int) -> None: ...
+    def set_retention_ms(self, kafka: Access, topic: str, value: int) -> None: ...
 
 
 def needed_ms(roll_window_ms: int) -> int:
@@ -81,13 +88,24 @@ class Check:
                    str(status.get("message") or ""), int(status.get("checkedMs") or 0))
 
 
-def keep(admin: Admin, bootstrap: str, topic: str, roll_window_ms: int, manage: bool, now_ms: int) -> Check:
-    """Read the retention and raise it to 1.5 x ``roll_window_ms`` when ``manage`` and too low."""
+def keep(admin: Admin, kafka: Access | Callable[[], Access], topic: str, roll_window_ms: int, manage: bool,
+         now_ms: int) -> Check:
+    """Read the retention and raise it to 1.5 x ``roll_window_ms`` when ``manage`` and too low.
+    ``kafka``: the Kafka, or how to make it (``kafka_access.access``, which may fail)."""
     need = needed_ms(roll_window_ms)
     try:
-        found = admin.retention_ms(bootstrap, topic)
+        if callable(kafka):
+            kafka = kafka()
+        found = admin.retention_ms(kafka, topic)
     except TopicMissing:
         return Check(topic, need, manage, "Unknown", message=f"topic {topic} does not exist yet", checked_ms=now_ms)
+    except AccessUnknown as exc:
+        return Check(topic, need, manage, "Unknown", message=f"cannot reach Kafka as the stages do: {exc}",
+                     checked_ms=now_ms)
+    except AccessError as exc:
+        said = f"{field_of(exc.setting)}: {str(exc).split(': ', 1)[-1]}"
+        return Check(topic, need, manage, "Unknown", message=f"Kafka refused the stages' settings: "
+                     f"{in_spec_words(said)}", checked_ms=now_ms)
     except Exception as exc:  # noqa: BLE001 - not allowed, unreachable: said in the status
         return Check(topic, need, manage, "Unknown", message=f"cannot read retention.ms of {topic}: "
                      f"{type(exc).__name__}: {exc}", checked_ms=now_ms)
@@ -97,7 +115,7 @@ def keep(admin: Admin, bootstrap: str, topic: str, roll_window_ms: int, manage: 
         return Check(topic, need, manage, "TooLow", found, f"retention.ms of {topic} is {found}, below "
                      f"{need} (1.5 x rollWindowMs); spec.kafka.manageRetention is false", now_ms)
     try:
-        admin.set_retention_ms(bootstrap, topic, need)
+        admin.set_retention_ms(kafka, topic, need)
     except Exception as exc:  # noqa: BLE001 - an ACL may forbid it
         return Check(topic, need, manage, "TooLow", found, f"retention.ms of {topic} is {found}, below {need}, "
                      f"and raising it failed: {type(exc).__name__}: {exc}", now_ms)
@@ -119,9 +137,11 @@ def refusal(check: Check, roll_window_ms: int) -> str | None:
 
 
 class KafkaAdmin:
-    """``Admin`` over kafka-python, one client per bootstrap (plain connections: a cluster that
-    needs SASL/TLS for admin calls makes the checks Unknown, and a change needing more retention
-    is refused)."""
+    """``Admin`` over kafka-python, one client per bootstrap, connected with the stages' TLS and SASL
+    settings (``Access``; a client whose settings changed, e.g. a rotated password, is replaced).
+    Before a secured client is made the broker is asked whether it accepts them
+    (``security.check_kafka_access``): a wrong password is one line naming the setting, not
+    kafka-python's "Unable to bootstrap" after its timeout."""
 
     def __init__(self, timeout_ms: int = 10_000, attempts: int = 5) -> None:
         self.timeout_ms = timeout_ms
@@ -131,25 +151,31 @@ class KafkaAdmin:
         #: one admin call at a time: kopf's handler and timer may reconcile together
         self._calls = threading.Lock()
 
-    def _client(self, bootstrap: str) -> Any:
+    def _client(self, kafka: Access) -> Any:
         from kafka import KafkaAdminClient
 
         with self._lock:
-            client = self._clients.get(bootstrap)
-            if client is None:
-                client = self._clients[bootstrap] = KafkaAdminClient(
-                    bootstrap_servers=bootstrap.split(","), client_id="timerwheel-operator",
-                    request_timeout_ms=self.timeout_ms)
-            return client
+            known = self._clients.get(kafka.bootstrap)
+            if known is not None and known[0] == kafka.options:
+                return known[1]
+        if known is not None:
+            self._drop(kafka.bootstrap)
+        if kafka.config is not None:
+            check_kafka_access(kafka.config, kafka.bootstrap, timeout_s=self.timeout_ms / 1000)
+        client = KafkaAdminClient(bootstrap_servers=kafka.bootstrap.split(","), client_id="timerwheel-operator",
+                                  request_timeout_ms=self.timeout_ms, **kafka.client_options())
+        with self._lock:
+            self._clients[kafka.bootstrap] = (kafka.options, client)
+        return client
 
     def _drop(self, bootstrap: str) -> None:
         with self._lock:
-            client = self._clients.pop(bootstrap, None)
-        if client is not None:
+            known = self._clients.pop(bootstrap, None)
+        if known is not None:
             with contextlib.suppress(Exception):  # closing a broken client
-                client.close()
+                known[1].close()
 
-    def retention_ms(self, bootstrap: str, topic: str) -> int | None:
+    def retention_ms(self, kafka: Access, topic: str) -> int | None:
         from kafka.admin import ConfigResource, ConfigResourceType
         from kafka.errors import KafkaError, NodeNotReadyError, UnknownTopicOrPartitionError
 
@@ -157,7 +183,7 @@ class KafkaAdmin:
         for attempt in range(self.attempts):
             try:
                 with self._calls:
-                    found = self._client(bootstrap).describe_configs([resource], config_filter="all")
+                    found = self._client(kafka).describe_configs([resource], config_filter="all")
                 break
             except UnknownTopicOrPartitionError:
                 raise TopicMissing(topic) from None
@@ -166,7 +192,7 @@ class KafkaAdmin:
                     raise
                 time.sleep(0.5 * (attempt + 1))
             except KafkaError:
-                self._drop(bootstrap)
+                self._drop(kafka.bootstrap)
                 raise
         entry = (found.get("topic") or {}).get(topic, {}).get("retention.ms")
         if entry is None or entry.get("value") is None:
@@ -174,12 +200,12 @@ class KafkaAdmin:
         value = int(entry["value"])
         return None if value < 0 else value
 
-    def set_retention_ms(self, bootstrap: str, topic: str, value: int) -> None:
+    def set_retention_ms(self, kafka: Access, topic: str, value: int) -> None:
         from kafka.admin import ConfigResource, ConfigResourceType
 
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"retention.ms": str(value)})
         with self._calls:
-            result = self._client(bootstrap).alter_configs([resource])
+            result = self._client(kafka).alter_configs([resource])
         outcome = (result.get("topic") or {}).get(topic) if isinstance(result, dict) else None
         if outcome is not None and not _ok(outcome):
             raise RuntimeError(f"alter_configs of {topic}: {outcome}")

@@ -159,7 +159,7 @@ def kafka_env(kafka: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
-def _field_of(var: str) -> str:
+def field_of(var: str) -> str:
     for field, (env_var, _default) in SPEC_ENV.items():
         if env_var == var:
             return f"spec.{field}"
@@ -168,12 +168,12 @@ def _field_of(var: str) -> str:
     return {"TW_KAFKA_BOOTSTRAP": "spec.kafka.bootstrap", "TW_REDIS_URL": "spec.redis.url", **kafka}.get(var, var)
 
 
-def _in_spec_words(message: str) -> str:
+def in_spec_words(message: str) -> str:
     """A ``TimerConfig`` message with the Kafka attributes it names (``kafka_ssl_certfile``) given
     as the spec fields that set them (``spec.kafka.certKey``)."""
     for var, (attr, _kind, _doc) in ENV_VARS.items():
-        if attr.startswith("kafka_") and attr in message and _field_of(var) != var:
-            message = re.sub(rf"\b{attr}\b", _field_of(var), message)
+        if attr.startswith("kafka_") and attr in message and field_of(var) != var:
+            message = re.sub(rf"\b{attr}\b", field_of(var), message)
     return message
 
 
@@ -196,8 +196,8 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
         # The stages' own check; TW_REDIS_URL may live in a Secret, so a stand-in is validated.
         config = TimerConfig.from_env({**_checkable(env), "TW_REDIS_URL": env.get("TW_REDIS_URL", "redis://secret")})
     except ConfigError as exc:
-        field = _field_of(exc.field)
-        raise SpecError(field, _in_spec_words(str(exc).split(": ", 1)[1]).replace(f" (or {field})", "")) from None
+        field = field_of(exc.field)
+        raise SpecError(field, in_spec_words(str(exc).split(": ", 1)[1]).replace(f" (or {field})", "")) from None
     if not env["TW_KAFKA_BOOTSTRAP"]:
         raise SpecError("spec.kafka.bootstrap", "must name the Kafka bootstrap servers")
     kafka = spec.get("kafka") or {}

@@ -16,6 +16,7 @@ from timerwheel.metrics import Metrics
 from timerwheel_operator import reconcile as rec
 from timerwheel_operator import window as win
 from timerwheel_operator.crd import STAGES
+from timerwheel_operator.kafka_access import Access
 from timerwheel_operator.retention import Check, TopicMissing
 
 NOW = 1_700_000_000_000
@@ -75,12 +76,12 @@ class Admin:
     def __init__(self, retention: int | None, fail_set: bool = False) -> None:
         self.retention, self.fail_set, self.set_to = retention, fail_set, None
 
-    def retention_ms(self, bootstrap: str, topic: str) -> int | None:
+    def retention_ms(self, kafka: Access, topic: str) -> int | None:
         if self.retention == -2:
             raise TopicMissing(topic)
         return self.retention
 
-    def set_retention_ms(self, bootstrap: str, topic: str, value: int) -> None:
+    def set_retention_ms(self, kafka: Access, topic: str, value: int) -> None:
         if self.fail_set:
             raise PermissionError("TOPIC_AUTHORIZATION_FAILED")
         self.set_to = self.retention = value
