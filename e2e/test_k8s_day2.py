@@ -12,32 +12,45 @@ under a steady load (a kafka-python producer in this test), and nothing is lost 
        come back they refuse it (RecoveryNeeded), the operator runs a recovery Job (timerwheel
        recover --shard 1), the shard is served again and the TimerWheel Ready -> lost 0, early 0,
        duplicates at most the report's may_deliver_twice
-    -> under load: rollWindowMs doubled: the operator pauses the shard owners, a Job rebuilds every
-       wheel (timerwheel rebuild-wheel --change-window), the stages roll with the new settings and
-       the TimerWheel is Ready again -> lost 0, early 0, duplicates within DUPLICATE_FRACTION
+    -> under load: the same, and the TimerLog unreadable to the stages' user: the Job fails, the
+       TimerWheel is Degraded (RecoveryFailed) and no Job follows; a human fixes the files and runs
+       the Job again -> the shard is served, lost 0, early 0, duplicates at most may_deliver_twice
+    -> under load: dequeue-get's loop stopped (ptrace) while its pod stays live and ready: the
+       operator finds R stalled (Degraded ShardStalled), deletes the pod, its successor carries
+       on -> lost 0, early 0, repeats only of messages due around the stall
+    -> under load: rollWindowMs and tickMs doubled: the operator pauses the shard owners, a Job
+       rebuilds every wheel (timerwheel rebuild-wheel --change-window), the stages roll with the
+       new settings and the TimerWheel is Ready again -> lost 0, early 0, duplicates within
+       DUPLICATE_FRACTION
     -> kubectl scale timerwheel/tw --replicas=2: dequeue-getmsg and dequeue-put at 2, ready
+    -> the chart's audit CronJob (spark.audit, the Spark image) run by hand: its summary.json
+       agrees with what the harness produced and consumed
 
 Figures (printed as ``FIGURE`` lines, never asserted: the machine is shared): time from the scale
 decision to the new replicas carrying load (owning shards / ready), scale-down time, rollout
 time and lateness p99 through the rollout; for the window change the seconds paused, the time to
-Ready and the rebuild's records/s.
+Ready and the rebuild's records/s; the times to find and recover a stalled shard; the audit's time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import random
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from harness import LoadRun, Report, now_ms
-from k8s_cluster import ROOT
+from k8s_cluster import ROOT, SCRIPT, UP_TIMEOUT_S
 from kafka.admin import ConfigResource, ConfigResourceType
-from test_k8s_helm import NAMESPACE, RELEASE, STAGES, WHEEL, Release, release  # noqa: F401 - the fixture
+from test_k8s_helm import CLAIM, NAMESPACE, RELEASE, STAGES, WHEEL, Release, release  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
 
@@ -47,8 +60,22 @@ pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
 DUPLICATE_FRACTION = 0.02
 
 
+#: The chart's audit CronJob (spark.audit), run by hand in the last test.
+CRONJOB = f"{RELEASE}-timerwheel-spark-audit"
+
+
 @pytest.fixture(scope="module")
 def installed(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Release:  # noqa: F811
+    load = subprocess.run([str(SCRIPT), "load-image", "spark"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=UP_TIMEOUT_S, check=False)
+    if load.returncode != 0:
+        pytest.fail(f"the Spark image could not be loaded (scripts/k8s.sh load-image spark, exit "
+                    f"{load.returncode}):\n{load.stderr.strip()[-3000:]}", pytrace=False)
+    # The audit CronJob on the stages' own claim; its schedule never comes in a test (run by hand).
+    release.values["spark"] = {
+        "image": {"repository": "timerwheel-spark", "tag": "dev", "pullPolicy": "Never"}, "master": "local[2]",
+        "dataClaim": CLAIM, "resources": {"requests": {"cpu": "100m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "audit": {"enabled": True, "schedule": "0 0 1 1 *", "graceMs": 30_000}}
     values = tmp_path_factory.mktemp("day2") / "values.yaml"
     values.write_text(yaml.safe_dump(release.values))
     done = release.helm("install", RELEASE, str(ROOT / "charts" / "timerwheel"), "-n", NAMESPACE,
@@ -227,20 +254,10 @@ def test_recovery_of_a_lost_dequeue_checkpoint_runs_a_job_and_loses_nothing(inst
         corrupted = time.monotonic()
         _patch(rel, {"stages": {"enqueuePut": {"replicas": 1}, "dequeueGet": {"replicas": 1}}})
         seen: set[str] = set()
-
-        def noting(ok: Callable[[], bool]) -> Callable[[], bool]:
-            def check() -> bool:
-                for kind in ("Degraded", "Recovering"):
-                    c = _condition(rel, kind)
-                    if c.get("status") == "True":
-                        seen.add(f"{kind}/{c.get('reason')}")
-                return ok()
-            return check
-
-        _wait("a recovery Job for shard 1", noting(
+        _wait("a recovery Job for shard 1", _condition_seen(rel, seen,
             lambda: any(j["metadata"]["labels"].get("timerwheel.io/shard") == "1" for j in _recovery_jobs(rel))), rel)
         job_seen = time.monotonic() - corrupted
-        _wait("the recovery recorded as Succeeded in the status", noting(
+        _wait("the recovery recorded as Succeeded in the status", _condition_seen(rel, seen,
             lambda: (_tw(rel)["status"]["shards"][1].get("recovery") or {}).get("state") == "Succeeded"), rel)
         assert "Recovering/RecoveryJob" in seen and "Degraded/ShardUnopenable" in seen, seen
         _wait("shard 1 served again and the TimerWheel Ready",
@@ -265,19 +282,250 @@ def test_recovery_of_a_lost_dequeue_checkpoint_runs_a_job_and_loses_nothing(inst
     assert rep.unexpected == [], rep.line()
 
 
+def _condition_seen(rel: Release, seen: set[str], ok: Callable[[], bool]) -> Callable[[], bool]:
+    """``ok``, noting every ``Degraded`` / ``Recovering`` reason that is True meanwhile."""
+    def check() -> bool:
+        for kind in ("Degraded", "Recovering"):
+            c = _condition(rel, kind)
+            if c.get("status") == "True":
+                seen.add(f"{kind}/{c.get('reason')}")
+        return ok()
+    return check
+
+
+def _rerun(rel: Release, failed: dict[str, Any], name: str) -> None:
+    """What a human does after fixing the cause: the failed recovery Job again, under a new name."""
+    job: dict[str, Any] = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": name, "namespace": NAMESPACE,
+                        "labels": {"app.kubernetes.io/instance": WHEEL, "timerwheel.io/by": "human"}},
+           "spec": {"backoffLimit": 0, "template": failed["spec"]["template"]}}
+    labels = job["spec"]["template"]["metadata"].get("labels") or {}
+    for key in list(labels):
+        if key.startswith(("batch.kubernetes.io/", "controller-uid", "job-name")):
+            del labels[key]
+    rel.kubectl("apply", "-f", "-", input=json.dumps(job))
+
+
+def test_a_recovery_that_keeps_failing_gives_up_and_waits_for_a_human(installed: Release) -> None:
+    """Shard 1 needs recovery (its dequeue checkpoint is lost) and recovery cannot read its TimerLog
+    (the segments made unreadable to the stages' user): the Job fails, the TimerWheel is Degraded
+    (RecoveryFailed) naming the Job's log, and no further Job runs. A human restores the files and
+    runs the Job again: the shard opens, its messages are delivered late, none lost or early."""
+    rel = installed
+    _patch(rel, {**_replicas(1, 1), "recovery": {"maxAttempts": 1}})
+    _wait("one pod per stage", lambda: all(_all_ready(rel, s, 1) for s in STAGES) and _ready_at_generation(rel), rel)
+    shard_dir = rel.volume_dir / "shard-0001"
+    dest = rel.pipe.new_dest("day2-gaveup", 4)
+    jobs_before = {j["metadata"]["name"] for j in _recovery_jobs(rel)}
+    with LoadRun(rel.pipe, dest, seed=29, rate=50, min_delay_ms=2_000, max_delay_ms=10_000) as run:
+        time.sleep(8)
+        _patch(rel, {"stages": {"enqueuePut": {"replicas": 0}, "dequeueGet": {"replicas": 0}}})
+        _wait("the shard owners stopped", lambda: not _running(rel, "enqueue-put") and not _running(rel, "dequeue-get"),
+              rel)
+        for f in shard_dir.glob("dequeue*.ckpt"):
+            f.unlink()
+        segments = sorted((shard_dir / "timerlog").glob("*.tlog"))
+        assert segments, sorted(p.name for p in shard_dir.iterdir())
+        modes = {f: f.stat().st_mode & 0o777 for f in segments}
+        for f in segments:
+            f.chmod(0)
+        broken = time.monotonic()
+        _patch(rel, {"stages": {"enqueuePut": {"replicas": 1}, "dequeueGet": {"replicas": 1}}})
+        seen: set[str] = set()
+
+        def record() -> dict[str, Any]:
+            return dict(_tw(rel)["status"]["shards"][1].get("recovery") or {})
+
+        _wait("the recovery given up", _condition_seen(rel, seen, lambda: record().get("state") == "GaveUp"), rel)
+        gave_up = time.monotonic() - broken
+        degraded = _condition(rel, "Degraded")
+        assert degraded.get("status") == "True" and degraded.get("reason") == "RecoveryFailed", degraded
+        assert "shard 1" in degraded.get("message", "") and "kubectl logs" in degraded.get("message", ""), degraded
+        failed_name = record()["job"]
+        assert record().get("exitCode") == 1 and record().get("attempts") == 1, record()
+        assert "Permission denied" in record().get("message", ""), record()
+        # Given up: no Job starts again however long the shard stays refused (a retry would come
+        # after BACKOFF_S = 15 s were the attempts not spent).
+        time.sleep(25)
+        ours = {j["metadata"]["name"] for j in _recovery_jobs(rel)} - jobs_before
+        assert ours == {failed_name}, ours
+        assert _condition(rel, "Degraded").get("reason") == "RecoveryFailed", _condition(rel, "Degraded")
+
+        for f, mode in modes.items():
+            f.chmod(mode)
+        fixed = time.monotonic()
+        failed = rel.get("job", failed_name)
+        _rerun(rel, failed, f"{WHEEL}-recover-by-hand")
+        _wait("the shard opened again and the recovery resolved",
+              lambda: record().get("state") == "Resolved" and not _tw(rel)["status"]["shards"][1].get("openError")
+              and _ready_at_generation(rel), rel)
+        to_ready = time.monotonic() - fixed
+        report = _report_of(rel, f"{WHEEL}-recover-by-hand")
+        time.sleep(5)
+        missing, rep = run.drain("k8s day-2 recovery given up", timeout_s=180)
+    rel.kubectl("delete", "job", f"{WHEEL}-recover-by-hand", "--wait=false", check=False)
+    _patch(rel, {"recovery": {"maxAttempts": 3}})
+    events = rel.get("events", "--field-selector", f"involvedObject.name={WHEEL}")["items"]
+    assert "RecoveryFailed" in {e["reason"] for e in events}
+    assert "Recovering/RecoveryJob" in seen, seen
+    twice = int(report["may_deliver_twice"])
+    print(f"FIGURE recovery given up under 50 msg/s: GaveUp (Degraded RecoveryFailed) {gave_up:.1f} s after the "
+          f"shard broke; the TimerWheel Ready {to_ready:.1f} s after the human's fix and Job; "
+          f"may_deliver_twice={twice}; {rep.line()}", flush=True)
+    assert not missing and rep.lost == [] and rep.early == [], rep.line() + rel.diagnosis()
+    assert rep.duplicated <= twice, f"{rep.duplicated} duplicates, the report allowed {twice}: {rep.line()}"
+    assert rep.unexpected == [], rep.line()
+
+
+def _report_of(rel: Release, job: str) -> dict[str, Any]:
+    """The JSON report ``timerwheel recover`` printed in ``job``'s log."""
+    from timerwheel_operator.recovery import parse_report
+
+    found = parse_report(rel.kubectl("logs", f"job/{job}").stdout)
+    assert found is not None, rel.kubectl("logs", f"job/{job}").stdout[-2000:]
+    return found
+
+
+class FrozenThread:
+    """One thread of a process held in a ptrace stop while the others run on: a stage whose loop
+    is stuck while its HTTP thread still answers /healthz, /readyz and /metrics (the stall the
+    operator must find: nothing else sees it). The thread is released when the block ends, or
+    dies with its process."""
+
+    PTRACE_SEIZE, PTRACE_INTERRUPT, PTRACE_DETACH, WALL = 0x4206, 0x4207, 17, 0x40000000
+
+    def __init__(self, tid: int) -> None:
+        import ctypes
+
+        self.tid = tid
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+
+    def __enter__(self) -> FrozenThread:
+        import ctypes
+
+        if self.libc.ptrace(self.PTRACE_SEIZE, self.tid, None, None) != 0:
+            raise OSError(ctypes.get_errno(), f"ptrace(PTRACE_SEIZE, {self.tid})")
+        self.libc.ptrace(self.PTRACE_INTERRUPT, self.tid, None, None)
+        os.waitpid(self.tid, self.WALL)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.libc.ptrace(self.PTRACE_DETACH, self.tid, None, None)  # ESRCH once the process is gone
+        with contextlib.suppress(ChildProcessError):  # it died traced: reap it here, or it stays a zombie
+            os.waitpid(self.tid, os.WNOHANG | self.WALL)
+
+
+def _stage_pid(stage: str) -> int:
+    """The host pid of the one ``timerwheel stage STAGE`` process (the pods' pid namespaces are
+    children of the host's)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[1:4] == [b"/opt/timerwheel/bin/timerwheel", b"stage", stage.encode()]:  # the image's
+                found.append(int(proc.name))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _answers(ip: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def test_a_stalled_shard_is_degraded_its_owner_restarted_and_it_recovers(installed: Release) -> None:
+    """dequeue-get's loop stops (its main thread held in a ptrace stop) while its HTTP thread and
+    its lease's heartbeat run on: the pod stays live and ready, owns both shards, and R stands
+    still. The operator marks the TimerWheel Degraded (ShardStalled, "R unchanged") after
+    ``stallAfterMs`` and deletes the owner pod; its successor takes the shards and R moves again.
+    Nothing is lost or early; only messages due around the stall may arrive twice."""
+    rel = installed
+    stall_ms = 30_000
+    _patch(rel, {**_replicas(1, 1), "recovery": {"stallAfterMs": stall_ms, "restartStalled": True}})
+    _wait("one pod per stage", lambda: all(_all_ready(rel, s, 1) for s in STAGES) and _ready_at_generation(rel), rel)
+    dest = rel.pipe.new_dest("day2-stall", 4)
+    seen: set[str] = set()
+    with LoadRun(rel.pipe, dest, seed=31, rate=20, min_delay_ms=2_000, max_delay_ms=8_000) as run:
+        time.sleep(8)
+        (reader,) = _running(rel, "dequeue-get")
+        ip, pid = reader["status"]["podIP"], _stage_pid("dequeue-get")
+        with contextlib.ExitStack() as hold:
+            # A thread stopped while it holds the GIL stops the HTTP thread too (then the liveness
+            # probe, not the operator, would act): try again until the pod still answers.
+            for _attempt in range(30):
+                frozen = hold.enter_context(FrozenThread(pid))
+                if _answers(ip) and _answers(ip):
+                    break
+                frozen.__exit__()
+                hold.pop_all()
+                time.sleep(0.2 + random.random() / 2)
+            else:
+                pytest.fail("dequeue-get's main thread could not be stopped without its HTTP thread", pytrace=False)
+            stalled_ms = now_ms()
+            t0 = time.monotonic()
+            _wait("Degraded (ShardStalled)", _condition_seen(rel, seen, lambda: "Degraded/ShardStalled" in seen),
+                  rel, stall_ms / 1000 + 120)
+            to_degraded = time.monotonic() - t0
+            message = _condition(rel, "Degraded").get("message", "")
+            assert "R unchanged" in message and reader["metadata"]["name"] in message, message
+            assert _answers(ip), "the stalled pod stopped answering: the liveness probe would have acted"
+            name = reader["metadata"]["name"]
+            _wait("the operator deleting the stalled owner pod", lambda: not any(
+                p["metadata"]["uid"] == reader["metadata"]["uid"] for p in _running(rel, "dequeue-get")), rel, 60)
+            deleted = time.monotonic() - t0
+            # Released now: a process that dies while traced stays a zombie until its tracer
+            # reaps it, and its pod would never finish terminating.
+        _wait("the stalled owner pod replaced", lambda: any(
+            p["metadata"]["uid"] != reader["metadata"]["uid"] for p in _running(rel, "dequeue-get")), rel, 120)
+        replaced = time.monotonic() - t0
+        _wait("Degraded cleared, the TimerWheel Ready", lambda: _condition(rel, "Degraded").get("status") != "True"
+              and _ready_at_generation(rel) and len(_shard_pods(rel, "reader")) == 1, rel, 180)
+        to_ready = time.monotonic() - t0
+        ready_ms = now_ms()
+        events = rel.get("events", "--field-selector", f"involvedObject.name={WHEEL}")["items"]
+        stalls = [e.get("message", "") for e in events if e["reason"] == "ShardStalled"]
+        time.sleep(5)
+        missing, rep = run.drain("k8s day-2 stall", timeout_s=180)
+        expected = run.producer.expected()
+        twice = {m for m, cs in run.collector.by_id.items() if len(cs) > 1}
+    assert any(f"deleted pod {name}" in m for m in stalls), stalls
+    # A repeat is a message the successor read again from the last checkpointed R: due around the stall.
+    outside = {m: expected[m].deliver_at_ms for m in twice
+               if not stalled_ms - 10_000 <= expected[m].deliver_at_ms <= ready_ms + 5_000}
+    print(f"FIGURE stalled shard (dequeue-get's loop stopped, stallAfterMs {stall_ms}) under 20 msg/s: Degraded "
+          f"ShardStalled {to_degraded:.1f} s after R stopped, the owner pod {name} deleted {deleted:.1f} s and "
+          f"replaced {replaced:.1f} s after, the "
+          f"TimerWheel Ready {to_ready:.1f} s after; {len(stalls)} ShardStalled event(s); {rep.line()}", flush=True)
+    assert not missing and rep.lost == [] and rep.early == [], rep.line() + rel.diagnosis()
+    assert not outside, f"repeated outside the stall: {outside}; {rep.line()}"
+    assert rep.unexpected == [], rep.line()
+
+
 def _owners_gone(rel: Release) -> bool:
     return not rel.pods("enqueue-put") and not rel.pods("dequeue-get")
 
 
 def test_a_window_change_under_load_pauses_rebuilds_and_resumes_with_nothing_lost(installed: Release) -> None:
-    """rollWindowMs doubled under 50 msg/s: the operator pauses the shard owners, a Job rebuilds
-    every wheel (timerwheel rebuild-wheel --change-window), the stages roll with the new settings
-    and the TimerWheel is Ready again; lost 0, early 0, duplicates within the bound."""
+    """rollWindowMs doubled and tickMs doubled under 50 msg/s: the operator pauses the shard owners,
+    a Job rebuilds every wheel (timerwheel rebuild-wheel --change-window: R aligned to the new tick,
+    every link rewritten), the stages roll with the new settings and the TimerWheel is Ready again;
+    lost 0, early 0, duplicates within the bound."""
     rel = installed
     _patch(rel, _replicas(1, 1))  # whatever the test before left
     _wait("one pod per stage", lambda: all(_all_ready(rel, s, 1) for s in STAGES) and _ready_at_generation(rel), rel)
     old = int(_tw(rel)["spec"]["rollWindowMs"])
     new = 2 * old
+    old_tick = int(_tw(rel)["spec"]["tickMs"])
+    new_tick = 2 * old_tick
     # Enough for the old window (1.5 x), too little for the new one: the operator raises it first.
     timer = ConfigResource(ConfigResourceType.TOPIC, rel.pipe.timer_topic, {"retention.ms": str(2 * old)})
     rel.pipe.admin.alter_configs([timer])
@@ -294,7 +542,7 @@ def test_a_window_change_under_load_pauses_rebuilds_and_resumes_with_nothing_los
     with LoadRun(rel.pipe, dest, seed=24, rate=50, min_delay_ms=2_000, max_delay_ms=10_000) as run:
         time.sleep(8)
         t0 = time.monotonic()
-        _patch(rel, {"rollWindowMs": new})
+        _patch(rel, {"rollWindowMs": new, "tickMs": new_tick})
         paused = _wait("the shard owners paused", noting(lambda: _owners_gone(rel)), rel)
         _wait("the rebuild Job done, the stages resumed", noting(
             lambda: (_tw(rel)["status"].get("window") or {}).get("phase") in ("Resuming", "Done")), rel, 300)
@@ -307,12 +555,13 @@ def test_a_window_change_under_load_pauses_rebuilds_and_resumes_with_nothing_los
         missing, rep = run.drain("k8s day-2 window change", timeout_s=180)
     tw = _tw(rel)
     window = tw["status"]["window"]
-    assert window["current"]["rollWindowMs"] == new and window["phase"] == "Done", window
+    assert window["current"]["rollWindowMs"] == new and window["current"]["tickMs"] == new_tick, window
+    assert window["phase"] == "Done", window
     assert {"True/Pausing", "True/Rebuilding"} <= seen, seen
     settings = rel.get("configmap", f"timerwheel-{WHEEL}-settings")["data"]
-    assert settings["TW_ROLL_WINDOW_MS"] == str(new), settings
+    assert settings["TW_ROLL_WINDOW_MS"] == str(new) and settings["TW_TICK_MS"] == str(new_tick), settings
     stored = json.loads((rel.volume_dir / "timerwheel.json").read_text())
-    assert stored["roll_window_ms"] == new and stored["shards"] == 2, stored
+    assert stored["roll_window_ms"] == new and stored["tick_ms"] == new_tick and stored["shards"] == 2, stored
     jobs = rel.get("jobs", "-l", f"app.kubernetes.io/instance={WHEEL},app.kubernetes.io/component=window")["items"]
     assert [j["status"].get("succeeded") for j in jobs if j["metadata"]["name"] == window["job"]] == [1], jobs
     reasons = {e["reason"] for e in rel.get("events", "--field-selector", f"involvedObject.name={WHEEL}")["items"]}
@@ -323,7 +572,7 @@ def test_a_window_change_under_load_pauses_rebuilds_and_resumes_with_nothing_los
                                                             ["retention.ms"])], config_filter="all")
     assert int(found["topic"][rel.pipe.timer_topic]["retention.ms"]["value"]) >= new * 3 // 2, found
     report = window.get("report") or {}
-    print(f"FIGURE window change (rollWindowMs {old} -> {new}) under 50 msg/s: owners gone {paused:.1f} s after the "
+    print(f"FIGURE window change (rollWindowMs {old} -> {new}, tickMs {old_tick} -> {new_tick}) under 50 msg/s: owners gone {paused:.1f} s after the "
           f"change, resumed {resumed:.1f} s after it (status: owners paused {window.get('pausedSeconds')} s), "
           f"TimerWheel Ready {to_ready:.1f} s after it; rebuild {report.get('records')} records in "
           f"{report.get('seconds')} s ({report.get('recordsPerSecond')} records/s); timer topic retention "
@@ -350,3 +599,52 @@ def test_kubectl_scale_sets_both_delivery_stages(installed: Release) -> None:
     print(f"FIGURE kubectl scale timerwheel --replicas=2: both delivery stages at 2 ready and the TimerWheel Ready "
           f"{took:.1f} s after it", flush=True)
     rel.kubectl("scale", f"timerwheel/{WHEEL}", "--replicas=1")
+
+
+def _job_done(rel: Release, name: str, timeout_s: float) -> dict[str, Any]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        job: dict[str, Any] = rel.get("job", name)
+        status = job.get("status") or {}
+        if status.get("succeeded") or status.get("failed"):
+            return job
+        time.sleep(2)
+    pytest.fail(f"Job {name} did not finish within {timeout_s:.0f} s\n"
+                + rel.kubectl("logs", f"job/{name}", "--tail=40", check=False).stdout + rel.diagnosis(), pytrace=False)
+
+
+def test_the_audit_cronjob_runs_in_the_cluster_and_agrees_with_the_run(installed: Release) -> None:
+    rel = installed
+    cron = rel.get("cronjob", CRONJOB)
+    assert cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        "timerwheel-spark:dev", cron
+    dest = rel.pipe.new_dest("k8s-audit", 2)
+    with LoadRun(rel.pipe, dest, seed=41, rate=20, min_delay_ms=1_000, max_delay_ms=6_000,
+                 cancel_fraction=0.2) as run:
+        time.sleep(20)
+        missing, rep = run.drain("k8s audit", timeout_s=120)
+        with run.producer._lock:
+            scheduled = sum(1 for m in run.producer.messages.values() if m.acked)
+            cancelled = set(run.producer.cancelled)
+        with run.collector._lock:
+            seen = {m: len(copies) for m, copies in run.collector.by_id.items()}
+    assert not missing and rep.lost == [] and rep.early == [], rep.line()
+    # The truth as the harness saw it: every acknowledged message, the copies that arrived.
+    truth = {"scheduled": scheduled, "cancelled": len(cancelled), "delivered": len(seen),
+             "duplicated": sum(n - 1 for n in seen.values()), "cancelled_delivered": len(cancelled & set(seen)),
+             "lost": 0, "pending": 0, "early": 0}
+    time.sleep(31)  # past the audit's grace: every message is either delivered or lost to it
+
+    job = "audit-now"
+    rel.kubectl("create", "job", job, f"--from=cronjob/{CRONJOB}")
+    t0 = time.monotonic()
+    finished = _job_done(rel, job, 900)
+    took = time.monotonic() - t0
+    log = rel.kubectl("logs", f"job/{job}", "--tail=60", check=False).stdout
+    assert finished["status"].get("succeeded") == 1, log[-3000:] + rel.diagnosis()
+    summary = json.loads((rel.volume_dir / "audit" / "latest" / "summary.json").read_text())
+    got = summary["topics"][dest]
+    print(f"FIGURE the audit CronJob's Job in the cluster (local[2], {rep.scheduled} messages): done "
+          f"{took:.1f} s after it was created; {json.dumps(got)}", flush=True)
+    assert {k: got[k] for k in truth} == truth, (got, rep.line())
+    rel.kubectl("delete", "job", job, "--wait=false", check=False)

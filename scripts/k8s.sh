@@ -6,8 +6,9 @@
 #   scripts/k8s.sh up          build what is missing, start etcd, containerd, the control plane,
 #                              kubelet and kube-proxy; wait for /readyz, node Ready and the default
 #                              ServiceAccount. Idempotent: a healthy running cluster is left alone
-#   scripts/k8s.sh load-image  build (if the sources changed) and import timerwheel:dev into the
-#                              cluster's containerd
+#   scripts/k8s.sh load-image [spark]
+#                              build (if the sources changed) and import timerwheel:dev (with
+#                              spark: timerwheel-spark:dev) into the cluster's containerd
 #   scripts/k8s.sh down        stop everything by recorded pid, remove pods' mounts, network
 #                              namespaces, the bridge and the iptables chains, restore ip_forward,
 #                              delete the cluster state
@@ -175,6 +176,7 @@ cmd_build() {
 # --- the cluster ----------------------------------------------------------------------------------
 
 IMAGE=timerwheel:dev
+SPARK_IMAGE=timerwheel-spark:dev
 PYTHON_HOST=python3 # image.py and the helpers need only the standard library
 # the node's name: the host name as a DNS label (lower case, [a-z0-9-])
 NODE="$(hostname | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9.\n-' '-' | cut -c1-63)"
@@ -629,19 +631,29 @@ cmd_down() {
 }
 
 cmd_load_image() {
-    local archive t0=$SECONDS
+    # no argument: the stage image; "spark": the Spark jobs' image (services/spark/Dockerfile)
+    local which="${1:-}" archive t0=$SECONDS image="$IMAGE" marker="$STATE/image-loaded"
+    local build=("$PYTHON_HOST" "$ROOT/scripts/image.py" build)
+    case "$which" in
+    "") ;;
+    spark)
+        image=$SPARK_IMAGE marker="$STATE/image-loaded-spark"
+        build+=(--dockerfile "$ROOT/services/spark/Dockerfile")
+        ;;
+    *) die "load-image: unknown image '$which' (none for $IMAGE, or spark for $SPARK_IMAGE)" ;;
+    esac
     healthy || die "no cluster running: run 'scripts/k8s.sh up' first"
     need_debs
-    archive="$("$PYTHON_HOST" "$ROOT/scripts/image.py" build --tag "$IMAGE")" || die "building the $IMAGE image failed (message above)"
+    archive="$("${build[@]}" --tag "$image")" || die "building the $image image failed (message above)"
     # the archive's name is keyed on its content: the same one is imported once per cluster
-    if [[ "$(cat "$STATE/image-loaded" 2>/dev/null)" == "$archive" ]] &&
-        ctr -a "$SOCK" -n k8s.io images ls -q | grep -qx "docker.io/library/$IMAGE"; then
-        log "$IMAGE is loaded and up to date"
+    if [[ "$(cat "$marker" 2>/dev/null)" == "$archive" ]] &&
+        ctr -a "$SOCK" -n k8s.io images ls -q | grep -qx "docker.io/library/$image"; then
+        log "$image is loaded and up to date"
         return 0
     fi
     ctr -a "$SOCK" -n k8s.io images import "$archive" >/dev/null || die "ctr could not import $archive"
-    echo "$archive" >"$STATE/image-loaded"
-    log "$IMAGE loaded in $((SECONDS - t0))s (pods use image: $IMAGE, imagePullPolicy: Never)"
+    echo "$archive" >"$marker"
+    log "$image loaded in $((SECONDS - t0))s (pods use image: $image, imagePullPolicy: Never)"
 }
 
 # Stop containerd or the kubelet and start it again (the chaos e2e): the pods' containers run on
@@ -704,7 +716,7 @@ main() {
     build) cmd_build ;;
     up) cmd_up ;;
     down) cmd_down ;;
-    load-image) cmd_load_image ;;
+    load-image) cmd_load_image "${2:-}" ;;
     restart-component) cmd_restart_component "$2" ;;
     esac
 }
