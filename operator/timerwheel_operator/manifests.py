@@ -26,6 +26,7 @@ from typing import Any
 from timerwheel_operator import FIELD_MANAGER
 from timerwheel_operator.crd import SHARD_OWNERS, STAGES
 from timerwheel_operator.spec import DATA_DIR, HTTP_PORT, KAFKA_SECRET_DIR, Wheel, base_name, workload_name
+from timerwheel_operator.window import EXIT_REFUSED_UNCHANGED
 
 Manifest = dict[str, Any]
 USER_ID = 10001
@@ -315,8 +316,11 @@ def window_job(wheel: Wheel, serial: int, env: Mapping[str, str], annotation: st
     marks = {"timerwheel.io/attempt": str(serial)}
     meta["labels"].update(marks)
     meta["annotations"] = {"timerwheel.io/window": annotation}
-    script = (f"set -e; s=0; while [ $s -lt {wheel.config.shards} ]; do "
-              f"timerwheel rebuild-wheel --shard $s --data-dir {DATA_DIR} --change-window; s=$((s+1)); done")
+    # Every shard checked first (exit 2 there: EXIT_REFUSED_UNCHANGED, nothing changed), then rebuilt.
+    each = f"s=0; while [ $s -lt {wheel.config.shards} ]; do timerwheel rebuild-wheel --shard $s --data-dir {DATA_DIR} " \
+           "--change-window"
+    script = (f"set -e; {each} --check || {{ c=$?; [ $c -eq 2 ] && exit {EXIT_REFUSED_UNCHANGED}; exit $c; }}; "
+              f"s=$((s+1)); done; {each}; s=$((s+1)); done")
     out = {
         "name": "rebuild-wheel",
         "image": wheel.image,

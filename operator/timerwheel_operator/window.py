@@ -19,7 +19,11 @@ started with another refuses. So the operator changes it as a human would, one l
    settings hash), and the owners come back to their replicas. ``WindowRolling`` turns False
    (``WindowRolled``) once the TimerWheel is Ready, with the figures in ``status.window``.
 
-A Job that fails (exit 3, a shard still owned: tried again; anything else) leaves the stages
+A Job whose checks refuse the new window (``rebuild-wheel --change-window --check`` of every shard
+runs before any shard changes: a span too small for the records ahead) changed nothing: the
+owners come back with the old window and the change is refused (``WindowChangeRefused`` naming
+``spec.wheelSpanMs``) until the spec changes again. Any other failed Job (exit 3, a shard still
+owned: tried again; anything else) leaves the stages
 paused, ``Degraded`` with reason ``WindowRollFailed`` and the Job's last log line: no stage may run
 on a wheel whose window it does not know. Which window the shards have is then unknown, so any
 later spec (the new window, or the old one back) is rebuilt again by a new Job once the spec's
@@ -41,6 +45,19 @@ from timerwheel_operator.recovery import error_line, job_phase
 COMPONENT = "window"
 #: Job exit code of a shard still owned by a live process (timerwheel.repair.EXIT_IN_USE): tried again.
 EXIT_IN_USE = 3
+#: Job exit code when ``rebuild-wheel --change-window --check`` refused a shard (exit 2, e.g. a span
+#: too small for the records ahead): every shard is checked before any is changed, so the old
+#: window runs on and the change is refused, naming the field (``manifests.window_job``).
+EXIT_REFUSED_UNCHANGED = 12
+#: The window's settings as the spec names them, for a refusal's message.
+_SPEC_WORDS = {"TW_WHEEL_SPAN_MS": "spec.wheelSpanMs", "TW_TICK_MS": "spec.tickMs",
+               "TW_ROLL_WINDOW_MS": "spec.rollWindowMs"}
+
+
+def _in_spec_words(line: str) -> str:
+    for var, field_name in _SPEC_WORDS.items():
+        line = line.replace(var, field_name)
+    return line
 MAX_IN_USE_RETRIES = 5
 #: The spec fields of the window, with their TW_* variable.
 FIELDS = {"tickMs": "TW_TICK_MS", "rollWindowMs": "TW_ROLL_WINDOW_MS", "wheelSpanMs": "TW_WHEEL_SPAN_MS"}
@@ -215,6 +232,16 @@ def decide(desired: Window, current: Window | None, running: Window, previous: M
             return Step(now_current, False, st, (True, "Resuming", st["message"]),
                         events=[("WindowRebuilt", f"Job {newest.name}: {st['message']}", False)], resumed_now=True)
         line = error_line(log) or f"the Job failed (exit code {code}) without a log line"
+        if code == EXIT_REFUSED_UNCHANGED:
+            # Every shard was checked before any changed: the old window runs on, as it was.
+            why = _in_spec_words(line.removeprefix("timerwheel: error: "))
+            st = {**base, "phase": "Refused", "target": newest.target.to_spec(), "job": newest.name,
+                  "failedGeneration": generation, "reason": "WindowChangeRefused", "message": why,
+                  "finishedMs": now_ms}
+            st.pop("currentUnknown", None)
+            text = f"{why}; the shards keep running {old.text()}"
+            return Step(old, False, st, (False, "WindowChangeRefused", text),
+                        events=[("WindowChangeRefused", text, True)])
         attempts = int(prev.get("attempts") or 0) + 1
         if code == EXIT_IN_USE and attempts < MAX_IN_USE_RETRIES:
             st = {**prev, **base, "phase": "Pausing", "attempts": attempts, "reason": "ShardStillOwned",
@@ -245,6 +272,12 @@ def decide(desired: Window, current: Window | None, running: Window, previous: M
         return Step(desired, False, st, (False, "WindowRolled" if phase == "Done" else "AsSpec", str(st["message"])))
 
     # The spec asks for another window than the shards have.
+    if (phase == "Refused" and prev.get("job") and target is not None and target.same(desired)
+            and int(prev.get("failedGeneration") or 0) == generation):
+        # refused by the Job's check (the records ahead): stays so until the spec changes again
+        why = str(prev.get("message") or "")
+        return Step(old, False, {**prev, **base}, (False, "WindowChangeRefused",
+                                                   f"{why}; the shards keep running {old.text()}"))
     if phase not in ("Pausing", "Rebuilding") or target is None or not target.same(desired):
         why = ret.refusal(retention, desired.roll_window_ms) if retention is not None else None
         # Known too low: refused. Unknown (not readable): refused only when more is needed.

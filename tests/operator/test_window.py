@@ -219,6 +219,40 @@ def test_a_job_refused_for_a_shard_still_owned_is_tried_again() -> None:
     assert len(cluster.window_jobs()) == 2 and cond(body, "Degraded")["status"] == "False"
 
 
+def test_a_span_refused_by_the_jobs_check_resumes_the_old_window_and_refuses_naming_the_field() -> None:
+    """The Job checks every shard before it changes any (exit 12 from its check loop): nothing
+    changed, so the owners come back with the old window and the change stays refused, naming
+    spec.wheelSpanMs, until the spec changes again."""
+    cluster = Cluster()
+    body = change(installed(cluster), rollWindowMs=2_000)
+    body, _ = run(body, cluster, NOW + 1_000)
+    body, _ = run(body, cluster, NOW + 2_000)
+    (job,) = cluster.window_jobs()
+    script = cluster.objects[("Job", job)]["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    assert script.index("--check") < script.index("--change-window; s=")  # every check before any rebuild
+    line = ("timerwheel: error: TW_WHEEL_SPAN_MS: a span of 4000 ms cannot hold shard 1: its records fire from "
+            "R=100 to 9000, so the span must exceed 8900 ms; nothing was changed")
+    cluster.pods = _exit_code(cluster.pods, win.EXIT_REFUSED_UNCHANGED)  # type: ignore[method-assign]
+    cluster.finish(job, False, line)
+    body, events = run(body, cluster, NOW + 3_000)
+    rolling = cond(body, "WindowRolling")
+    assert (rolling["status"], rolling["reason"]) == ("False", "WindowChangeRefused"), rolling
+    assert "spec.wheelSpanMs: a span of 4000 ms" in rolling["message"] and "rollWindowMs 10000" in rolling["message"]
+    assert "WindowChangeRefused" in events and cond(body, "Degraded")["status"] == "False"
+    assert cluster.replicas("enqueue-put") == 1 and cluster.replicas("dequeue-get") == 1
+    assert cluster.env()["TW_ROLL_WINDOW_MS"] == "10000"
+    assert body["status"]["window"]["current"]["rollWindowMs"] == 10_000
+    for i in range(3):  # stays refused, the owners running, no new Job, no new Event
+        body, events = run(body, cluster, NOW + 4_000 + i)
+        assert events == [] and cond(body, "WindowRolling")["reason"] == "WindowChangeRefused"
+    assert cluster.window_jobs() == [job] and cluster.replicas("enqueue-put") == 1
+
+    body = change(body, rollWindowMs=2_000, wheelSpanMs=20_000)  # a span that holds them
+    body, _ = run(body, cluster, NOW + 10_000)
+    body, _ = run(body, cluster, NOW + 10_500)
+    assert body["status"]["window"]["phase"] == "Rebuilding" and len(cluster.window_jobs()) == 2
+
+
 def _exit_code(pods: Any, code: int) -> Any:
     def with_code(namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
         found = pods(namespace, selector)
