@@ -406,39 +406,35 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
             except CorruptCheckpointError as exc:
                 raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}` first") from None
             segments = _segments(directory)
-            # Pass 1, read only: the records, the latest slot one fires in at or after R, whether
-            # the new span holds them all, and the segments whose links change (each record's CRC
-            # is checked here once; the invalid ones are remembered for pass 2).
+            # Pass 1, read only: the records, the latest slot one fires in at or after R, and
+            # whether the new span holds them all. Each record's CRC is checked here, once: pass 2
+            # takes the invalid ones found here.
             segment = _Segment()
-            links = _Links(tick, slots)
             invalid: list[Any] = []
-            relink: set[int] = set()
             records = twice = 0
             latest = None
             read_ms = deq.read_ms if deq is not None else None
             new_read = None if read_ms is None else read_ms - read_ms % tick
-            for base, seg in segments:
+            for _base, seg in segments:
                 arr = segment.read(seg)
                 ok = valid_mask(arr)
-                invalid.append(np.flatnonzero(~ok))
-                at = np.flatnonzero(ok)
-                records += len(at)
-                if not len(at):
+                bad = np.flatnonzero(~ok)
+                invalid.append(bad)
+                good = arr if not bad.size else arr[ok]
+                records += len(good)
+                if not len(good):
                     continue
                 if new_read is None:
                     raise TimerwheelError(f"shard {shard_id} holds TimerLog records but no dequeue checkpoint: run "
                                           f"`{recovery_command(directory)}` first")
-                deliver = arr["deliver_ms"][at].astype(np.int64)
+                deliver = good["deliver_ms"].astype(np.int64)
                 slot = deliver - deliver % tick
                 ahead = slot[slot >= new_read]
                 if ahead.size:
                     latest = max(latest or 0, int(ahead.max()))
                 if new_read != read_ms:
-                    marker = (arr["magic"][at].astype(np.int64) & (_DELETE | _ROLL)) == _DELETE
+                    marker = (good["magic"].astype(np.int64) & (_DELETE | _ROLL)) == _DELETE
                     twice += int(np.count_nonzero((deliver >= new_read) & (deliver < (read_ms or 0)) & ~marker))
-                prev = links.prev(slot, base + RECORD_SIZE * at)
-                if np.any(arr["prev_pos"][at] != prev):
-                    relink.add(base)
             if latest is not None and new_read is not None and latest - new_read >= slots * tick:
                 raise ConfigError("TW_WHEEL_SPAN_MS", f"a span of {slots * tick} ms cannot hold shard {shard_id}: "
                                   f"its records fire from R={new_read} to {latest}, so the span must exceed "
@@ -446,9 +442,8 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
             # R first: a multiple of the new tick (and of the old one when the new is coarser).
             if deq is not None and new_read is not None and new_read != deq.read_ms:
                 checkpoint.save_dequeue(path, DequeueCheckpoint(read_ms=new_read, epoch=deq.epoch), config.fsync)
-            # Pass 2, only when some links change.
-            rechained, rewritten = _rewrite_links(segment, segments, invalid, relink, tick, slots, config.fsync) \
-                if relink else (0, 0)
+            # Pass 2: the links of the new slots; a segment whose links change is rewritten whole.
+            rechained, rewritten = _rewrite_links(segment, segments, invalid, tick, slots, config.fsync)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, WHEEL_FILE))
             meta = {"format_version": _format_version(directory), "record_size": RECORD_SIZE, "tick_ms": tick,
@@ -471,26 +466,26 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
     }
 
 
-def _rewrite_links(segment: _Segment, segments: list[tuple[int, str]], invalid: list[Any], relink: set[int],
-                   tick: int, slots: int, fsync: bool) -> tuple[int, int]:
-    """change_window's pass 2: the links again (each segment's follow from those before it), and each
-    segment of ``relink`` rewritten whole (a temp file renamed over it): its relinked records with
-    new CRCs, the rest (invalid records, whose indexes pass 1 found, and a torn tail) byte for byte.
-    The records whose prev_pos changed and the segments rewritten."""
+def _rewrite_links(segment: _Segment, segments: list[tuple[int, str]], invalid: list[Any], tick: int, slots: int,
+                   fsync: bool) -> tuple[int, int]:
+    """change_window's pass 2: each record's prev_pos in the new slots (the links of a segment
+    follow from those before it), and each segment whose links change rewritten whole (a temp
+    file renamed over it): its relinked records with new CRCs, the rest (the invalid records pass 1
+    found, ``invalid``, and a torn tail) byte for byte. The records relinked and the segments
+    rewritten."""
     links = _Links(tick, slots)
     rechained = rewritten = 0
     for (base, seg), bad in zip(segments, invalid, strict=True):
         arr = segment.read(seg)
-        ok = np.ones(len(arr), dtype=np.bool_)
-        ok[bad] = False
-        at = np.flatnonzero(ok)
+        at = np.delete(np.arange(len(arr), dtype=np.int64), bad)  # the valid records
         deliver = arr["deliver_ms"][at].astype(np.int64)
         prev = links.prev(deliver - deliver % tick, base + RECORD_SIZE * at)
-        if base not in relink:
+        changed = np.flatnonzero(arr["prev_pos"][at] != prev)
+        if not changed.size:
             continue
-        changed = at[arr["prev_pos"][at] != prev]
-        arr["prev_pos"][at] = prev
-        arr["crc32"][changed] = crc32_rows(as_bytes(arr[changed]))  # only the records relinked
+        rows = at[changed]
+        arr["prev_pos"][rows] = prev[changed]
+        arr["crc32"][rows] = crc32_rows(as_bytes(arr[rows]))  # only the records relinked
         atomic_write(seg, segment.data, fsync)
         rechained += int(changed.size)
         rewritten += 1
