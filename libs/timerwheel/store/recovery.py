@@ -101,15 +101,15 @@ def recover(
     for first, arr in timer_log.iter_chunks(checked_from, end, chunk_records=chunk_records):
         ok = valid_mask(arr)
         positions = first + RECORD_SIZE * np.arange(len(arr), dtype=np.int64)
-        if not ok.all():
+        whole = bool(ok.all())
+        if not whole:
             for run in _runs(positions[~ok]):
                 if bad and bad[-1][1] == run[0]:
                     bad[-1] = (bad[-1][0], run[1])
                 else:
                     bad.append(run)
-        if ok.any():
-            good = arr[ok]
-            at = positions[ok]
+        if whole or ok.any():
+            good, at = (arr, positions) if whole else (arr[ok], positions[ok])  # no copy of a chunk all valid
             good_end = int(at[-1]) + RECORD_SIZE
             deliver = good["deliver_ms"].astype(np.int64)
             relinked += wheel.revise(deliver - deliver % tick, at)
