@@ -406,35 +406,9 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
             except CorruptCheckpointError as exc:
                 raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}` first") from None
             segments = _segments(directory)
-            # Pass 1, read only: the records, the latest slot one fires in at or after R, and
-            # whether the new span holds them all. Each record's CRC is checked here, once: pass 2
-            # takes the invalid ones found here.
-            segment = _Segment()
-            invalid: list[Any] = []
-            records = twice = 0
-            latest = None
             read_ms = deq.read_ms if deq is not None else None
             new_read = None if read_ms is None else read_ms - read_ms % tick
-            for _base, seg in segments:
-                arr = segment.read(seg)
-                ok = valid_mask(arr)
-                bad = np.flatnonzero(~ok)
-                invalid.append(bad)
-                good = arr if not bad.size else arr[ok]
-                records += len(good)
-                if not len(good):
-                    continue
-                if new_read is None:
-                    raise TimerwheelError(f"shard {shard_id} holds TimerLog records but no dequeue checkpoint: run "
-                                          f"`{recovery_command(directory)}` first")
-                deliver = good["deliver_ms"].astype(np.int64)
-                slot = deliver - deliver % tick
-                ahead = slot[slot >= new_read]
-                if ahead.size:
-                    latest = max(latest or 0, int(ahead.max()))
-                if new_read != read_ms:
-                    marker = (good["magic"].astype(np.int64) & (_DELETE | _ROLL)) == _DELETE
-                    twice += int(np.count_nonzero((deliver >= new_read) & (deliver < (read_ms or 0)) & ~marker))
+            invalid, records, latest, twice = _scan_segments(segments, tick, read_ms, new_read, shard_id, directory)
             if latest is not None and new_read is not None and latest - new_read >= slots * tick:
                 raise ConfigError("TW_WHEEL_SPAN_MS", f"a span of {slots * tick} ms cannot hold shard {shard_id}: "
                                   f"its records fire from R={new_read} to {latest}, so the span must exceed "
@@ -443,7 +417,7 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
             if deq is not None and new_read is not None and new_read != deq.read_ms:
                 checkpoint.save_dequeue(path, DequeueCheckpoint(read_ms=new_read, epoch=deq.epoch), config.fsync)
             # Pass 2: the links of the new slots; a segment whose links change is rewritten whole.
-            rechained, rewritten = _rewrite_links(segment, segments, invalid, tick, slots, config.fsync)
+            rechained, rewritten = _rewrite_links(segments, invalid, tick, slots, config.fsync)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, WHEEL_FILE))
             meta = {"format_version": _format_version(directory), "record_size": RECORD_SIZE, "tick_ms": tick,
@@ -466,13 +440,46 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
     }
 
 
-def _rewrite_links(segment: _Segment, segments: list[tuple[int, str]], invalid: list[Any], tick: int, slots: int,
+def _scan_segments(segments: list[tuple[int, str]], tick: int, read_ms: int | None, new_read: int | None,
+                   shard_id: int, directory: str) -> tuple[list[Any], int, int | None, int]:
+    """change_window's pass 1, read only: each segment's invalid records (their indexes: every
+    record's CRC is checked here, once), the valid records, the latest slot one fires in at or
+    after the new R (``new_read``), and the messages of the old slots between the two R."""
+    segment = _Segment()
+    invalid: list[Any] = []
+    records = twice = 0
+    latest = None
+    for _base, seg in segments:
+        arr = segment.read(seg)
+        ok = valid_mask(arr)
+        bad = np.flatnonzero(~ok)
+        invalid.append(bad)
+        good = arr if not bad.size else arr[ok]
+        records += len(good)
+        if not len(good):
+            continue
+        if new_read is None:
+            raise TimerwheelError(f"shard {shard_id} holds TimerLog records but no dequeue checkpoint: run "
+                                  f"`{recovery_command(directory)}` first")
+        deliver = good["deliver_ms"].astype(np.int64)
+        slot = deliver - deliver % tick
+        ahead = slot[slot >= new_read]
+        if ahead.size:
+            latest = max(latest or 0, int(ahead.max()))
+        if new_read != read_ms:
+            marker = (good["magic"].astype(np.int64) & (_DELETE | _ROLL)) == _DELETE
+            twice += int(np.count_nonzero((deliver >= new_read) & (deliver < (read_ms or 0)) & ~marker))
+    return invalid, records, latest, twice
+
+
+def _rewrite_links(segments: list[tuple[int, str]], invalid: list[Any], tick: int, slots: int,
                    fsync: bool) -> tuple[int, int]:
     """change_window's pass 2: each record's prev_pos in the new slots (the links of a segment
     follow from those before it), and each segment whose links change rewritten whole (a temp
     file renamed over it): its relinked records with new CRCs, the rest (the invalid records pass 1
     found, ``invalid``, and a torn tail) byte for byte. The records relinked and the segments
     rewritten."""
+    segment = _Segment()
     links = _Links(tick, slots)
     rechained = rewritten = 0
     for (base, seg), bad in zip(segments, invalid, strict=True):
