@@ -46,6 +46,13 @@ timer topic never change). A wheel of another geometry needs three more things:
 The order makes a second run after a crash finish the job: R first (a multiple of both ticks
 when the new one is coarser), then the links, the wheel, the shard's ``meta.json``, and the
 deployment file last.
+
+What it costs: two passes over the TimerLog, a segment at a time in one buffer (pass 1 checks
+every CRC and the span before anything changes; pass 2 computes the links and rewrites only the
+segments whose links change), then the store's recovery builds the wheel as ``rebuild-wheel``
+does (it checks every CRC again: one code path builds every wheel). Besides the records, each
+run pays for the wheel file: deleting the old one, page faults and an msync per 4 KiB page the
+records touch (BENCHMARKS.md, "Rebuilding a wheel").
 """
 
 from __future__ import annotations
