@@ -308,16 +308,16 @@ def _segments(directory: str) -> list[tuple[int, str]]:
 
 
 class _Segment:
-    """One TimerLog segment read whole into a buffer reused for the next (one pread per segment,
-    no copy): its size in bytes and its whole records, a writable RECORD_DTYPE view of the buffer.
-    The bytes of a torn tail after them stay in ``data`` (a rewrite keeps them)."""
+    """TimerLog segments read whole, one after the other, into one reused buffer (no copies): the
+    whole records as a writable RECORD_DTYPE view of it, and ``data``, the bytes as read, a torn
+    tail included (a rewrite keeps it), with the changes made through the records."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
         self.size = 0
-        self.records: Any = np.zeros(0, dtype=RECORD_DTYPE)
 
     def read(self, path: str) -> Any:
+        """The whole records of the segment at ``path`` (valid until the next read)."""
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -333,12 +333,11 @@ class _Segment:
         finally:
             os.close(fd)
         self.size = got
-        self.records = np.frombuffer(self._buf, dtype=RECORD_DTYPE, count=got // RECORD_SIZE)
-        return self.records
+        return np.frombuffer(self._buf, dtype=RECORD_DTYPE, count=got // RECORD_SIZE)
 
     @property
     def data(self) -> memoryview:
-        """The segment's bytes as read (with changes made through ``records``)."""
+        """The segment's bytes as read, with the changes made through the records ``read`` returned."""
         return memoryview(self._buf)[: self.size]
 
 

@@ -108,7 +108,7 @@ def recover(
                     bad[-1] = (bad[-1][0], run[1])
                 else:
                     bad.append(run)
-        if whole or ok.any():
+        if ok.any():
             good, at = (arr, positions) if whole else (arr[ok], positions[ok])  # no copy of a chunk all valid
             good_end = int(at[-1]) + RECORD_SIZE
             deliver = good["deliver_ms"].astype(np.int64)
