@@ -255,20 +255,32 @@ def test_a_window_change_rebuilds_the_wheel_and_every_message_comes_on_time(tmp_
     assert len(got) - len(first) <= report["may_deliver_twice"], (len(got) - len(first), report)
 
 
+def _contents(data: Path) -> dict[Path, bytes]:
+    """Every file of a data directory but the locks (which name the last pid to take them)."""
+    return {p: p.read_bytes() for p in sorted(data.rglob("*")) if p.is_file() and not p.name.endswith("lock")}
+
+
 def test_a_window_the_span_cannot_hold_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     data = tmp_path / "data"
     clock = SimulatedClock(START)
     with EmbeddedTimerwheel(data, clock=clock, **{**SETTINGS, "roll_window_ms": 100_000}) as e:
         _spread(e, 270)  # due up to 90 s ahead
         e.wait_idle()
-    meta = (data / "shard-0000" / "meta.json").read_text()
-    stored = (data / "timerwheel.json").read_text()
-    done = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window",
-              "--roll-window-ms", "20000")  # a 40 s span: the records 90 s ahead do not fit
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith("timerwheel: error: TW_WHEEL_SPAN_MS:") and "nothing was changed" in done.stderr
-    assert (data / "shard-0000" / "meta.json").read_text() == meta
-    assert (data / "timerwheel.json").read_text() == stored
+    files = _contents(data)
+    for check in ([], ["--check"]):  # --check: the same refusal, as the operator's Job asks it first
+        done = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window", *check,
+                  "--roll-window-ms", "20000")  # a 40 s span: the records 90 s ahead do not fit
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("timerwheel: error: TW_WHEEL_SPAN_MS:") and "nothing was changed" in done.stderr
+        assert _contents(data) == files
+    fits = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window", "--check",
+              "--roll-window-ms", "60000", "--tick-ms", "1000")  # 120 s: they fit
+    assert fits.returncode == 0, fits.stderr
+    report = json.loads(fits.stdout)
+    assert report["status"] == "fits" and report["records"] == 270 and report["latest_ms"] >= START + 89_000, report
+    assert _contents(data) == files  # nothing changed
+    alone = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--check")
+    assert alone.returncode == 2 and "--check: only with --change-window" in alone.stderr, alone.stderr
     bad = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window", "--tick-ms", "7")
     assert bad.returncode == 2 and "--tick-ms" in bad.stderr, bad.stderr
 

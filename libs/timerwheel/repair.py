@@ -382,9 +382,11 @@ class _Links:
         return out
 
 
-def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
+def change_window(config: TimerConfig, shard_id: int, check_only: bool = False) -> dict[str, Any]:
     """Rebuild one stopped shard's wheel with ``config``'s tick, wheel span and roll window and store
-    them in the deployment file (see the module header); the JSON report."""
+    them in the deployment file (see the module header); the JSON report. ``check_only``: pass 1
+    alone (CRCs, the span against the records ahead of R), nothing changed: ``status`` "fits", or
+    the ``ConfigError`` a rebuild would raise."""
     started = time.perf_counter()
     tick, slots = config.tick_ms, config.wheel_slots
     stored = load_settings(config.data_dir)
@@ -398,6 +400,8 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
                                                "roll_window_ms": stored.roll_window_ms},
     }
     if not os.path.isdir(shard_dir(config.data_dir, shard_id)):
+        if check_only:
+            return {**report, "status": "fits", "records": 0, "seconds": round(time.perf_counter() - started, 3)}
         store_window(config.data_dir, wanted, fsync=config.fsync)
         return {**report, "status": "no-shard", "records": 0, "records_per_s": 0.0, "relinked": 0,
                 "rechained": 0, "segments_rewritten": 0, "may_deliver_twice": 0,
@@ -419,6 +423,9 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
                 raise ConfigError("TW_WHEEL_SPAN_MS", f"a span of {slots * tick} ms cannot hold shard {shard_id}: "
                                   f"its records fire from R={new_read} to {latest}, so the span must exceed "
                                   f"{latest - new_read} ms; nothing was changed")
+            if check_only:
+                return {**report, "status": "fits", "read_ms": new_read, "latest_ms": latest, "records": records,
+                        "seconds": round(time.perf_counter() - started, 3)}
             # R first: a multiple of the new tick (and of the old one when the new is coarser).
             if deq is not None and new_read is not None and new_read != deq.read_ms:
                 checkpoint.save_dequeue(path, DequeueCheckpoint(read_ms=new_read, epoch=deq.epoch), config.fsync)
