@@ -9,6 +9,8 @@ slots all over the wheel). Data lives in a temp dir under /tmp, deleted afterwar
 in a child process so that its peak RSS (VmHWM) is its own.
 
 ``python -m bench store`` runs them; ``python -m bench.bench_store --quick`` runs smaller sizes.
+``TW_BENCH_STORE_ONLY`` (a comma list of append, read, burst, recovery, rebuild) runs some only;
+``TW_BENCH_REBUILD_RECORDS`` (a comma list, default 200000,1000000) sets the rebuild sizes.
 """
 
 from __future__ import annotations
@@ -210,17 +212,91 @@ def bench_recovery(tmp: str, total: int) -> None:
          rss_after_imports_mb=round(figures["rss_before_kb"] / 1024, 1), wheel_slots=SLOTS)
 
 
+#: The steps of the rebuild benchmark, run in turn on one shard: the settings each runs with.
+REBUILD_STEPS: dict[str, dict[str, int]] = {
+    "rebuild": {"tick_ms": TICK_MS, "roll_window_ms": MAX_DELAY_MS},  # as built: rebuild-wheel
+    "window": {"tick_ms": TICK_MS, "roll_window_ms": 3 * 86_400_000},  # --change-window, the same tick
+    "tick": {"tick_ms": 2 * TICK_MS, "roll_window_ms": 3 * 86_400_000},  # --change-window, a new tick
+}
+
+
+def _build_data_dir(data: str, total: int) -> None:
+    """A data directory of one shard as enqueue-put leaves it: the deployment file, ``total``
+    linked records (``_build_log``), both checkpoints (R and W at the first record's enqueue time)."""
+    from timerwheel.config import TimerConfig
+    from timerwheel.store.checkpoint import DequeueCheckpoint, save_dequeue
+    from timerwheel.store.deployment import DeploymentSettings, check_settings
+    from timerwheel.store.shard import shard_dir
+
+    config = TimerConfig(data_dir=data, tick_ms=TICK_MS, roll_window_ms=MAX_DELAY_MS, segment_bytes=SEGMENT_BYTES)
+    assert config.wheel_slots == SLOTS
+    check_settings(data, DeploymentSettings.of(config), fsync=False)
+    directory = shard_dir(data, 0)
+    _build_log(directory, total)
+    end = sum(os.path.getsize(os.path.join(directory, "timerlog", n)) for n in os.listdir(os.path.join(directory, "timerlog")))
+    save_enqueue(os.path.join(directory, "enqueue.ckpt"),
+                 EnqueueCheckpoint(flushed_pos=end, write_ms=NOW_MS, next_offsets={}, epoch=1), fsync=False)
+    save_dequeue(os.path.join(directory, "dequeue.ckpt"), DequeueCheckpoint(read_ms=NOW_MS, epoch=1), fsync=False)
+
+
+def _rebuild_child(data: str, step: str) -> None:
+    """Child process: one step of REBUILD_STEPS on shard 0 of ``data``, as ``timerwheel
+    rebuild-wheel`` runs it (fsync on); figures as JSON. The tool's imports come before the clock."""
+    import timerwheel.embedded  # noqa: F401  (the data directory's lock: imported by the tool, not timed)
+    from timerwheel import repair
+    from timerwheel.config import TimerConfig
+
+    config = TimerConfig(data_dir=data, segment_bytes=SEGMENT_BYTES, **REBUILD_STEPS[step])
+    started = time.perf_counter()
+    report = repair.rebuild_wheel(config, 0) if step == "rebuild" else repair.change_window(config, 0)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"seconds": seconds, "records": report["records"], "rechained": report.get("rechained", 0),
+                      "segments_rewritten": report.get("segments_rewritten", 0), "peak_rss_kb": _peak_rss_kb()}))
+
+
+def bench_rebuild(tmp: str, total: int) -> None:
+    """``rebuild-wheel`` of a ``total``-record shard, then ``--change-window`` to a 3-day roll window
+    (the same tick: a bigger wheel, no link changes), then to a 200 ms tick (new slots: links
+    rewritten). Each step in its own process; the TimerLog is in the page cache (just written)."""
+    data = os.path.join(tmp, f"rebuild-{total}")
+    _build_data_dir(data, total)
+    subprocess.run(["sync"], check=False)
+    for step in REBUILD_STEPS:
+        out = subprocess.run([sys.executable, "-m", "bench.bench_store", "--rebuild-child", data, step],
+                             cwd=REPO, check=True, capture_output=True, text=True)
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        rate = figures["records"] / figures["seconds"]
+        load = os.getloadavg()[0]
+        say(f"store.rebuild_{step}: {figures['records']:,} records in {figures['seconds']:.3f} s = {rate:,.0f} records/s "
+            f"({figures['rechained']:,} relinked, {figures['segments_rewritten']} segments rewritten); "
+            f"peak RSS {figures['peak_rss_kb'] / 1024:.0f} MiB; load average {load:.2f}")
+        emit(f"store.rebuild_{step}", round(rate), "records/s", records=figures["records"],
+             seconds=round(figures["seconds"], 3), rechained=figures["rechained"],
+             segments_rewritten=figures["segments_rewritten"], peak_rss_mb=round(figures["peak_rss_kb"] / 1024, 1),
+             load_average=round(load, 2))
+    shutil.rmtree(data)
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
+    only = {name.strip() for name in os.environ.get("TW_BENCH_STORE_ONLY", "").split(",") if name.strip()}
+    wanted = only or {"append", "read", "burst", "recovery", "rebuild"}
     tmp = tempfile.mkdtemp(prefix="tw-bench-store-", dir="/tmp")
     try:
-        bench_append(tmp, 100_000 if quick else 300_000)
-        bench_append(tmp, 20_000 if quick else 50_000, wheel_sync_records=0)
-        bench_read_chains(tmp, 200 if quick else 1000, 100 if quick else 300)
-        bench_read_burst(tmp, 100_000 if quick else 500_000, 25_000 if quick else 125_000)
-        bench_recovery(tmp, 1_000_000)
-        if not quick:
-            bench_recovery(tmp, 10_000_000)
+        if "append" in wanted:
+            bench_append(tmp, 100_000 if quick else 300_000)
+            bench_append(tmp, 20_000 if quick else 50_000, wheel_sync_records=0)
+        if "read" in wanted:
+            bench_read_chains(tmp, 200 if quick else 1000, 100 if quick else 300)
+        if "burst" in wanted:
+            bench_read_burst(tmp, 100_000 if quick else 500_000, 25_000 if quick else 125_000)
+        if "recovery" in wanted:
+            bench_recovery(tmp, 1_000_000)
+            if not quick:
+                bench_recovery(tmp, 10_000_000)
+        if "rebuild" in wanted:
+            for total in os.environ.get("TW_BENCH_REBUILD_RECORDS", "200000,1000000").split(","):
+                bench_rebuild(tmp, int(total))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -228,5 +304,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--recover-child":
         _recover_child(sys.argv[2])
+    elif len(sys.argv) == 4 and sys.argv[1] == "--rebuild-child":
+        _rebuild_child(sys.argv[2], sys.argv[3])
     else:
         main()

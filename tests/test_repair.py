@@ -3,16 +3,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from timerwheel import SimulatedClock, Timer
+from timerwheel.config import TimerConfig
 from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.errors import FormatMismatchError, ShardNeedsRecoveryError
+from timerwheel.repair import change_window, rebuild_wheel
+from timerwheel.store import Shard, records_array
+from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store.shard import shard_dir
 
 ENV = {**os.environ, "TW_LOG_LEVEL": "WARNING"}
 ENV.pop("TW_REDIS_URL", None)  # the lease check is not what these tests are about
@@ -247,20 +255,32 @@ def test_a_window_change_rebuilds_the_wheel_and_every_message_comes_on_time(tmp_
     assert len(got) - len(first) <= report["may_deliver_twice"], (len(got) - len(first), report)
 
 
+def _contents(data: Path) -> dict[Path, bytes]:
+    """Every file of a data directory but the locks (which name the last pid to take them)."""
+    return {p: p.read_bytes() for p in sorted(data.rglob("*")) if p.is_file() and not p.name.endswith("lock")}
+
+
 def test_a_window_the_span_cannot_hold_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     data = tmp_path / "data"
     clock = SimulatedClock(START)
     with EmbeddedTimerwheel(data, clock=clock, **{**SETTINGS, "roll_window_ms": 100_000}) as e:
         _spread(e, 270)  # due up to 90 s ahead
         e.wait_idle()
-    meta = (data / "shard-0000" / "meta.json").read_text()
-    stored = (data / "timerwheel.json").read_text()
-    done = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window",
-              "--roll-window-ms", "20000")  # a 40 s span: the records 90 s ahead do not fit
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith("timerwheel: error: TW_WHEEL_SPAN_MS:") and "nothing was changed" in done.stderr
-    assert (data / "shard-0000" / "meta.json").read_text() == meta
-    assert (data / "timerwheel.json").read_text() == stored
+    files = _contents(data)
+    for check in ([], ["--check"]):  # --check: the same refusal, as the operator's Job asks it first
+        done = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window", *check,
+                  "--roll-window-ms", "20000")  # a 40 s span: the records 90 s ahead do not fit
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("timerwheel: error: TW_WHEEL_SPAN_MS:") and "nothing was changed" in done.stderr
+        assert _contents(data) == files
+    fits = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window", "--check",
+              "--roll-window-ms", "60000", "--tick-ms", "1000")  # 120 s: they fit
+    assert fits.returncode == 0, fits.stderr
+    report = json.loads(fits.stdout)
+    assert report["status"] == "fits" and report["records"] == 270 and report["latest_ms"] >= START + 89_000, report
+    assert _contents(data) == files  # nothing changed
+    alone = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--check")
+    assert alone.returncode == 2 and "--check: only with --change-window" in alone.stderr, alone.stderr
     bad = tw("rebuild-wheel", "--shard", "0", "--data-dir", str(data), "--change-window", "--tick-ms", "7")
     assert bad.returncode == 2 and "--tick-ms" in bad.stderr, bad.stderr
 
@@ -275,3 +295,127 @@ def test_change_window_of_a_shard_never_made_updates_the_deployment_file_only(tm
     assert json.loads(done.stdout)["status"] == "no-shard"
     stored = json.loads((data / "timerwheel.json").read_text())
     assert stored["roll_window_ms"] == 120_000 and stored["shards"] == 2
+
+
+# --- rebuilt files byte for byte against what the writer writes itself ----------------------------
+#
+# rebuild-wheel and --change-window read the TimerLog a segment (change_window) or a chunk
+# (recovery) at a time. These tests put records on both sides of segment and chunk edges, a torn
+# tail and a corrupt record at a segment's first position, and compare the files the tools leave
+# with those the shard's own writer leaves when it is given the same records with those settings.
+
+SEGMENT_RECORDS = 500
+
+
+def _batches(n: int, span_ms: int, seed: int = 11) -> list[np.ndarray]:
+    """``n`` records in batches of 1 to 700, due within ``span_ms`` of START; none is due in the
+    second [START + 5 s, START + 6 s), which ``_odd_one`` (due in it) then has to itself."""
+    rng = np.random.default_rng(seed)
+    due = START + rng.integers(0, span_ms, n)
+    due = np.where((due >= START + 5_000) & (due < START + 6_000), due + 1_000, due)
+    out, k = [], 0
+    while k < n:
+        size = min(int(rng.integers(1, 700)), n - k)
+        out.append(records_array(flags=np.where(rng.random(size) < 0.1, 4, 1), enqueue_ms=START,
+                                 deliver_ms=due[k : k + size], src_partition=np.arange(size) % 3,
+                                 src_offset=np.arange(k, k + size), src_size=100, topic_hash=7,
+                                 id_hash=rng.integers(0, 2**63, size)))
+        k += size
+    return out
+
+
+def _odd_one() -> np.ndarray:
+    return records_array(flags=1, enqueue_ms=START, deliver_ms=[START + 5_500], src_partition=0,
+                         src_offset=[10**9], src_size=100, topic_hash=7, id_hash=[42])
+
+
+def _write_shard(data: Path, config: TimerConfig, batches: list[np.ndarray]) -> Path:
+    """Shard 0 of ``data`` as its writer leaves it after appending ``batches`` with ``config``'s
+    geometry, R and W at START; its directory."""
+    directory = Path(shard_dir(data, 0))
+    with Shard.open(directory, tick_ms=config.tick_ms, slots=config.wheel_slots,
+                    segment_bytes=config.segment_bytes, fsync=False) as shard:
+        for arr in batches:
+            shard.append_array(arr.copy())
+            shard.flush()
+        end = shard.flush()
+        shard.save_enqueue_checkpoint(EnqueueCheckpoint(flushed_pos=end, write_ms=START, next_offsets={}, epoch=1))
+        shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=START, epoch=1))
+    return directory
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """The TimerLog segments and the wheel, by name."""
+    found = {p.name: p.read_bytes() for p in sorted((directory / "timerlog").glob("*.tlog"))}
+    return {**found, "wheel": (directory / "wheel").read_bytes()}
+
+
+def _tear_tail(directory: Path) -> None:
+    last = sorted((directory / "timerlog").glob("*.tlog"))[-1]
+    with open(last, "ab") as f:
+        f.write(b"\x40\x00\x00\x00" + b"\x01" * 30)  # half a record: a write torn by a crash
+
+
+def _flip(directory: Path, pos: int, segment_bytes: int) -> None:
+    """Flip a bit of the id hash of the record at ``pos``: its CRC no longer matches."""
+    path = directory / "timerlog" / f"{pos - pos % segment_bytes:020d}.tlog"
+    with open(path, "r+b") as f:
+        f.seek(pos % segment_bytes + 55)
+        value = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([value ^ 0x10]))
+
+
+@pytest.mark.parametrize("new", [{"tick_ms": 1_000}, {"tick_ms": 10, "roll_window_ms": 15_000},
+                                 {"roll_window_ms": 120_000}],
+                         ids=["coarser-tick", "finer-tick", "same-tick-bigger-span"])
+def test_change_window_leaves_the_timerlog_and_wheel_the_writer_writes_with_the_new_settings(
+        tmp_path: Path, new: dict[str, int]) -> None:
+    old = TimerConfig(data_dir=str(tmp_path / "data"), tick_ms=TICK, roll_window_ms=60_000,
+                      segment_bytes=SEGMENT_RECORDS * 64, fsync=False)
+    wanted = dataclasses.replace(old, **new)
+    batches = _batches(4_321, span_ms=25_000)
+    # The odd record lands on the first position of the fourth segment: the corrupt one below.
+    flat = np.concatenate(batches)
+    at = 3 * SEGMENT_RECORDS
+    batches = [flat[:at], _odd_one(), flat[at:]]
+    directory = _write_shard(tmp_path / "data", old, batches)
+    reference = _write_shard(tmp_path / "reference", dataclasses.replace(wanted, data_dir=str(tmp_path / "reference")),
+                             batches)
+    for d in (directory, reference):
+        _flip(d, at * 64, old.segment_bytes)
+    _tear_tail(directory)
+
+    report = change_window(wanted, 0)
+
+    assert report["status"] == "rebuilt" and report["records"] == len(flat)
+    assert report["corrupt_records"] == 1 and report["truncated_bytes"] == 34
+    assert report["segments_rewritten"] > 0 if new.get("tick_ms", TICK) != TICK else report["rechained"] == 0
+    got, expected = _files(directory), _files(reference)
+    assert sorted(got) == sorted(expected) and len(got) == 10
+    for name in got:
+        if name != "wheel":
+            assert got[name] == expected[name], name
+    # The writer linked the corrupt record (it was valid then); the rebuilt wheel does not.
+    odd = 64 + 32 * ((START + 5_500) // wanted.tick_ms % wanted.wheel_slots)
+    assert got["wheel"][odd : odd + 32] == bytes(32)
+    assert struct.unpack_from("<qqqii", expected["wheel"], odd)[1:4] == (at * 64, at * 64, 1)
+    assert got["wheel"][:odd] == expected["wheel"][:odd] and got["wheel"][odd + 32 :] == expected["wheel"][odd + 32 :]
+
+
+def test_rebuild_wheel_writes_the_wheel_the_writer_wrote_across_chunks_and_segments(tmp_path: Path) -> None:
+    """More records than recovery reads at a time (65,536), in segments of 100,000: chunk edges
+    inside segments and at their ends; a torn tail."""
+    config = TimerConfig(data_dir=str(tmp_path / "data"), tick_ms=TICK, roll_window_ms=60_000,
+                         segment_bytes=100_000 * 64, fsync=False)
+    directory = _write_shard(tmp_path / "data", config, _batches(150_000, span_ms=110_000))
+    expected = _files(directory)
+    _tear_tail(directory)
+
+    report = rebuild_wheel(config, 0)
+
+    assert report["records"] == report["relinked"] == 150_000 and report["truncated_bytes"] == 34
+    got = _files(directory)
+    assert sorted(got) == sorted(expected)
+    for name in got:
+        assert got[name] == expected[name], name

@@ -245,6 +245,10 @@ def make_parser() -> argparse.ArgumentParser:
                                  "TW_ROLL_WINDOW_MS, TW_WHEEL_SPAN_MS) and store them in the data directory's "
                                  "timerwheel.json; run it for every shard, with every stage stopped. Without it, "
                                  "other values than the stored ones are refused")
+            rp.add_argument("--check", action="store_true",
+                            help="with --change-window: only check that the new window holds every record "
+                                 "ahead of R, and change nothing (exit 2 naming TW_WHEEL_SPAN_MS if not); the "
+                                 "operator checks every shard before it rebuilds any")
             for flag, what in WINDOW_FLAGS.items():
                 rp.add_argument(flag, type=_duration, help=f"new {what} (with --change-window)")
 
@@ -699,7 +703,9 @@ def cmd_repair(args: argparse.Namespace) -> int:
     if args.command == "recover":
         report = recover_shard(cfg, args.shard)
     elif getattr(args, "change_window", False):
-        report = change_window(cfg, args.shard)
+        report = change_window(cfg, args.shard, check_only=args.check)
+    elif getattr(args, "check", False):
+        raise CliError("--check: only with --change-window")
     else:
         asked = {field for flag, (field, var) in _WINDOW_FIELD.items() if field in window or var in os.environ}
         _refuse_other_window(cfg, asked)

@@ -32,7 +32,7 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes, fsync: bool = True) -> None:
+def atomic_write(path: str, data: bytes | memoryview, fsync: bool = True) -> None:
     """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file.
 
     Write a temp file next to it, fsync it, rename it over ``path``, fsync the directory. A crash

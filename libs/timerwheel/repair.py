@@ -46,6 +46,13 @@ timer topic never change). A wheel of another geometry needs three more things:
 The order makes a second run after a crash finish the job: R first (a multiple of both ticks
 when the new one is coarser), then the links, the wheel, the shard's ``meta.json``, and the
 deployment file last.
+
+What it costs: two passes over the TimerLog, a segment at a time in one buffer (pass 1 checks
+every CRC and the span before anything changes; pass 2 computes the links and rewrites only the
+segments whose links change), then the store's recovery builds the wheel as ``rebuild-wheel``
+does (it checks every CRC again: one code path builds every wheel). Besides the records, each
+run pays for the wheel file: deleting the old one, page faults and an msync per 4 KiB page the
+records touch (BENCHMARKS.md, "Rebuilding a wheel").
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ from timerwheel.store.shard import (
     shard_dir,
     stored_settings,
 )
+from timerwheel.store.wheel import group_order
 
 #: Exit codes of the repair commands (stable: the operator's Job reads them).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_IN_USE = 0, 1, 2, 3
@@ -299,50 +307,86 @@ def _segments(directory: str) -> list[tuple[int, str]]:
     return [(int(n[:-5]), os.path.join(log_dir, n)) for n in names]
 
 
-def _read_segment(path: str) -> tuple[Any, bytes]:
-    """A segment's whole records (RECORD_DTYPE) and the bytes of a torn tail after them."""
-    with open(path, "rb") as f:
-        data = f.read()
-    whole = len(data) - len(data) % RECORD_SIZE
-    return np.frombuffer(data[:whole], dtype=RECORD_DTYPE).copy(), data[whole:]
+class _Segment:
+    """TimerLog segments read whole, one after the other, into one reused buffer (no copies): the
+    whole records as a writable RECORD_DTYPE view of it, and ``data``, the bytes as read, a torn
+    tail included (a rewrite keeps it), with the changes made through the records."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.size = 0
+
+    def read(self, path: str) -> Any:
+        """The whole records of the segment at ``path`` (valid until the next read)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if len(self._buf) < size:
+                self._buf = bytearray(size)  # a new buffer: views of the old one stay valid
+            view = memoryview(self._buf)
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [view[got:size]], got)
+                if n == 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        self.size = got
+        return np.frombuffer(self._buf, dtype=RECORD_DTYPE, count=got // RECORD_SIZE)
+
+    @property
+    def data(self) -> memoryview:
+        """The segment's bytes as read, with the changes made through the records ``read`` returned."""
+        return memoryview(self._buf)[: self.size]
 
 
 class _Links:
-    """prev_pos of records taken in position order: the position of the previous record of the
-    same slot time, kept per wheel index of the new geometry (as ``TimerWheel.chain`` links them,
-    except that a record older than what its index holds, delivered long ago, starts no chain)."""
+    """prev_pos of records taken a segment at a time in position order: the position of the
+    previous record of the same slot time, kept per wheel index of the new geometry (as
+    ``TimerWheel.chain`` links them, except that a record older than what its index holds,
+    delivered long ago, starts no chain). Within one segment a record follows the previous record
+    of its slot time; across segments only the newest slot time of each index carries over."""
 
     def __init__(self, tick_ms: int, slots: int) -> None:
         self.tick_ms, self.slots = tick_ms, slots
-        self.last_t = np.full(slots, -1, dtype=np.int64)
-        self.last_p = np.full(slots, -1, dtype=np.int64)
+        # Zeros: the pages of indexes no record touches are never faulted in (16 bytes a slot).
+        self.last_t = np.zeros(slots, dtype=np.int64)
+        self.last_p = np.zeros(slots, dtype=np.int64)  # position + 1; 0: the index holds nothing yet
 
     def prev(self, slot_times: Any, positions: Any) -> Any:
         n = len(positions)
         out = np.full(n, -1, dtype=np.int64)
         if not n:
             return out
-        order = np.argsort(slot_times, kind="stable")  # positions ascend within a slot time
-        t_s, p_s = slot_times[order], positions[order]
+        low, high = int(slot_times.min()), int(slot_times.max())
+        if high - low < 1 << 62:  # ticks since the earliest: a small key group_order sorts stably
+            order = group_order((slot_times - low) // self.tick_ms)
+        else:
+            order = np.argsort(slot_times, kind="stable")
+        t_s, p_s = slot_times[order], positions[order]  # positions ascend within a slot time
         start = np.ones(n, dtype=np.bool_)
         start[1:] = t_s[1:] != t_s[:-1]
         prev_s = np.empty(n, dtype=np.int64)
         prev_s[1:] = p_s[:-1]
         first = np.flatnonzero(start)
         idx = (t_s[first] // self.tick_ms) % self.slots
-        carried = self.last_t[idx] == t_s[first]
-        prev_s[first] = np.where(carried, self.last_p[idx], -1)
+        held_t, held_p = self.last_t[idx], self.last_p[idx]
+        prev_s[first] = np.where((held_p > 0) & (held_t == t_s[first]), held_p - 1, -1)
         out[order] = prev_s
         last = np.append(first[1:], n) - 1
-        newer = t_s[last] >= self.last_t[idx]  # ascending slot times: the newest of an index wins
+        # Ascending slot times: the newest of an index wins (an empty index counts as time -1).
+        newer = t_s[last] >= np.where(held_p > 0, held_t, -1)
         self.last_t[idx[newer]] = t_s[last][newer]
-        self.last_p[idx[newer]] = p_s[last][newer]
+        self.last_p[idx[newer]] = p_s[last][newer] + 1
         return out
 
 
-def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
+def change_window(config: TimerConfig, shard_id: int, check_only: bool = False) -> dict[str, Any]:
     """Rebuild one stopped shard's wheel with ``config``'s tick, wheel span and roll window and store
-    them in the deployment file (see the module header); the JSON report."""
+    them in the deployment file (see the module header); the JSON report. ``check_only``: pass 1
+    alone (CRCs, the span against the records ahead of R), nothing changed: ``status`` "fits", or
+    the ``ConfigError`` a rebuild would raise."""
     started = time.perf_counter()
     tick, slots = config.tick_ms, config.wheel_slots
     stored = load_settings(config.data_dir)
@@ -356,6 +400,8 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
                                                "roll_window_ms": stored.roll_window_ms},
     }
     if not os.path.isdir(shard_dir(config.data_dir, shard_id)):
+        if check_only:
+            return {**report, "status": "fits", "records": 0, "seconds": round(time.perf_counter() - started, 3)}
         store_window(config.data_dir, wanted, fsync=config.fsync)
         return {**report, "status": "no-shard", "records": 0, "records_per_s": 0.0, "relinked": 0,
                 "rechained": 0, "segments_rewritten": 0, "may_deliver_twice": 0,
@@ -370,54 +416,21 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
             except CorruptCheckpointError as exc:
                 raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}` first") from None
             segments = _segments(directory)
-            # Pass 1, read only: the records, the latest slot one fires in at or after R, and
-            # whether the new span holds them all.
-            records = twice = 0
-            latest = None
             read_ms = deq.read_ms if deq is not None else None
             new_read = None if read_ms is None else read_ms - read_ms % tick
-            for _base, seg in segments:
-                arr, _tail = _read_segment(seg)
-                good = arr[valid_mask(arr)]
-                records += len(good)
-                if not len(good):
-                    continue
-                if new_read is None:
-                    raise TimerwheelError(f"shard {shard_id} holds TimerLog records but no dequeue checkpoint: run "
-                                          f"`{recovery_command(directory)}` first")
-                deliver = good["deliver_ms"].astype(np.int64)
-                slot = deliver - deliver % tick
-                ahead = slot[slot >= new_read]
-                if ahead.size:
-                    latest = max(latest or 0, int(ahead.max()))
-                if new_read != read_ms:
-                    marker = (good["magic"].astype(np.int64) & (_DELETE | _ROLL)) == _DELETE
-                    twice += int(np.count_nonzero((deliver >= new_read) & (deliver < (read_ms or 0)) & ~marker))
+            invalid, records, latest, twice = _scan_segments(segments, tick, read_ms, new_read, shard_id, directory)
             if latest is not None and new_read is not None and latest - new_read >= slots * tick:
                 raise ConfigError("TW_WHEEL_SPAN_MS", f"a span of {slots * tick} ms cannot hold shard {shard_id}: "
                                   f"its records fire from R={new_read} to {latest}, so the span must exceed "
                                   f"{latest - new_read} ms; nothing was changed")
+            if check_only:
+                return {**report, "status": "fits", "read_ms": new_read, "latest_ms": latest, "records": records,
+                        "seconds": round(time.perf_counter() - started, 3)}
             # R first: a multiple of the new tick (and of the old one when the new is coarser).
             if deq is not None and new_read is not None and new_read != deq.read_ms:
                 checkpoint.save_dequeue(path, DequeueCheckpoint(read_ms=new_read, epoch=deq.epoch), config.fsync)
             # Pass 2: the links of the new slots; a segment whose links change is rewritten whole.
-            links = _Links(tick, slots)
-            rechained = rewritten = 0
-            for base, seg in segments:
-                arr, tail = _read_segment(seg)
-                ok = valid_mask(arr)
-                at = np.flatnonzero(ok)
-                deliver = arr["deliver_ms"][at].astype(np.int64)
-                positions = base + RECORD_SIZE * at.astype(np.int64)
-                prev = links.prev(deliver - deliver % tick, positions)
-                changed = at[arr["prev_pos"][at].astype(np.int64) != prev]
-                if not changed.size:
-                    continue
-                arr["prev_pos"][at] = prev
-                arr["crc32"][changed] = crc32_rows(as_bytes(arr[changed]))  # only the records relinked
-                atomic_write(seg, arr.tobytes() + tail, config.fsync)
-                rechained += int(changed.size)
-                rewritten += 1
+            rechained, rewritten = _rewrite_links(segments, invalid, tick, slots, config.fsync)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, WHEEL_FILE))
             meta = {"format_version": _format_version(directory), "record_size": RECORD_SIZE, "tick_ms": tick,
@@ -438,6 +451,65 @@ def change_window(config: TimerConfig, shard_id: int) -> dict[str, Any]:
         "notes": list(found.notes), "seconds": round(seconds, 3),
         "records_per_s": round(records / seconds, 1) if seconds > 0 else 0.0,
     }
+
+
+def _scan_segments(segments: list[tuple[int, str]], tick: int, read_ms: int | None, new_read: int | None,
+                   shard_id: int, directory: str) -> tuple[list[Any], int, int | None, int]:
+    """change_window's pass 1, read only: each segment's invalid records (their indexes: every
+    record's CRC is checked here, once), the valid records, the latest slot one fires in at or
+    after the new R (``new_read``), and the messages of the old slots between the two R."""
+    segment = _Segment()
+    invalid: list[Any] = []
+    records = twice = 0
+    latest = None
+    for _base, seg in segments:
+        arr = segment.read(seg)
+        ok = valid_mask(arr)
+        bad = np.flatnonzero(~ok)
+        invalid.append(bad)
+        good = arr if not bad.size else arr[ok]
+        records += len(good)
+        if not len(good):
+            continue
+        if new_read is None:
+            raise TimerwheelError(f"shard {shard_id} holds TimerLog records but no dequeue checkpoint: run "
+                                  f"`{recovery_command(directory)}` first")
+        deliver = good["deliver_ms"].astype(np.int64)
+        slot = deliver - deliver % tick
+        ahead = slot[slot >= new_read]
+        if ahead.size:
+            latest = max(latest or 0, int(ahead.max()))
+        if new_read != read_ms:
+            marker = (good["magic"].astype(np.int64) & (_DELETE | _ROLL)) == _DELETE
+            twice += int(np.count_nonzero((deliver >= new_read) & (deliver < (read_ms or 0)) & ~marker))
+    return invalid, records, latest, twice
+
+
+def _rewrite_links(segments: list[tuple[int, str]], invalid: list[Any], tick: int, slots: int,
+                   fsync: bool) -> tuple[int, int]:
+    """change_window's pass 2: each record's prev_pos in the new slots (the links of a segment
+    follow from those before it), and each segment whose links change rewritten whole (a temp
+    file renamed over it): its relinked records with new CRCs, the rest (the invalid records pass 1
+    found, ``invalid``, and a torn tail) byte for byte. The records relinked and the segments
+    rewritten."""
+    segment = _Segment()
+    links = _Links(tick, slots)
+    rechained = rewritten = 0
+    for (base, seg), bad in zip(segments, invalid, strict=True):
+        arr = segment.read(seg)
+        at = np.delete(np.arange(len(arr), dtype=np.int64), bad)  # the valid records
+        deliver = arr["deliver_ms"][at].astype(np.int64)
+        prev = links.prev(deliver - deliver % tick, base + RECORD_SIZE * at)
+        changed = np.flatnonzero(arr["prev_pos"][at] != prev)
+        if not changed.size:
+            continue
+        rows = at[changed]
+        arr["prev_pos"][rows] = prev[changed]
+        arr["crc32"][rows] = crc32_rows(as_bytes(arr[rows]))  # only the records relinked
+        atomic_write(seg, segment.data, fsync)
+        rechained += int(changed.size)
+        rewritten += 1
+    return rechained, rewritten
 
 
 def _format_version(directory: str) -> int:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from timerwheel.errors import CorruptRecordError
 from timerwheel.store import FORMAT_VERSION, RECORD_DTYPE, RECORD_SIZE, RECORD_STRUCT, Flag, TimerRecord
 from timerwheel.store.format import (
+    CRC_BLOCK_ROWS,
     MAGIC_BASE,
     as_bytes,
     crc32_rows,
@@ -69,6 +70,16 @@ def test_vectorised_crc_equals_zlib_crc32_of_the_first_60_bytes(data: bytes) -> 
     rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, 64)
     expected = [zlib.crc32(data[i : i + 60]) for i in range(0, len(data), 64)]
     assert crc32_rows(rows).tolist() == expected
+
+
+def test_vectorised_crc_is_right_across_its_blocks_of_rows() -> None:
+    """crc32_rows works through its rows a block at a time: rows on both sides of each block edge."""
+    n = 2 * CRC_BLOCK_ROWS + 5
+    data = np.random.default_rng(7).integers(0, 256, n * 64, dtype=np.uint8).tobytes()
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, 64)
+    expected = [zlib.crc32(data[i : i + 60]) for i in range(0, len(data), 64)]
+    assert crc32_rows(rows).tolist() == expected
+    assert crc32_rows(rows[CRC_BLOCK_ROWS - 3 :]).tolist() == expected[CRC_BLOCK_ROWS - 3 :]
 
 
 def test_magic_holds_the_constant_the_version_and_the_flags() -> None:

@@ -207,17 +207,22 @@ def _crc_tables() -> tuple[int, npt.NDArray[np.uint32]]:
 _CRC_ZERO, _CRC_TABLES = _crc_tables()
 
 
+#: Rows whose byte columns are transposed at a time by crc32_rows: 512 KiB stays in the CPU's
+#: caches (a whole 64 MiB segment transposed at once ran at 3 M rows/s instead of 7.5 M).
+CRC_BLOCK_ROWS = 8192
+
+
 def crc32_rows(rows: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint32]:
     """zlib CRC-32 of bytes 0..59 of each 64-byte row of ``rows`` (shape (n, 64))."""
     n = len(rows)
     out = np.full(n, _CRC_ZERO, dtype=np.uint32)
-    if n == 0:
-        return out
-    columns = np.ascontiguousarray(rows[:, :_CRC_SPAN].T)
-    tmp = np.empty(n, dtype=np.uint32)
-    for j in range(_CRC_SPAN):
-        _CRC_TABLES[j].take(columns[j], out=tmp)
-        out ^= tmp
+    tmp = np.empty(min(n, CRC_BLOCK_ROWS), dtype=np.uint32)
+    for b0 in range(0, n, CRC_BLOCK_ROWS):
+        columns = np.ascontiguousarray(rows[b0 : b0 + CRC_BLOCK_ROWS, :_CRC_SPAN].T)
+        acc, part = out[b0 : b0 + columns.shape[1]], tmp[: columns.shape[1]]
+        for j in range(_CRC_SPAN):
+            _CRC_TABLES[j].take(columns[j], out=part)
+            acc ^= part
     return out
 
 

@@ -7,7 +7,8 @@ When the writer's ``Shard.open`` returns, recovery guarantees:
 - every valid record from ``checked_from`` on is linked into its own slot exactly once, chains
   newest first; a bad record in the middle (valid records follow) is reported with its position in
   ``corrupt`` and never linked;
-- no wheel slot names a position at or past the end (a slot that did is rebuilt by a scan);
+- no wheel slot names a position at or past the end (a slot that did is rebuilt by a scan; a
+  wheel this open created holds only what recovery linked, so it is not scanned);
 - ``max_src_offsets`` holds the highest source offset per timer-topic partition among the valid
   records checked, so enqueue-put resumes after them and writes nothing twice;
 - the TimerLog is fsynced and the wheel is durable and says so (its synced_pos is the end).
@@ -100,15 +101,15 @@ def recover(
     for first, arr in timer_log.iter_chunks(checked_from, end, chunk_records=chunk_records):
         ok = valid_mask(arr)
         positions = first + RECORD_SIZE * np.arange(len(arr), dtype=np.int64)
-        if not ok.all():
+        whole = bool(ok.all())
+        if not whole:
             for run in _runs(positions[~ok]):
                 if bad and bad[-1][1] == run[0]:
                     bad[-1] = (bad[-1][0], run[1])
                 else:
                     bad.append(run)
         if ok.any():
-            good = arr[ok]
-            at = positions[ok]
+            good, at = (arr, positions) if whole else (arr[ok], positions[ok])  # no copy of a chunk all valid
             good_end = int(at[-1]) + RECORD_SIZE
             deliver = good["deliver_ms"].astype(np.int64)
             relinked += wheel.revise(deliver - deliver % tick, at)
@@ -130,7 +131,9 @@ def recover(
         log.error("TimerLog %s: %d corrupt records in the middle, skipped (first at %d: %s)",
                   timer_log.directory, corrupt_count, corrupt[0][0], corrupt[0][1])
 
-    repaired = _repair_slots_past_end(timer_log, wheel, good_end)
+    # A wheel this open created holds only the slots linked above, whose records all lie below
+    # good_end: no slot of it can name a lost position (spares reading the whole file).
+    repaired = 0 if wheel.created else _repair_slots_past_end(timer_log, wheel, good_end)
     timer_log.flush()
     wheel.flush(synced_pos=timer_log.end_pos)
     return RecoveryReport(
