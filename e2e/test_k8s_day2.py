@@ -643,6 +643,8 @@ def test_the_audit_cronjob_runs_in_the_cluster_and_agrees_with_the_run(installed
     log = rel.kubectl("logs", f"job/{job}", "--tail=60", check=False).stdout
     assert finished["status"].get("succeeded") == 1, log[-3000:] + rel.diagnosis()
     summary = json.loads((rel.volume_dir / "audit" / "latest" / "summary.json").read_text())
+    assert dest in summary["topics"], (sorted(summary["topics"]), summary.get("bad_input"), summary.get("total"),
+                                       log[-3000:])
     got = summary["topics"][dest]
     print(f"FIGURE the audit CronJob's Job in the cluster (local[2], {rep.scheduled} messages): done "
           f"{took:.1f} s after it was created; {json.dumps(got)}", flush=True)
