@@ -115,6 +115,47 @@ def test_audit_summary_equals_the_truth_of_what_was_written(spark: Any, kafka_bo
     assert second["topics"][a] == summary["topics"][a]
 
 
+def test_audit_of_only_common_timer_records_equals_the_truth(spark: Any, kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Every timer record common (the usual case): the destinations come from the pass that judged
+    them and no record is counted invalid without a look. A destination that no record names is
+    not read, a repeated header keeps its last value, a retried id its first record."""
+    timer, a, b, other = unique("audit-common"), unique("audit-ca"), unique("audit-cb"), unique("audit-other")
+    w = Writer(kafka_bootstrap)
+    sched: dict[str, tuple[str, int]] = {}
+    for i in range(30):
+        topic, d = (a if i % 3 else b), NOW - 3_000_000 + i * 200_000
+        # the first tw-deliver-at is overridden by the last, as dict(record.headers) keeps it
+        w.send(timer, [("tw-topic", topic.encode()), ("tw-deliver-at", b"1"), ("tw-deliver-at", str(d).encode()),
+                       ("tw-id", f"c{i}".encode())], TS)
+        sched[f"c{i}"] = (topic, d)
+    w.send(timer, [("tw-topic", b.encode()), ("tw-deliver-at", str(NOW).encode()), ("tw-id", b"c1")], TS)  # a retry
+    deliveries: dict[str, list[int]] = {}
+    for i in range(0, 30, 2):
+        mid = f"c{i}"
+        topic, d = sched[mid]
+        for at in [d + 10 * i - 50] + ([d + 700] if i % 8 == 0 else []):
+            w.send(topic, [("tw-id", mid.encode()), ("tw-delivered-at", str(at).encode())], at)
+            deliveries.setdefault(mid, []).append(at)
+    w.send(b, [("tw-id", b"c1"), ("tw-delivered-at", str(NOW).encode())], NOW)  # c1's copy on the wrong topic
+    w.send(a, [("tw-delivered-at", str(NOW).encode())], NOW)
+    w.send(other, [("tw-id", b"c3"), ("tw-delivered-at", str(NOW).encode())], NOW)
+    w.close()
+
+    out = tmp_path / "audit"
+    assert main(["audit", "--kafka", kafka_bootstrap, "--out", str(out), "--timer-topic", timer,
+                 "--now-ms", str(NOW), "--grace-ms", str(GRACE), "--master", "local[2]"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    total, per_topic = audit_summary(sched, set(), deliveries, NOW, GRACE)
+    assert summary["total"] == total
+    assert summary["topics"] == per_topic and set(per_topic) == {a, b}
+    assert summary["bad_input"] == {"invalid_timer_records": 0, "deliveries_without_id": 1,
+                                    "deliveries_of_unknown_ids": 1, "unknown_topics": []}
+    import pandas as pd
+
+    assert set(pd.read_parquet(out / "duplicated")["id"]) == {i for i, c in deliveries.items() if len(c) > 1}
+    assert pd.read_parquet(out / "cancelled_delivered").empty
+
+
 def test_audit_of_an_unreachable_kafka_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
                                                               tmp_path: Path) -> None:
     pytest.importorskip("pyspark")

@@ -49,11 +49,15 @@ def connector_jars() -> list[str]:
 
 
 def session(master: str = "local[*]", app: str = "timerwheel") -> Any:
-    """The active SparkSession, else a new one on ``master`` with the connector on its class path."""
+    """The active SparkSession, else a new one on ``master`` with the connector on its class path;
+    either way with the setting the jobs' header reading needs (``records.MAP_KEY_DEDUP``)."""
     from pyspark.sql import SparkSession
+
+    from timerwheel.jobs.records import MAP_KEY_DEDUP
 
     active = SparkSession.getActiveSession()
     if active is not None:
+        active.conf.set(*MAP_KEY_DEDUP)
         return active
     import pyspark
 
@@ -66,7 +70,10 @@ def session(master: str = "local[*]", app: str = "timerwheel") -> Any:
                .config("spark.sql.session.timeZone", "UTC")
                # small local jobs: a shuffle of 200 partitions costs more than the work
                .config("spark.sql.shuffle.partitions", os.environ.get("TW_SPARK_SHUFFLE_PARTITIONS", "8"))
-               .config("spark.driver.memory", os.environ.get("TW_SPARK_DRIVER_MEMORY", "1g")))
+               .config("spark.driver.memory", os.environ.get("TW_SPARK_DRIVER_MEMORY", "1g"))
+               # the audit's join on (topic, id) of two sides already partitioned by id: no shuffle
+               .config("spark.sql.requireAllClusterKeysForCoPartition", "false")
+               .config(*MAP_KEY_DEDUP))
     jars = connector_jars()
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
@@ -99,7 +106,9 @@ def kafka_topics(config: TimerConfig, timeout_s: float = 10.0) -> set[str]:
 
 def read_topics(spark: Any, config: TimerConfig, topics: list[str]) -> Any:
     """Every record of ``topics`` now (a batch read, earliest to latest), headers included:
-    columns topic, partition, offset, timestamp, key, value, headers (array of key, value)."""
+    columns topic, partition, offset, timestamp, key, value, headers (array of key, value).
+    At least as many Spark partitions as cores (``minPartitions``): a topic of fewer Kafka
+    partitions is read in offset ranges side by side, not by one task."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
@@ -117,7 +126,8 @@ def read_topics(spark: Any, config: TimerConfig, topics: list[str]) -> Any:
         df = (spark.read.format("kafka").options(**spark_kafka_options(config))
               .option("subscribe", ",".join(sorted(topics))).option("includeHeaders", "true")
               .option("startingOffsets", "earliest").option("endingOffsets", "latest")
-              .option("failOnDataLoss", "false").load())
+              .option("failOnDataLoss", "false")
+              .option("minPartitions", str(spark.sparkContext.defaultParallelism)).load())
     return df.withColumn("timestamp_ms", F.unix_millis("timestamp"))
 
 
