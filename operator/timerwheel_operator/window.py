@@ -234,12 +234,12 @@ def decide(desired: Window, current: Window | None, running: Window, previous: M
         line = error_line(log) or f"the Job failed (exit code {code}) without a log line"
         if code == EXIT_REFUSED_UNCHANGED:
             # Every shard was checked before any changed: the old window runs on, as it was.
-            why = _in_spec_words(line.removeprefix("timerwheel: error: "))
+            refused = _in_spec_words(line.removeprefix("timerwheel: error: "))
             st = {**base, "phase": "Refused", "target": newest.target.to_spec(), "job": newest.name,
-                  "failedGeneration": generation, "reason": "WindowChangeRefused", "message": why,
+                  "failedGeneration": generation, "reason": "WindowChangeRefused", "message": refused,
                   "finishedMs": now_ms}
             st.pop("currentUnknown", None)
-            text = f"{why}; the shards keep running {old.text()}"
+            text = f"{refused}; the shards keep running {old.text()}"
             return Step(old, False, st, (False, "WindowChangeRefused", text),
                         events=[("WindowChangeRefused", text, True)])
         attempts = int(prev.get("attempts") or 0) + 1
@@ -275,9 +275,9 @@ def decide(desired: Window, current: Window | None, running: Window, previous: M
     if (phase == "Refused" and prev.get("job") and target is not None and target.same(desired)
             and int(prev.get("failedGeneration") or 0) == generation):
         # refused by the Job's check (the records ahead): stays so until the spec changes again
-        why = str(prev.get("message") or "")
+        said = str(prev.get("message") or "")
         return Step(old, False, {**prev, **base}, (False, "WindowChangeRefused",
-                                                   f"{why}; the shards keep running {old.text()}"))
+                                                   f"{said}; the shards keep running {old.text()}"))
     if phase not in ("Pausing", "Rebuilding") or target is None or not target.same(desired):
         why = ret.refusal(retention, desired.roll_window_ms) if retention is not None else None
         # Known too low: refused. Unknown (not readable): refused only when more is needed.
