@@ -618,6 +618,11 @@ def test_the_audit_cronjob_runs_in_the_cluster_and_agrees_with_the_run(installed
     cron = rel.get("cronjob", CRONJOB)
     assert cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["image"] == \
         "timerwheel-spark:dev", cron
+    # The audit counts what the topics still hold: the window test left the timer topic at the
+    # operator's minimum (1.5 x the roll window, 30 s), which would delete this run's records
+    # before the Job reads them. The operator never lowers a retention.
+    hour = ConfigResource(ConfigResourceType.TOPIC, rel.pipe.timer_topic, {"retention.ms": "3600000"})
+    rel.pipe.admin.alter_configs([hour])
     dest = rel.pipe.new_dest("k8s-audit", 2)
     with LoadRun(rel.pipe, dest, seed=41, rate=20, min_delay_ms=1_000, max_delay_ms=6_000,
                  cancel_fraction=0.2) as run:
