@@ -49,19 +49,17 @@ EXIT_IN_USE = 3
 #: too small for the records ahead): every shard is checked before any is changed, so the old
 #: window runs on and the change is refused, naming the field (``manifests.window_job``).
 EXIT_REFUSED_UNCHANGED = 12
-#: The window's settings as the spec names them, for a refusal's message.
-_SPEC_WORDS = {"TW_WHEEL_SPAN_MS": "spec.wheelSpanMs", "TW_TICK_MS": "spec.tickMs",
-               "TW_ROLL_WINDOW_MS": "spec.rollWindowMs"}
-
-
-def _in_spec_words(line: str) -> str:
-    for var, field_name in _SPEC_WORDS.items():
-        line = line.replace(var, field_name)
-    return line
 MAX_IN_USE_RETRIES = 5
 #: The spec fields of the window, with their TW_* variable.
 FIELDS = {"tickMs": "TW_TICK_MS", "rollWindowMs": "TW_ROLL_WINDOW_MS", "wheelSpanMs": "TW_WHEEL_SPAN_MS"}
 ROLLING = ("Pausing", "Rebuilding", "Resuming")
+
+
+def _in_spec_words(line: str) -> str:
+    """A refusal's line with the window's TW_* variables named as the spec's fields."""
+    for field_name, var in FIELDS.items():
+        line = line.replace(var, f"spec.{field_name}")
+    return line
 
 
 @dataclass(frozen=True, slots=True)
