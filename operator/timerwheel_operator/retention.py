@@ -30,7 +30,7 @@ from timerwheel.errors import AccessError
 from timerwheel.security import check_kafka_access
 
 from timerwheel_operator.kafka_access import Access, AccessUnknown
-from timerwheel_operator.spec import field_of, in_spec_words
+from timerwheel_operator.spec import in_spec_words
 
 FACTOR = 1.5
 #: How often the retention is read when no window change waits for it.
@@ -103,9 +103,8 @@ def keep(admin: Admin, kafka: Access | Callable[[], Access], topic: str, roll_wi
         return Check(topic, need, manage, "Unknown", message=f"cannot reach Kafka as the stages do: {exc}",
                      checked_ms=now_ms)
     except AccessError as exc:
-        said = f"{field_of(exc.setting)}: {str(exc).split(': ', 1)[-1]}"
         return Check(topic, need, manage, "Unknown", message=f"Kafka refused the stages' settings: "
-                     f"{in_spec_words(said)}", checked_ms=now_ms)
+                     f"{in_spec_words(str(exc))}", checked_ms=now_ms)
     except Exception as exc:  # noqa: BLE001 - not allowed, unreachable: said in the status
         return Check(topic, need, manage, "Unknown", message=f"cannot read retention.ms of {topic}: "
                      f"{type(exc).__name__}: {exc}", checked_ms=now_ms)

@@ -169,11 +169,17 @@ def field_of(var: str) -> str:
 
 
 def in_spec_words(message: str) -> str:
-    """A ``TimerConfig`` message with the Kafka attributes it names (``kafka_ssl_certfile``) given
-    as the spec fields that set them (``spec.kafka.certKey``)."""
+    """A message of the stages' (a ``TimerConfig`` refusal, a tool's error line) with the settings
+    it names given as the spec fields that set them: ``TW_*`` variables (``TW_WHEEL_SPAN_MS`` ->
+    ``spec.wheelSpanMs``) and Kafka attributes (``kafka_ssl_certfile`` -> ``spec.kafka.certKey``)."""
     for var, (attr, _kind, _doc) in ENV_VARS.items():
-        if attr.startswith("kafka_") and attr in message and field_of(var) != var:
-            message = re.sub(rf"\b{attr}\b", field_of(var), message)
+        field = field_of(var)
+        if field == var:
+            continue
+        if var in message:
+            message = re.sub(rf"\b{var}\b", field, message)
+        if attr.startswith("kafka_") and attr in message:
+            message = re.sub(rf"\b{attr}\b", field, message)
     return message
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 from timerwheel_operator import retention as ret
 from timerwheel_operator.recovery import error_line, job_phase
+from timerwheel_operator.spec import in_spec_words
 
 #: The component label of the window Jobs and their pods.
 COMPONENT = "window"
@@ -53,13 +54,6 @@ MAX_IN_USE_RETRIES = 5
 #: The spec fields of the window, with their TW_* variable.
 FIELDS = {"tickMs": "TW_TICK_MS", "rollWindowMs": "TW_ROLL_WINDOW_MS", "wheelSpanMs": "TW_WHEEL_SPAN_MS"}
 ROLLING = ("Pausing", "Rebuilding", "Resuming")
-
-
-def _in_spec_words(line: str) -> str:
-    """A refusal's line with the window's TW_* variables named as the spec's fields."""
-    for field_name, var in FIELDS.items():
-        line = line.replace(var, f"spec.{field_name}")
-    return line
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +226,7 @@ def decide(desired: Window, current: Window | None, running: Window, previous: M
         line = error_line(log) or f"the Job failed (exit code {code}) without a log line"
         if code == EXIT_REFUSED_UNCHANGED:
             # Every shard was checked before any changed: the old window runs on, as it was.
-            refused = _in_spec_words(line.removeprefix("timerwheel: error: "))
+            refused = in_spec_words(line.removeprefix("timerwheel: error: "))
             st = {**base, "phase": "Refused", "target": newest.target.to_spec(), "job": newest.name,
                   "failedGeneration": generation, "reason": "WindowChangeRefused", "message": refused,
                   "finishedMs": now_ms}
