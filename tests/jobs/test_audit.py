@@ -156,6 +156,53 @@ def test_audit_of_only_common_timer_records_equals_the_truth(spark: Any, kafka_b
     assert pd.read_parquet(out / "cancelled_delivered").empty
 
 
+def test_matching_takes_each_ids_first_record_whether_its_place_is_a_long_or_a_decimal(spark: Any) -> None:
+    """``matched`` by hand: an id scheduled twice (its first record, lowest partition then offset,
+    decides topic and time, even at an offset past 2^62), a roll hop and a cancel that schedule
+    nothing, copies on the id's topic and on another, deliveries without ``tw-id`` and of an id
+    nobody scheduled. The same rows with the place as a long and as a decimal(38,0)."""
+    from timerwheel.jobs.audit import ANY_EXTENT
+
+    # the place a long (partition 1, offsets of 10 bits), a decimal (any Kafka's), a decimal (63 bits of offset)
+    for huge, extents in [(1000, [(1, 1001), ANY_EXTENT]), (2**62 + 5, [(1, 2**62 + 6)])]:
+        _matched_by_hand(spark, huge, extents)
+
+
+def _matched_by_hand(spark: Any, huge: int, extents: list[tuple[int, int]]) -> None:
+    from timerwheel.jobs.audit import matched
+
+    reqs = spark.createDataFrame([
+        # partition, offset, error, cancel, id, topic, deliver_ms, roll
+        (1, 5, None, False, "a", "x", 100, 0),
+        (0, huge, None, False, "a", "y", 200, 0),   # a's first: partition 0
+        (0, huge + 1, None, False, "a", "x", 300, 0),
+        (0, 1, None, False, "b", "x", 400, 0),
+        (0, 2, None, True, "b", None, None, 0),      # b cancelled
+        (0, 3, None, False, "c", "x", 500, 0),
+        (0, 0, None, False, "c", "y", 50, 1),        # a roll hop of c, before it: not c's first
+        (0, 4, "missing tw-topic", None, None, None, None, None),
+        (0, 6, None, True, "ghost-cancel", None, None, 0),
+    ], "partition int, offset long, error string, cancel boolean, id string, topic string, deliver_ms long, roll long")
+    dest = spark.createDataFrame([
+        ("y", "a", 260), ("y", "a", 250), ("x", "a", 120),  # a: 2 copies on y, one on x (unknown)
+        ("x", "b", 390),                                     # b: cancelled and delivered, early
+        ("x", None, 1), ("y", None, 2), ("x", None, None),  # 3 without tw-id
+        ("y", "ghost", 7),                                   # nobody scheduled it
+    ], "topic string, id string, delivered_at long")
+    expected = {
+        "a": ("y", 200, False, 2, 250, 50, 1, 0),
+        "b": ("x", 400, True, 1, 390, -10, 0, 0),
+        "c": ("x", 500, False, 0, None, None, 0, 0),
+        "ghost": (None, None, False, 0, None, None, 1, 0),
+        "ghost-cancel": (None, None, True, 0, None, None, 0, 0),
+        None: (None, None, False, 0, None, None, 0, 3),
+    }
+    cols = ["topic", "deliver_ms", "cancelled", "copies", "first_delivered_at", "lateness_ms", "unknown", "without_id"]
+    for extent in extents:
+        got = {r["id"]: tuple(r[c] for c in cols) for r in matched(reqs, dest, ["x", "y"], extent).collect()}
+        assert got == expected, extent
+
+
 def test_audit_of_an_unreachable_kafka_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
                                                               tmp_path: Path) -> None:
     pytest.importorskip("pyspark")

@@ -145,7 +145,16 @@ def test_records_that_are_all_common_need_no_python_udf(spark: Any) -> None:
     rules = TimerRules(CONFIG)
     assert {(r.partition, r.offset, r.error, r.cancel, r.id, r.topic, r.deliver_ms, r.roll)
             for r in short.collect()} == {_expected(rules, r) for r in common}
-    # one record of another kind, or a destination the rules refuse, brings the UDF back
-    for odd in [(("tw-topic", b"orders"), ("tw-delay-ms", b"5")), (("tw-topic", b"other"), ("tw-deliver-at", at))]:
-        mixed = narrow(_raw(spark, [*common, Record("__timer", 0, 99, NOW, None, None, odd)])).cache()
-        assert "EvalPython" in _plan(requests(mixed, CONFIG))
+    # one record of another kind brings the UDF back
+    odd = Record("__timer", 0, 99, NOW, None, None, (("tw-topic", b"orders"), ("tw-delay-ms", b"5")))
+    assert "EvalPython" in _plan(requests(narrow(_raw(spark, [*common, odd])), CONFIG))
+    # a destination the rules refuse, or none, on an otherwise common record does not: its
+    # verdict comes from the destination's, as parse gives it
+    refused = [Record("__timer", 0, 99, NOW, None, None, (("tw-topic", t), ("tw-deliver-at", at)))
+               for t in (b"__timer", b"no such/topic", b"")]
+    refused.append(Record("__timer", 0, 100, NOW, None, None, (("tw-deliver-at", at),)))
+    mixed = requests(narrow(_raw(spark, [*common, *refused])), CONFIG)
+    assert "EvalPython" not in _plan(mixed)
+    got = {(r.partition, r.offset, r.error, r.cancel, r.id, r.topic, r.deliver_ms, r.roll) for r in mixed.collect()}
+    assert got == {_expected(rules, r) for r in [*common, *refused]}
+    assert sum(1 for g in got if g[2] is not None) == len(refused)

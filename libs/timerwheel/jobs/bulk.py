@@ -15,7 +15,7 @@ from typing import Any
 
 from timerwheel.config import TimerConfig
 from timerwheel.jobs import spark as sp
-from timerwheel.jobs.records import CONTROL, field, last_header, requests
+from timerwheel.jobs.records import CONTROL, field, last_header, record_size, requests
 from timerwheel.log import stage_logger
 from timerwheel.wire import H_DELAY_MS, H_DELIVER_AT, H_ID, H_PARTITION, H_TOPIC
 
@@ -70,14 +70,12 @@ def judged(rows: Any, config: TimerConfig, now_ms: int) -> Any:
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    size = (F.coalesce(F.octet_length("key"), F.lit(0)) + F.coalesce(F.octet_length("value"), F.lit(0))
-            + F.aggregate("headers_out", F.lit(0), lambda a, x: a + F.char_length(x["key"]) + F.octet_length(x["value"])))
-    with_headers = rows.withColumn("headers_out", timer_headers(rows)).withColumn("size", size.cast("long"))
+    with_headers = rows.withColumn("headers_out", timer_headers(rows)).withColumn("size", record_size("headers_out"))
     narrowed = with_headers.drop("headers").withColumnRenamed("headers_out", "headers").select(
         F.lit(-1).alias("partition"), F.col("row").alias("offset"), F.lit(now_ms).cast("long").alias("timestamp_ms"),
         "size",
         F.struct(*[last_header(n).alias(field(n)) for n in CONTROL]).alias("h"))
-    verdicts = requests(narrowed.persist(), config).select(F.col("offset").alias("row"), "error")
+    verdicts = requests(narrowed, config).select(F.col("offset").alias("row"), "error")
     first = Window.partitionBy("id").orderBy("row")
     return (with_headers.join(verdicts, "row")
             .withColumn("nth", F.when(F.col("id").isNotNull(), F.row_number().over(first)))

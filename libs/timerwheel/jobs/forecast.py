@@ -47,7 +47,7 @@ def main(out: str, config: TimerConfig, hours: int, now_ms: int | None, master: 
     now = int(time.time() * 1000) if now_ms is None else now_ms
     spark = sp.session(master, app="timerwheel-forecast")
     timer = sp.read_topics(spark, config, [config.timer_topic] if config.timer_topic in existing else [])
-    sched, cancels = scheduled(timer_requests(timer, config)[0])
+    sched, cancels = scheduled(timer_requests(timer, config).requests)
     minutes = due_per_minute(sched, cancels, now, hours, config.shards).persist()
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)

@@ -7,11 +7,13 @@ edge cases included):
 - The common record (what ``TimerRules.common`` accepts: an absolute ``tw-deliver-at``, none of the other control headers, size, id and max delay within the limits, an
   allowed destination) is read by Spark SQL expressions, with no Python per row. The headers are
   read as one map (``header_map``: code Spark compiles), not by a lambda per header.
-- Every other record (cancels, roll hops, ``tw-delay-ms``, ``tw-delay-level``, anything invalid or
-  odd) goes through ``TimerRules.parse_sized`` in a pandas UDF; when there is none (found in the
-  same pass that collects the destinations), the UDF branch is left out of the plan.
 - Destinations are few: the distinct ``tw-topic`` values are judged on the driver by
   ``TimerRules.destination_error`` (allow-list, topic names, not the timer topic) and joined back.
+  A record that passes every other check of the short path but names a refused destination is
+  refused with that verdict, as ``parse`` refuses it, also with no Python per row.
+- Every other record (cancels, roll hops, ``tw-delay-ms``, ``tw-delay-level``, anything else
+  invalid or odd) goes through ``TimerRules.parse_sized`` in a pandas UDF; when there is none
+  (found in the same pass that judges the destinations), the UDF branch is left out of the plan.
 
 The record's own timestamp stands for "now" in the max-delay check (the service checks against
 its clock when it reads the record, moments later). Only the control headers and the size are
@@ -20,7 +22,7 @@ kept (``narrow``), so the key, value and user headers are read once and dropped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 
@@ -75,16 +77,28 @@ def last_header(name: str, headers: Any = None) -> Any:
     return F.when(F.map_contains_key(m, F.lit(name)), F.coalesce(m[F.lit(name)], F.lit(bytearray())))
 
 
+def record_size(headers: str = "headers") -> Any:
+    """``Record.size`` of Kafka rows (key, value, ``headers``): the header keys' characters and
+    values' bytes summed through ``array_join`` of the keys and of the values cast to text (the
+    bytes kept, nulls skipped), code Spark compiles. An ``aggregate`` lambda over the headers is
+    interpreted per record: 1.1 s more on the 1,000,000 timer records of the bench."""
+    from pyspark.sql import functions as F
+
+    def length(col: Any) -> Any:
+        return F.coalesce(col, F.lit(0))
+
+    return (length(F.octet_length("key")) + length(F.octet_length("value"))
+            + length(F.char_length(F.array_join(F.col(f"{headers}.key"), "")))
+            + length(F.octet_length(F.array_join(F.col(f"{headers}.value").cast("array<string>"), "")))).cast("long")
+
+
 def narrow(raw: Any) -> Any:
     """partition, offset, timestamp_ms, size (``Record.size``), h (the control headers) of raw
     Kafka rows (``spark.read_topics``)."""
     from pyspark.sql import functions as F
 
-    size = (F.coalesce(F.octet_length("key"), F.lit(0)) + F.coalesce(F.octet_length("value"), F.lit(0))
-            + F.aggregate("headers", F.lit(0), lambda acc, h: acc + F.char_length(h["key"])
-                          + F.coalesce(F.octet_length(h["value"]), F.lit(0))))
     # two projections: the map is built once per record, then read nine times
-    return (raw.select("partition", "offset", "timestamp_ms", size.cast("long").alias("size"), header_map().alias("m"))
+    return (raw.select("partition", "offset", "timestamp_ms", record_size().alias("size"), header_map().alias("m"))
             .select("partition", "offset", "timestamp_ms", "size",
                     F.struct(*[last_header(h, F.col("m")).alias(field(h)) for h in CONTROL]).alias("h")))
 
@@ -92,30 +106,52 @@ def narrow(raw: Any) -> Any:
 RESULT_FIELDS = "error string, cancel boolean, id string, topic string, deliver_ms long, roll long"
 
 
-def _verdicts(spark: Any, narrowed: Any, config: TimerConfig, common_but_topic: Any) -> tuple[Any, bool, list[str]]:
-    """(raw tw-topic -> (verdict, decoded topic) for each distinct value, judged by TimerRules;
-    whether every record is common; the allowed topics, sorted). One pass over ``narrowed``: per
-    distinct tw-topic, how many of its records fail ``common_but_topic`` (the short path's tests
-    other than the destination's)."""
+class Judged(NamedTuple):
+    """``judged_requests``' answer."""
+
+    #: ``requests``' rows.
+    requests: Any
+    #: The records' allowed destinations, sorted, when no record needs the service's parser
+    #: (else None: the valid requests' topics tell).
+    destinations: list[str] | None
+    #: How many records are invalid, when no record needs the parser (else None).
+    invalid: int | None
+    #: The compact records every branch reads (persisted; ``unpersist`` when done).
+    cache: Any
+    #: The largest partition and offset of the records (0, 0 if none).
+    extent: tuple[int, int]
+
+
+def _verdicts(spark: Any, pre: Any, config: TimerConfig) -> tuple[Any, int, int, list[str], tuple[int, int]]:
+    """(raw tw-topic -> (verdict, decoded topic) for each distinct value, judged by TimerRules as
+    ``parse`` would refuse a record that passes every other check; how many records need the
+    parser; how many are refused for their destination alone; the allowed topics, sorted; the
+    largest partition and offset). One pass over the cached ``pre``, grouped by tw-topic."""
     from pyspark.sql import functions as F
 
     from timerwheel.wire import TimerRules
 
     rules = TimerRules(config)
-    topic = F.col(f"h.{field(H_TOPIC)}")
-    per_topic = (narrowed.groupBy(topic.alias("t"))
-                 .agg(F.count(F.when(~F.coalesce(common_but_topic, F.lit(False)), 1)).alias("odd")).collect())
-    judged, all_common = [], True
-    for raw, odd in per_topic:
-        if raw is None:
-            all_common = False
+    per_topic = (pre.groupBy("topic_raw")
+                 .agg(F.count(F.when(~F.col("cbt"), 1)).alias("odd"), F.count(F.when(F.col("cbt"), 1)).alias("short"),
+                      F.max("partition"), F.max("offset"))
+                 .collect())
+    judged, odd, refused, extent = [], 0, 0, (0, 0)
+    for raw, n_odd, n_short, partition, offset in per_topic:
+        extent = (max(extent[0], partition), max(extent[1], offset))
+        odd += n_odd
+        if raw is None or not raw:  # parse: "missing tw-topic"
+            refused += n_short
+            if raw is not None:
+                judged.append((bytes(raw), f"missing {H_TOPIC}", ""))
             continue
         name = bytes(raw).decode("utf-8", "replace")
         verdict = rules.destination_error(name)
         judged.append((bytes(raw), verdict, name))
-        all_common = all_common and odd == 0 and verdict == ""
+        refused += n_short if verdict else 0
     allowed = sorted(name for _, verdict, name in judged if verdict == "")
-    return spark.createDataFrame(judged, "topic_raw binary, verdict string, topic_name string"), all_common, allowed
+    return (spark.createDataFrame(judged, "topic_raw binary, verdict string, topic_name string"), odd, refused,
+            allowed, extent)
 
 
 def _parse_udf(config: TimerConfig) -> Any:
@@ -149,16 +185,21 @@ def _parse_udf(config: TimerConfig) -> Any:
 def requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = True) -> Any:
     """partition, offset, timestamp_ms, error (null when valid), cancel, id (the message id, or
     the cancelled one's), topic (null for a cancel), deliver_ms, roll: ``TimerRules.parse`` of
-    every record of ``narrowed`` (``narrow``'s columns). Cache ``narrowed`` first: it is read twice.
-    When every record is common there is no UDF branch (``short_cut=False`` keeps it: the bench's
-    "before")."""
-    return judged_requests(narrowed, config, short_cut=short_cut)[0]
+    every record of ``narrowed`` (``narrow``'s columns, read once: ``judged_requests`` caches what
+    it needs). When no record needs the parser there is no UDF branch (``short_cut=False`` sends
+    every record to it: the bench's "before" and the tests' reference)."""
+    return judged_requests(narrowed, config, short_cut=short_cut).requests
 
 
-def judged_requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = True) -> tuple[Any, list[str] | None]:
-    """(``requests``, the sorted destinations of its records when every record is common, else
-    None). Every common record is valid, so then the destinations are the allowed ``tw-topic``
-    values, known from the pass that judged them: no Spark job needed to list them."""
+def judged_requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = True) -> Judged:
+    """``requests`` with what the pass that judges the destinations learnt (``Judged``).
+
+    Each record is read once from ``narrowed`` into a compact cache: partition, offset,
+    timestamp, raw tw-topic, whether it passes ``TimerRules.common``'s checks but the
+    destination's, then either its id and delivery time (it does) or its size and control
+    headers (it does not: the parser's input). The destinations are judged on the driver, one
+    verdict per distinct tw-topic; a record that passes every other check is valid if its
+    destination is allowed, else refused with the destination's verdict, as ``parse`` says."""
     from pyspark.sql import functions as F
 
     spark = narrowed.sparkSession
@@ -173,34 +214,39 @@ def judged_requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = Tru
     off_common_absent = F.lit(True)
     for name in _OFF_COMMON:
         off_common_absent = off_common_absent & h[name].isNull()
-    common_but_topic = (
-        F.coalesce(at.rlike("^[0-9]{1,20}$") & (F.length(digits) <= _COMMON_DIGITS), F.lit(False))
+    common_but_topic = F.coalesce(
+        at.rlike("^[0-9]{1,20}$") & (F.length(digits) <= _COMMON_DIGITS)
         & off_common_absent
         & (F.col("size") <= F.lit(config.max_record_bytes))
         & (deliver <= F.lit(MAX_EPOCH_MS))
         & (deliver - F.col("timestamp_ms") <= F.lit(config.max_delay_ms))
         & (raw_id.isNull() | ((F.octet_length(raw_id) > 0) & (F.octet_length(raw_id) <= MAX_ID_BYTES)
-                              & F.is_valid_utf8(raw_id.cast("string"))))
-    )
-    verdicts, all_common, destinations = _verdicts(spark, narrowed, config, common_but_topic)
-    joined = narrowed.join(F.broadcast(verdicts), h[H_TOPIC] == verdicts["topic_raw"], "left")
-    common = F.col("verdict").eqNullSafe("") & common_but_topic
+                              & F.is_valid_utf8(raw_id.cast("string")))),
+        F.lit(False)) & F.lit(short_cut)
     keys = ["partition", "offset", "timestamp_ms"]
-    fast = joined.filter(common).select(
+    short = F.col("cbt")
+    pre = narrowed.select(
+        *keys, h[H_TOPIC].alias("topic_raw"), common_but_topic.alias("cbt"),
+        F.when(short, F.coalesce(raw_id.cast("string"), F.concat_ws("-", "partition", "offset"))).alias("fid"),
+        F.when(short, deliver).alias("fdeliver"),
+        F.when(~short, F.col("size")).alias("size"), F.when(~short, F.col("h")).alias("h"),
+    ).persist()
+    verdicts, odd, refused, destinations, extent = _verdicts(spark, pre, config)
+    ok = F.col("verdict").eqNullSafe("")
+    fast = (pre.filter(short).join(F.broadcast(verdicts), "topic_raw", "left").select(
         *keys,
-        F.lit(None).cast("string").alias("error"),
-        F.lit(False).alias("cancel"),
-        F.coalesce(raw_id.cast("string"), F.concat_ws("-", "partition", "offset")).alias("id"),
-        F.col("topic_name").alias("topic"),
-        deliver.alias("deliver_ms"),
-        F.lit(0).cast("long").alias("roll"),
-    )
-    if all_common and short_cut:
+        F.when(~ok, F.coalesce("verdict", F.lit(f"missing {H_TOPIC}"))).alias("error"),
+        F.when(ok, F.lit(False)).alias("cancel"),
+        F.when(ok, F.col("fid")).alias("id"),
+        F.when(ok, F.col("topic_name")).alias("topic"),
+        F.when(ok, F.col("fdeliver")).alias("deliver_ms"),
+        F.when(ok, F.lit(0).cast("long")).alias("roll"),
+    ))
+    if odd == 0:
         # No record for the UDF: its branch would still start a Python worker per partition and
         # scan the records a second time.
-        return fast, destinations
+        return Judged(fast, destinations, refused, pre, extent)
     parse = _parse_udf(config)
-    slow = (joined.filter(~F.coalesce(common, F.lit(False)))
-            .select(*keys, parse("partition", "offset", "timestamp_ms", "size", "h").alias("r"))
+    slow = (pre.filter(~short).select(*keys, parse("partition", "offset", "timestamp_ms", "size", "h").alias("r"))
             .select(*keys, "r.*"))
-    return fast.unionByName(slow), destinations if all_common else None
+    return Judged(fast.unionByName(slow), None, None, pre, extent)
