@@ -237,8 +237,8 @@ def timer_requests(raw_timer: Any, config: TimerConfig) -> Judged:
 def audit(reqs: Any, raw_dest: Any, now_ms: int, grace_ms: int, topics: list[str], *,
           invalid: int | None = None, extent: tuple[int, int] = ANY_EXTENT) -> dict[str, Any]:
     """The audit: total and topics (summary.json's dicts), joined (``matched``'s rows of the
-    scheduled ids, persisted), hourly (rows of ``figures``' hour level) and the bad-input counts.
-    Pure: ``reqs`` from ``timer_requests`` (``invalid``: its count of invalid records when it knows
+    scheduled ids), cached (all of ``matched``'s rows, persisted: ``unpersist`` when done),
+    hourly (rows of ``figures``' hour level) and the bad-input counts. Pure: ``reqs`` from ``timer_requests`` (``invalid``: its count of invalid records when it knows
     it; ``extent``: its largest partition and offset), ``raw_dest`` Kafka rows of the
     destinations (``spark.read_topics``), ``topics`` every destination of ``reqs`` and every
     topic of ``raw_dest``.
@@ -259,7 +259,8 @@ def audit(reqs: Any, raw_dest: Any, now_ms: int, grace_ms: int, topics: list[str
         "deliveries_of_unknown_ids": int(total["unknown_ids"] or 0),
     }
     j = j_all.filter(F.col("deliver_ms").isNotNull())
-    return {"total": _as_summary(total), "topics": per_topic, "joined": j, "hourly": hourly, "bad_input": bad}
+    return {"total": _as_summary(total), "topics": per_topic, "joined": j, "hourly": hourly, "bad_input": bad,
+            "cached": j_all}
 
 
 def _plot(hourly_pd: Any, path: Path) -> None:
@@ -313,5 +314,6 @@ def main(out: str, config: TimerConfig, topics: list[str] | None, grace_ms: int,
     tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     tmp.replace(outdir / "summary.json")
     judged.cache.unpersist()
+    result["cached"].unpersist()
     log.info("audit done", out=str(outdir), scheduled=summary["total"]["scheduled"], lost=summary["total"]["lost"])
     return summary

@@ -187,7 +187,7 @@ def requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = True) -> A
     the cancelled one's), topic (null for a cancel), deliver_ms, roll: ``TimerRules.parse`` of
     every record of ``narrowed`` (``narrow``'s columns, read once: ``judged_requests`` caches what
     it needs). When no record needs the parser there is no UDF branch (``short_cut=False`` sends
-    every record to it: the bench's "before" and the tests' reference)."""
+    every record to it: the tests' reference)."""
     return judged_requests(narrowed, config, short_cut=short_cut).requests
 
 
