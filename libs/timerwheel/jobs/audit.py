@@ -46,17 +46,24 @@ HOURLY_SCHEMA = ", ".join(f"`{c}` {'string' if c == 'topic' else 'double' if c i
 log = stage_logger("audit")
 
 
+def _schedules_and_cancels(reqs: Any) -> tuple[Any, Any]:
+    """(the valid records that schedule: neither cancels nor roll hops; the valid cancels) of
+    ``requests`` rows, as the README defines *scheduled* and *cancelled*."""
+    from pyspark.sql import functions as F
+
+    valid = reqs.filter(F.col("error").isNull())
+    return valid.filter(~F.col("cancel") & (F.col("roll") == 0)), valid.filter(F.col("cancel"))
+
+
 def scheduled(reqs: Any) -> tuple[Any, Any]:
     """(scheduled: id, topic, deliver_ms, partition (the timer partition); cancels: distinct
     cancelled ids) of ``requests`` rows."""
     from pyspark.sql import functions as F
 
-    valid = reqs.filter(F.col("error").isNull())
+    schedules, cancels = _schedules_and_cancels(reqs)
     first = F.min(F.struct("partition", "offset", "topic", "deliver_ms"))
-    sched = (valid.filter(~F.col("cancel") & (F.col("roll") == 0)).groupBy("id").agg(first.alias("f"))
-             .select("id", "f.topic", "f.deliver_ms", "f.partition"))
-    cancels = valid.filter(F.col("cancel")).select("id").distinct()
-    return sched, cancels
+    sched = schedules.groupBy("id").agg(first.alias("f")).select("id", "f.topic", "f.deliver_ms", "f.partition")
+    return sched, cancels.select("id").distinct()
 
 
 def destination_rows(raw: Any) -> Any:
@@ -112,7 +119,7 @@ def matched(reqs: Any, dest: Any, topics: list[str], extent: tuple[int, int] = A
 
     spark = reqs.sparkSession
     numbers = F.broadcast(spark.createDataFrame(list(enumerate(topics)), "t int, topic string"))
-    valid = reqs.filter(F.col("error").isNull())
+    schedules, cancels = _schedules_and_cancels(reqs)
     order, order_type = _order(extent)
 
     def rows(df: Any, t: Any, o: Any, v: Any, k: int) -> Any:
@@ -122,9 +129,8 @@ def matched(reqs: Any, dest: Any, topics: list[str], extent: tuple[int, int] = A
                          F.lit(k).cast("byte").alias("k"))
 
     none = F.lit(None)
-    union = (rows(valid.filter(~F.col("cancel") & (F.col("roll") == 0)).join(numbers, "topic"), F.col("t"), order,
-                  F.col("deliver_ms"), 0)
-             .unionByName(rows(valid.filter(F.col("cancel")), none, none, none, 1))
+    union = (rows(schedules.join(numbers, "topic"), F.col("t"), order, F.col("deliver_ms"), 0)
+             .unionByName(rows(cancels, none, none, none, 1))
              .unionByName(rows(dest.join(numbers, "topic"), F.col("t"), none, F.col("delivered_at"), 2)))
     per_topic = (union.repartition("id").groupBy("id", "t")
                  .agg(F.min("o").alias("o"), F.min_by(F.when(F.col("k") == 0, F.col("v")), "o").alias("deliver_ms"),
@@ -168,11 +174,11 @@ def _rank(q: float, n: str) -> Any:
 
 def figures(j: Any, now_ms: int, grace_ms: int) -> Any:
     """The audit's figures per topic and hour, per topic and in total, from one aggregation of
-    ``joined``: columns topic, hour_ms, level ("hour", "topic" or "total"), the figures, and the
-    deliveries without ``tw-id`` and of unknown ids. A level's row whose ``scheduled`` is 0 holds
-    only the latter (rows of ``joined`` nobody scheduled).
+    ``matched``'s rows: columns topic, hour_ms, level ("hour", "topic" or "total"), the figures,
+    and the deliveries without ``tw-id`` and of unknown ids. A level's row whose ``scheduled`` is
+    0 holds only the latter (rows of ids nobody scheduled).
 
-    ``joined``'s rows are counted once, by topic, hour and lateness (a hash aggregation: every
+    ``matched``'s rows are counted once, by topic, hour and lateness (a hash aggregation: every
     figure is a sum, the lateness a key). The levels and the nearest-rank percentiles come from
     that histogram, a few rows per distinct lateness: a running count per level, the percentile
     the smallest lateness whose count reaches its rank. (Three ``percentile_disc`` over a rollup
@@ -238,10 +244,11 @@ def audit(reqs: Any, raw_dest: Any, now_ms: int, grace_ms: int, topics: list[str
           invalid: int | None = None, extent: tuple[int, int] = ANY_EXTENT) -> dict[str, Any]:
     """The audit: total and topics (summary.json's dicts), joined (``matched``'s rows of the
     scheduled ids), cached (all of ``matched``'s rows, persisted: ``unpersist`` when done),
-    hourly (rows of ``figures``' hour level) and the bad-input counts. Pure: ``reqs`` from ``timer_requests`` (``invalid``: its count of invalid records when it knows
-    it; ``extent``: its largest partition and offset), ``raw_dest`` Kafka rows of the
-    destinations (``spark.read_topics``), ``topics`` every destination of ``reqs`` and every
-    topic of ``raw_dest``.
+    hourly (rows of ``figures``' hour level) and the bad-input counts. Pure: ``reqs`` from
+    ``timer_requests`` (``invalid``: its count of invalid records when it knows it; ``extent``:
+    its largest partition and offset), ``raw_dest`` Kafka rows of the destinations
+    (``spark.read_topics``), ``topics`` every destination of ``reqs`` and every topic of
+    ``raw_dest``.
 
     One Spark action reads the destinations, matches them with the scheduled records and
     aggregates: every level's figures and the destinations' bad-input counts."""

@@ -140,7 +140,7 @@ def _verdicts(spark: Any, pre: Any, config: TimerConfig) -> tuple[Any, int, int,
     for raw, n_odd, n_short, partition, offset in per_topic:
         extent = (max(extent[0], partition), max(extent[1], offset))
         odd += n_odd
-        if raw is None or not raw:  # parse: "missing tw-topic"
+        if not raw:  # none or empty; parse: "missing tw-topic"
             refused += n_short
             if raw is not None:
                 judged.append((bytes(raw), f"missing {H_TOPIC}", ""))

@@ -71,8 +71,6 @@ def session(master: str = "local[*]", app: str = "timerwheel") -> Any:
                # small local jobs: a shuffle of 200 partitions costs more than the work
                .config("spark.sql.shuffle.partitions", os.environ.get("TW_SPARK_SHUFFLE_PARTITIONS", "8"))
                .config("spark.driver.memory", os.environ.get("TW_SPARK_DRIVER_MEMORY", "1g"))
-               # the audit's join on (topic, id) of two sides already partitioned by id: no shuffle
-               .config("spark.sql.requireAllClusterKeysForCoPartition", "false")
                # the jobs cache compact columns read once or twice: compressing them cost the
                # 1,000,000 audit 0.5 s, for memory a spill to disk would stand in for
                .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
