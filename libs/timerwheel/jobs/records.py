@@ -45,8 +45,6 @@ from timerwheel.wire import (
 CONTROL = (H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ID, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT)
 #: Those that take ``parse`` off its short path (wire._FULL_PARSE).
 _OFF_COMMON = (H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT)
-#: MAX_EPOCH_MS has 15 digits: a longer number (leading zeros aside) is out of range.
-_COMMON_DIGITS = len(str(MAX_EPOCH_MS))
 
 
 def field(header: str) -> str:
@@ -207,16 +205,18 @@ def judged_requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = Tru
     at = h[H_DELIVER_AT].cast("string")
     raw_id = h[H_ID]
     # TimerRules.common takes a run of at most 20 ASCII digits (int() of it; a longer one, even
-    # zero-padded, is refused by parse's grammar): leading zeros stripped, a value of more than
-    # 15 digits is past MAX_EPOCH_MS and goes to parse for its reason.
-    digits = F.regexp_replace(at, "^0+", "")
-    deliver = F.when(digits == "", F.lit(0).cast("long")).otherwise(digits.try_cast("long"))
+    # zero-padded, is refused by parse's grammar). A value that prints back as itself is such a
+    # run (a non-negative long: no sign, space or leading zero), the common record's case, found
+    # without a regular expression (0.2 s of the 1,000,000 audit); any other is matched against
+    # it (\z: Java's $ also matches before a final line break). A value past a long is null and
+    # one past MAX_EPOCH_MS refused below: both go to parse for its reason.
+    deliver = at.try_cast("long")
+    digits = (deliver >= 0) & F.when(deliver.cast("string") == at, F.lit(True)).otherwise(at.rlike("^[0-9]{1,20}\\z"))
     off_common_absent = F.lit(True)
     for name in _OFF_COMMON:
         off_common_absent = off_common_absent & h[name].isNull()
     common_but_topic = F.coalesce(
-        at.rlike("^[0-9]{1,20}$") & (F.length(digits) <= _COMMON_DIGITS)
-        & off_common_absent
+        digits & off_common_absent
         & (F.col("size") <= F.lit(config.max_record_bytes))
         & (deliver <= F.lit(MAX_EPOCH_MS))
         & (deliver - F.col("timestamp_ms") <= F.lit(config.max_delay_ms))
