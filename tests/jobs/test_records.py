@@ -9,7 +9,7 @@ from typing import Any
 
 from timerwheel.config import TimerConfig
 from timerwheel.errors import InvalidTimerMessage
-from timerwheel.jobs.records import narrow, requests
+from timerwheel.jobs.records import digits_as_long, narrow, requests
 from timerwheel.records import Record
 from timerwheel.wire import MAX_EPOCH_MS, TimerRules
 
@@ -162,3 +162,19 @@ def test_records_that_are_all_common_need_no_python_udf(spark: Any) -> None:
     got = {(r.partition, r.offset, r.error, r.cancel, r.id, r.topic, r.deliver_ms, r.roll) for r in mixed.collect()}
     assert got == {_expected(rules, r) for r in [*common, *refused]}
     assert sum(1 for g in got if g[2] is not None) == len(refused)
+
+
+def test_digits_as_long_takes_a_run_of_ascii_digits_and_nothing_else(spark: Any) -> None:
+    """The timer topic's ``tw-deliver-at`` (20 digits at most) and the destinations'
+    ``tw-delivered-at`` (18) are read as bytes.isdigit() runs of that length: the print-back
+    short cut and the regular expression together, against Python's own reading."""
+    from pyspark.sql import functions as F
+
+    values = ["0", "7", "1795000000000", "00123", "0" * 18, "9" * 18, "9" * 19, "0" * 19 + "5", str(2**63 - 1),
+              str(2**63), "9" * 20, "0" * 20, "0" * 21, "", "-5", "-0", "+5", " 5", "5 ", "5\n", "\n5", "1.0", "1e3",
+              "0x10", "12a", "\u0665", "１２", str(MAX_EPOCH_MS)]
+    df = spark.createDataFrame([(v,) for v in values], "v string")
+    for most in (18, 20):
+        got = dict(df.select("v", digits_as_long(F.col("v"), most).alias("n")).collect())
+        want = {v: int(v) if v.encode().isdigit() and len(v) <= most and int(v) < 2**63 else None for v in values}
+        assert got == want, most

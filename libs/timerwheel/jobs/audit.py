@@ -32,7 +32,7 @@ from typing import Any
 from timerwheel.config import TimerConfig
 from timerwheel.jobs import spark as sp
 from timerwheel.jobs.plot import line_chart
-from timerwheel.jobs.records import Judged, header_map, judged_requests, last_header, narrow
+from timerwheel.jobs.records import Judged, digits_as_long, header_map, judged_requests, last_header, narrow
 from timerwheel.log import stage_logger
 from timerwheel.wire import H_DELIVERED_AT, H_ID
 
@@ -76,7 +76,7 @@ def destination_rows(raw: Any) -> Any:
     at = last_header(H_DELIVERED_AT, m).cast("string")
     return (raw.select("topic", header_map().alias("m"))
             .select("topic", last_header(H_ID, m).cast("string").alias("id"),
-                    F.when(at.rlike("^[0-9]{1,18}$"), at.try_cast("long")).alias("delivered_at")))
+                    digits_as_long(at, 18).alias("delivered_at")))
 
 
 #: (largest partition, largest offset) of a timer topic nobody measured: any Kafka's.
