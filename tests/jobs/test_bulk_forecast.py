@@ -126,3 +126,30 @@ def test_bulk_schedule_writes_valid_rows_once_and_forecast_counts_them(
     assert peak["peak_due"] == max(per_minute.values())
     assert per_minute[peak["peak_minute_ms"]] == peak["peak_due"]
     assert (out / "forecast.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("broadcast_rows", [0, 200_000])
+def test_bulk_verdicts_are_the_same_whether_the_refused_rows_are_broadcast_or_shuffled(
+        spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broadcast_rows: int) -> None:
+    from timerwheel.jobs import bulk
+
+    monkeypatch.setattr(bulk, "BROADCAST_ROWS", broadcast_rows)
+    # Spark's own threshold would broadcast these small sides (10 MB) without the hint
+    threshold = spark.conf.get("spark.sql.autoBroadcastJoinThreshold")
+    spark.conf.set("spark.sql.autoBroadcastJoinThreshold", "-1")
+    now = int(time.time() * 1000)
+    frame, bad = _rows("dest", "other", now)
+    frame.to_parquet(tmp_path / "rows.parquet")
+    j, cached = bulk.judged(bulk.read_rows(spark, str(tmp_path / "rows.parquet"), "parquet"), TimerConfig(), now)
+    plan = j._jdf.queryExecution().executedPlan().toString()
+    for key in ("row", "id"):  # the joins back by row (the refused) and by id (the repeated)
+        assert (f"BroadcastHashJoin [{key}#" in plan) == (broadcast_rows > 0), plan
+        assert (f"SortMergeJoin [{key}#" in plan) == (broadcast_rows == 0), plan
+    reasons = {int(r.value.decode().split()[-1]): r.reason
+               for r in j.filter("reason is not null").select("value", "reason").collect()}
+    for df in cached:
+        df.unpersist()
+    spark.conf.set("spark.sql.autoBroadcastJoinThreshold", threshold)
+    assert set(reasons) == set(bad)
+    for i, why in bad.items():
+        assert why in reasons[i], (i, reasons[i])
