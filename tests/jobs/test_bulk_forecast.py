@@ -140,16 +140,18 @@ def test_bulk_verdicts_are_the_same_whether_the_refused_rows_are_broadcast_or_sh
     now = int(time.time() * 1000)
     frame, bad = _rows("dest", "other", now)
     frame.to_parquet(tmp_path / "rows.parquet")
-    j, cached = bulk.judged(bulk.read_rows(spark, str(tmp_path / "rows.parquet"), "parquet"), TimerConfig(), now)
-    plan = j._jdf.queryExecution().executedPlan().toString()
+    try:
+        j, cached = bulk.judged(bulk.read_rows(spark, str(tmp_path / "rows.parquet"), "parquet"), TimerConfig(), now)
+        plan = j._jdf.queryExecution().executedPlan().toString()
+        reasons = {int(r.value.decode().split()[-1]): r.reason
+                   for r in j.filter("reason is not null").select("value", "reason").collect()}
+        for df in cached:
+            df.unpersist()
+    finally:  # the session is shared by the module's tests
+        spark.conf.set("spark.sql.autoBroadcastJoinThreshold", threshold)
     for key in ("row", "id"):  # the joins back by row (the refused) and by id (the repeated)
         assert (f"BroadcastHashJoin [{key}#" in plan) == (broadcast_rows > 0), plan
         assert (f"SortMergeJoin [{key}#" in plan) == (broadcast_rows == 0), plan
-    reasons = {int(r.value.decode().split()[-1]): r.reason
-               for r in j.filter("reason is not null").select("value", "reason").collect()}
-    for df in cached:
-        df.unpersist()
-    spark.conf.set("spark.sql.autoBroadcastJoinThreshold", threshold)
     assert set(reasons) == set(bad)
     for i, why in bad.items():
         assert why in reasons[i], (i, reasons[i])

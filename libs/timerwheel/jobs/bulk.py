@@ -48,20 +48,25 @@ def read_rows(spark: Any, path: str, fmt: str) -> Any:
     return df.select(*cols).withColumn("row", F.monotonically_increasing_id())
 
 
+#: Spark's Kafka type of a record's headers.
+HEADERS = "array<struct<key:string,value:binary>>"
+
+
 def timer_headers(rows: Any) -> Any:
     """The headers of each row's timer record: the control ones, then the user's."""
     from pyspark.sql import functions as F
+
+    none = F.array().cast(HEADERS)
 
     def h(name: str, col: str) -> Any:
         return F.when(F.col(col).isNotNull(), F.array(F.struct(F.lit(name).alias("key"),
                                                               F.col(col).cast("binary").alias("value"))))
 
-    control = F.concat(*[F.coalesce(h(n, c), F.array().cast("array<struct<key:string,value:binary>>"))
+    control = F.concat(*[F.coalesce(h(n, c), none)
                          for n, c in ((H_TOPIC, "topic"), (H_DELIVER_AT, "deliver_at_ms"), (H_DELAY_MS, "delay_ms"),
                                       (H_ID, "id"), (H_PARTITION, "partition"))])
     # a cast of the whole array, not a lambda per header (interpreted per row)
-    user = F.coalesce(F.map_entries("headers").cast("array<struct<key:string,value:binary>>"),
-                      F.array().cast("array<struct<key:string,value:binary>>"))
+    user = F.coalesce(F.map_entries("headers").cast(HEADERS), none)
     return F.concat(control, user)
 
 
@@ -76,8 +81,9 @@ def _small(df: Any, rows: int) -> Any:
     return F.broadcast(df) if rows <= BROADCAST_ROWS else df
 
 
-def judged(rows: Any, config: TimerConfig, now_ms: int) -> Any:
-    """``rows`` with ``headers_out`` (the timer record's headers) and ``reason`` (null: valid).
+def judged(rows: Any, config: TimerConfig, now_ms: int) -> tuple[Any, list[Any]]:
+    """(``rows`` with ``headers_out`` (the timer record's headers) and ``reason`` (null: valid);
+    the caches it built, to unpersist when done).
 
     The verdicts are the parser's (``records.judged_requests``) on the records read back; only
     the refused rows' verdicts and the repeated ids' first rows are joined back to the input,
@@ -92,9 +98,11 @@ def judged(rows: Any, config: TimerConfig, now_ms: int) -> Any:
         F.lit(-1).alias("partition"), F.col("row").alias("offset"), F.lit(now_ms).cast("long").alias("timestamp_ms"),
         "key", "value", F.col("headers_out").alias("headers"))), config)
     refused = result.requests.filter(F.col("error").isNotNull()).select(F.col("offset").alias("row"), "error")
-    if result.invalid is None:  # the parser ran: its verdicts kept for the join
+    if result.invalid is None:  # the parser ran: its verdicts kept for the join, counted
         refused = refused.persist()
-    n_refused = result.invalid if result.invalid is not None else refused.count()
+        n_refused = refused.count()
+    else:
+        n_refused = result.invalid
     repeated = (rows.filter(F.col("id").isNotNull()).groupBy("id")
                 .agg(F.min("row").alias("first_row"), F.count(F.lit(1)).alias("copies"))
                 .filter(F.col("copies") > 1).select("id", "first_row").persist())
