@@ -1,5 +1,5 @@
 """The Spark jobs: the audit of N scheduled + N delivered records against a plain Spark read of
-the same topics, and bulk scheduling of N rows against a plain Spark Kafka write of them (ratios,
+the same topics and the least join of them (one shuffle by id, a count per side), and bulk scheduling of N rows against a plain Spark Kafka write of them (ratios,
 same run, same session).
 
 Size: ``TW_BENCH_SPARK_N`` (default 200,000; the issue's size is 1,000,000). Rounds:
@@ -61,20 +61,32 @@ def main() -> None:
         df = read_topics(spark, kcfg, [timer, dest])
         df.agg(F.sum(F.length("value")), F.sum(F.size("headers")), F.max("offset")).collect()
 
+    def least_join() -> None:
+        # the least any audit does: one scan of both topics, the id from the headers, one shuffle by
+        # id and a count per id and side (no rules, times, topics or lists): the floor beside the
+        # audit's own figure
+        df = read_topics(spark, kcfg, [timer, dest]).select(
+            "topic", F.map_from_entries("headers")["tw-id"].cast("string").alias("id"))
+        side = {name: F.count(F.when(F.col("topic") == t, 1)).alias(name) for name, t in (("s", timer), ("d", dest))}
+        per_id = df.groupBy("id").agg(*side.values())
+        per_id.agg(F.sum("s"), F.sum("d"), F.count(F.when(F.col("d") == 0, 1))).collect()
+
     out = tempfile.mkdtemp(prefix="bench-audit-")
     cfg = TimerConfig(timer_topic=timer, kafka_bootstrap=kafka)
 
-    # Side by side, alternating: a plain read, the audit, a plain read; the ratio is to the mean of
-    # the two reads around the audit.
+    # Side by side, alternating: a plain read, the least join, the audit, a plain read; the ratios
+    # are to the mean of the two reads around them.
     rounds = int(os.environ.get("TW_BENCH_SPARK_ROUNDS", "2"))
     for r in range(1, rounds + 1):
         read_before = _timed(f"round {r}: plain read of both topics", plain_read)
+        floor_s = _timed(f"round {r}: least join of both topics", least_join)
         audit_s = _timed(f"round {r}: audit", lambda: audit.main(os.path.join(out, "audit"), cfg, None, 60_000,
                                                                   now, master))
         read_after = _timed(f"round {r}: plain read of both topics", plain_read)
     read_s = (read_before + read_after) / 2
     emit("spark_audit", 2 * n / audit_s, "records/s", records=2 * n, wall_s=round(audit_s, 1),
          plain_read_s=[round(read_before, 1), round(read_after, 1)], ratio_to_read=round(audit_s / read_s, 2),
+         least_join_s=round(floor_s, 1), least_join_ratio_to_read=round(floor_s / read_s, 2),
          rounds=rounds, load_average=[round(x, 1) for x in os.getloadavg()])
 
     rows = os.path.join(out, "rows.parquet")

@@ -156,6 +156,25 @@ def test_audit_of_only_common_timer_records_equals_the_truth(spark: Any, kafka_b
     assert pd.read_parquet(out / "cancelled_delivered").empty
 
 
+@pytest.mark.parametrize("full", [("lost",), ("duplicated",), ("lost", "duplicated", "cancelled_delivered")])
+def test_each_list_holds_its_ids_whether_one_or_several_are_written(spark: Any, tmp_path: Path,
+                                                                    full: tuple[str, ...]) -> None:
+    """``_write_lists`` by hand: a list the summary counts holds exactly its ids (one list: read
+    straight; several: one cached read for them all); a list it does not count is written empty."""
+    import pandas as pd
+    from timerwheel.jobs.audit import _write_lists
+
+    schema = ("id string, topic string, deliver_ms long, cancelled boolean, copies long, first_delivered_at long,"
+              " lateness_ms long")
+    rows = {"lost": ("l", "t", 10, False, 0, None, None), "duplicated": ("d", "t", 10, False, 2, 15, 5),
+            "cancelled_delivered": ("c", "t", 10, True, 1, 12, 2)}
+    ok = [("ok", "t", 10, False, 1, 11, 1), ("pending", "t", 900, False, 0, None, None)]
+    joined = spark.createDataFrame([rows[name] for name in full] + ok, schema)
+    _write_lists(joined, {name: int(name in full) for name in rows}, 100, tmp_path)
+    for name, row in rows.items():
+        assert list(pd.read_parquet(tmp_path / name)["id"]) == ([row[0]] if name in full else []), name
+
+
 def test_matching_takes_each_ids_first_record_whether_its_place_is_a_long_or_a_decimal(spark: Any) -> None:
     """``matched`` by hand: an id scheduled twice (its first record, lowest partition then offset,
     decides topic and time, even at an offset past 2^62), a roll hop and a cancel that schedule
