@@ -125,21 +125,20 @@ def main(path: str, fmt: str, rejects: str, config: TimerConfig, master: str) ->
     rows = read_rows(spark, path, fmt)
     j, cached = judged(rows, config, int(time.time() * 1000))
     timer = sp.read_topics(spark, config, [config.timer_topic] if config.timer_topic in existing else [])
-    known = (timer.select(last_header(H_ID).cast("string").alias("id")).filter(F.col("id").isNotNull())
-             .distinct().persist())
-    # read and rejected observed on the rejects' write (one pass over every row); Spark's Kafka
-    # sink reports no observed metrics (Observation.get waits for ever), so the rows to schedule
-    # are counted by a job of their own on the ids alone, the topic's ids cached for the write
-    seen = Observation("bulk")
+    known = timer.select(last_header(H_ID).cast("string").alias("id")).filter(F.col("id").isNotNull()).distinct()
+    # read and rejected observed on the rejects' write (one pass over every row), scheduled on the
+    # Kafka write (the DataSource V2 sink reports observed metrics; the V1 sink reported none)
+    seen, written = Observation("bulk"), Observation("bulk-scheduled")
     j.select("id", "topic", "key", "value", "deliver_at_ms", "delay_ms", "partition", "headers", "reason") \
         .observe(seen, F.count(F.lit(1)).alias("read"), F.count("reason").alias("rejected")) \
         .filter(F.col("reason").isNotNull()).write.mode("overwrite").parquet(rejects)
     fresh = j.filter(F.col("reason").isNull()).join(known, "id", "left_anti")
-    scheduled = fresh.select("id").count()
-    sp.write_topic(fresh.select("key", "value", F.col("headers_out").alias("headers")), config, config.timer_topic)
-    n = {name: int(v) for name, v in seen.get.items()}
-    for df in [*cached, known]:
+    sp.write_topic(fresh.select("key", "value", F.col("headers_out").alias("headers"))
+                   .observe(written, F.count(F.lit(1)).alias("scheduled")), config, config.timer_topic)
+    n = {name: int(v) for name, v in (seen.get | written.get).items()}
+    for df in cached:
         df.unpersist()
+    scheduled = n["scheduled"]
     counts = {"read": n["read"], "scheduled": scheduled, "rejected": n["rejected"],
               "already_scheduled": n["read"] - n["rejected"] - scheduled}
     log.info("bulk-schedule done", **counts)
