@@ -17,8 +17,18 @@ GRACE = 60_000
 TS = NOW - 3_600_000  # the timer records' timestamps: an hour before the audit's now
 
 
+@pytest.fixture(params=["one level", "two levels"])
+def levels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``matched`` aggregating by id once (few topics: the usual case) or by (id, topic) first (more
+    topics than ``ONE_LEVEL_TOPICS``): every figure must be the same either way."""
+    from timerwheel.jobs import audit
+
+    monkeypatch.setattr(audit, "ONE_LEVEL_TOPICS", 64 if request.param == "one level" else 0)
+    return str(request.param)
+
+
 def test_audit_summary_equals_the_truth_of_what_was_written(spark: Any, kafka_bootstrap: str, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+                                                            capsys: pytest.CaptureFixture[str], levels: str) -> None:
     timer, dlq, a, b, missing = (unique("audit-timer"), unique("audit-dlq"), unique("audit-a"), unique("audit-b"),
                                  unique("audit-missing"))
     w = Writer(kafka_bootstrap)
@@ -115,7 +125,8 @@ def test_audit_summary_equals_the_truth_of_what_was_written(spark: Any, kafka_bo
     assert second["topics"][a] == summary["topics"][a]
 
 
-def test_audit_of_only_common_timer_records_equals_the_truth(spark: Any, kafka_bootstrap: str, tmp_path: Path) -> None:
+def test_audit_of_only_common_timer_records_equals_the_truth(spark: Any, kafka_bootstrap: str, tmp_path: Path,
+                                                             levels: str) -> None:
     """Every timer record common (the usual case): the destinations come from the pass that judged
     them and no record is counted invalid without a look. A destination that no record names is
     not read, a repeated header keeps its last value, a retried id its first record."""
@@ -175,7 +186,7 @@ def test_each_list_holds_its_ids_whether_one_or_several_are_written(spark: Any, 
         assert list(pd.read_parquet(tmp_path / name)["id"]) == ([row[0]] if name in full else []), name
 
 
-def test_matching_takes_each_ids_first_record_whether_its_place_is_a_long_or_a_decimal(spark: Any) -> None:
+def test_matching_takes_each_ids_first_record_whether_its_place_is_a_long_or_a_decimal(spark: Any, levels: str) -> None:
     """``matched`` by hand: an id scheduled twice (its first record, lowest partition then offset,
     decides topic and time, even at an offset past 2^62), a roll hop and a cancel that schedule
     nothing, copies on the id's topic and on another, deliveries without ``tw-id`` and of an id
