@@ -35,7 +35,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import redis
+from infra import free_port
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from timerwheel.config import TimerConfig
@@ -72,12 +72,6 @@ _SECURITY_VARS = ("TW_KAFKA_SECURITY_", "TW_KAFKA_SASL_", "TW_KAFKA_SSL_", "TW_R
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def with_db(url: str, db: int) -> str:

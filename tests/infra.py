@@ -14,6 +14,8 @@ chaos tests; against servers named by the environment they skip, as they cannot 
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,41 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / ".run"
+
+#: Ports ``free_port`` hands out: under the kernel's ephemeral range (32768 by default) and under
+#: Kubernetes' NodePorts (30000-32767), which kube-proxy redirects on this node's addresses too.
+_PORTS = range(20_000, 30_000)
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A port nothing listens on, for a server a test starts, never handed out before in this run.
+
+    Not a port bound to 0: that comes from the ephemeral range, and between closing it and the
+    server's bind any outgoing connection (the stages' own Kafka and Redis clients, starting
+    meanwhile) may take it as its local port. A stage then refused TW_HTTP_PORT with "Address
+    already in use" (one run of the suite in ~680 tests). Below that range only explicit binds
+    take ports."""
+    low = min(_ephemeral_low(), _PORTS.stop)
+    for port in random.sample(range(_PORTS.start, low), k=low - _PORTS.start):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise AssertionError(f"no free port left in {_PORTS.start}-{low - 1}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
 
 #: The first Kafka start downloads the broker; later ones take seconds.
 _UP_TIMEOUT_S = 900

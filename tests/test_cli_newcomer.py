@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from infra import free_port
 from timerwheel.cli import main, make_parser
 
 ENV = {**os.environ, "TW_LOG_LEVEL": "WARNING"}
@@ -29,12 +29,6 @@ def tw(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> su
                           timeout=timeout, env=env or ENV)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     def __init__(self, data: Path, port: int, printed: list[str]) -> None:
         self.data, self.port, self.printed = data, port, printed
@@ -44,7 +38,7 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """``timerwheel run`` as ``make run`` starts it (the venv's script, a relative data dir), 3 shards."""
     cwd = tmp_path_factory.mktemp("run")
-    port = _free_port()
+    port = free_port()
     script = Path(sys.executable).parent / "timerwheel"
     assert script.exists(), "the venv has no timerwheel script"
     env = {**ENV, "PATH": NEW_TERMINAL_PATH, "TW_HTTP_PORT": str(port), "TW_SHARDS": "3"}
