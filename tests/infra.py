@@ -28,7 +28,22 @@ RUN = ROOT / ".run"
 #: Ports ``free_port`` hands out: under the kernel's ephemeral range (32768 by default) and under
 #: Kubernetes' NodePorts (30000-32767), which kube-proxy redirects on this node's addresses too.
 _PORTS = range(20_000, 30_000)
-_handed_out: set[int] = set()
+
+
+def _unused_ports() -> Iterator[int]:
+    """Each port of ``_PORTS`` below the ephemeral range once, in a random order."""
+    low = min(_ephemeral_low(), _PORTS.stop)
+    yield from random.sample(range(_PORTS.start, low), k=low - _PORTS.start)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+_ports = _unused_ports()
 
 
 def free_port() -> int:
@@ -39,25 +54,14 @@ def free_port() -> int:
     meanwhile) may take it as its local port. A stage then refused TW_HTTP_PORT with "Address
     already in use" (one run of the suite in ~680 tests). Below that range only explicit binds
     take ports."""
-    low = min(_ephemeral_low(), _PORTS.stop)
-    for port in random.sample(range(_PORTS.start, low), k=low - _PORTS.start):
-        if port in _handed_out:
-            continue
+    for port in _ports:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-        _handed_out.add(port)
         return port
-    raise AssertionError(f"no free port left in {_PORTS.start}-{low - 1}")
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32_768
+    raise AssertionError(f"no free port left in {_PORTS.start}-{min(_ephemeral_low(), _PORTS.stop) - 1}")
 
 
 #: The first Kafka start downloads the broker; later ones take seconds.
