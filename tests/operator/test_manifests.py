@@ -141,7 +141,8 @@ def test_secrets_tracing_and_storage_options_reach_the_pods() -> None:
 def test_the_claim_is_kept_by_default_and_an_existing_claim_is_used_as_is() -> None:
     (pvc,) = by_kind(built(), "PersistentVolumeClaim").values()
     assert "ownerReferences" not in pvc["metadata"]  # survives the TimerWheel's deletion
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and "storageClassName" not in pvc["spec"]
+    # ReadWriteOnce: what every cluster's default storage class offers (the pods then share its node)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"] and "storageClassName" not in pvc["spec"]
     for m in built():
         if m["kind"] != "PersistentVolumeClaim":
             assert m["metadata"]["ownerReferences"][0]["kind"] == "TimerWheel"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from timerwheel.metrics import Metrics
-from timerwheel_operator.metrics import MetricsParseError, Sample, parse_prometheus, shard_status
+from timerwheel_operator.stage_metrics import MetricsParseError, Sample, parse_prometheus, shard_status
 
 
 def stage_metrics(stage: str, shard: int, epoch: int, **gauges: float) -> str:
