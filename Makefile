@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= ./data
 
-.PHONY: setup setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
+.PHONY: setup setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image image spark-image down clean
 
 setup: $(VENV)/.installed
 
@@ -64,6 +64,14 @@ k8s-up:
 
 k8s-image:
 	scripts/k8s.sh load-image
+
+## The image of the operator and the stages (services/Dockerfile) as an OCI archive,
+## dist/timerwheel-<appVersion>.oci.tar, built without Docker by scripts/image.py (root; Debian's
+## debootstrap, umoci and skopeo; layers cached in ~/.cache/timerwheel/image). Push it to your
+## registry with skopeo and install the chart with image.repository (docs/helm.md, "The image").
+IMAGE_VERSION := $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*/\1/p' charts/timerwheel/Chart.yaml)
+image:
+	python3 scripts/image.py build --tag timerwheel:$(IMAGE_VERSION) --oci-archive dist/timerwheel-$(IMAGE_VERSION).oci.tar
 
 ## The Spark image (services/spark/Dockerfile: the stage package plus Java 17, PySpark and Spark's
 ## Kafka connector) as timerwheel-spark:dev, built without Docker by scripts/image.py (layers cached
