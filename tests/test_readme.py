@@ -16,7 +16,7 @@ from timerwheel.config import ENV_VARS, OTHER_ENV_VARS, TOOLING_ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The user-facing pages whose links and paths are checked.
-PAGES = ("README.md", "BENCHMARKS.md", "charts/timerwheel/README.md")
+PAGES = ("README.md", "BENCHMARKS.md", "charts/timerwheel/README.md", "docs/helm.md")
 
 
 def _shell_lines(text: str) -> list[str]:

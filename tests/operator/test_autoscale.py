@@ -3,7 +3,7 @@ delay and below a lower band (hysteresis), always within [min, max]."""
 
 from __future__ import annotations
 
-from timerwheel_operator.autoscale import Load, AutoscalePolicy, decide
+from timerwheel_operator.autoscale import AutoscalePolicy, Load, decide
 
 POLICY = AutoscalePolicy(min_replicas=1, max_replicas=6, lead_ms=60_000, per_replica_per_s=1_000, scale_down_delay_ms=120_000)
 NOW = 1_700_000_000_000

@@ -7,7 +7,6 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
 import pytest
 from k8s_helpers import wheel_body
 from timerwheel.metrics import Metrics

@@ -14,8 +14,8 @@ from timerwheel_operator import manifests
 from timerwheel_operator import reconcile as rec
 from timerwheel_operator import recovery as rcv
 from timerwheel_operator.jobs import JobView, Outcome, reports
-from timerwheel_operator.stage_metrics import ShardStatus
 from timerwheel_operator.spec import read
+from timerwheel_operator.stage_metrics import ShardStatus
 
 NOW = 1_700_000_000_000
 POLICY = rcv.RecoveryPolicy()
