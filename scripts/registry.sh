@@ -140,17 +140,6 @@ launch() {
     log "registry up on $(address) (pid $pid; user $USER_NAME, password in ${STATE#"$ROOT"/}/password)"
 }
 
-stop_server() {
-    local pid i
-    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 100; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -KILL "$pid" 2>/dev/null || true
-    rm -f "$PID_FILE"
-}
 
 cmd_up() {
     build
@@ -158,7 +147,7 @@ cmd_up() {
         write_env
         return 0
     fi
-    [[ -f "$STATE/port" ]] && stop_server
+    [[ -f "$STATE/port" ]] && stop_running 10
     [[ -f "$STATE/config.yml" ]] || make_state
     launch
 }
@@ -186,7 +175,7 @@ main() {
     case "$verb" in
     up) cmd_up ;;
     down)
-        [[ -f "$STATE/port" ]] && stop_server
+        [[ -f "$STATE/port" ]] && stop_running 10
         rm -rf "$STATE" "$ENV_FILE"
         ;;
     esac
