@@ -49,9 +49,8 @@ class Wheels:
         return event is not None
 
     def forget(self, key: WheelKey) -> None:
+        """``key``'s loop has ended (its lock stays: a round of an edge may hold it still)."""
         self.wakes.pop(key, None)
-        with self._guard:
-            self.locks.pop(key, None)
 
 
 @dataclass(slots=True)

@@ -9,8 +9,9 @@ From the TimerWheel's pods (the stages' and its Jobs') and its volume claim, in 
 - ``ImagePullFailed``: a container waits on its image (``ErrImagePull``, ``ImagePullBackOff``,
   ``InvalidImageName``, ``ErrImageNeverPull``): a tag no registry has, a registry the node cannot
   reach, a private one without ``imagePullSecrets``.
-- ``CrashLooping``: a container restarts in back-off (``CrashLoopBackOff``), with its last exit code
-  and its last log line (the stage containers end their log into the termination message).
+- ``CrashLooping``: a container restarts in back-off (``CrashLoopBackOff``, or started again after
+  ``CRASHES`` failed runs and not ready yet), with its last exit code and its last log line (the
+  stage containers end their log into the termination message).
 - ``PodConfigError``: a container cannot be made (``CreateContainerConfigError``: a Secret or
   ConfigMap key it names is missing).
 - ``Unschedulable``: a pod stayed unschedulable for ``GRACE_S`` (the scheduler's message: no node
@@ -30,6 +31,9 @@ from typing import Any
 #: How long a claim may stay Pending, or a pod unschedulable, before it counts as blocked.
 GRACE_S = 30
 PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "RegistryUnavailable")
+#: Restarts after which a container that is not ready and last failed counts as crash-looping
+#: while it runs again (between back-offs).
+CRASHES = 2
 #: Reasons in the order their blocker names the TimerWheel's state.
 ORDER = ("ClaimPending", "ImagePullFailed", "CrashLooping", "PodConfigError", "Unschedulable")
 
@@ -73,6 +77,14 @@ def _component(pod: Mapping[str, Any]) -> str:
     return str(((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") or "?")
 
 
+def _restarting(status: Mapping[str, Any]) -> bool:
+    """Between two back-offs of a crash loop (started again, not ready yet, the last run failed):
+    still crash-looping, so the condition does not flap with every restart."""
+    last = (status.get("lastState") or {}).get("terminated") or {}
+    return (int(status.get("restartCount") or 0) >= CRASHES and not status.get("ready")
+            and last.get("exitCode") not in (None, 0))
+
+
 def pod_blockers(pod: Mapping[str, Any], now: dt.datetime) -> list[Blocker]:
     """What blocks one pod: its containers' waiting reasons, or the scheduler's refusal."""
     meta = pod.get("metadata") or {}
@@ -91,7 +103,7 @@ def pod_blockers(pod: Mapping[str, Any], now: dt.datetime) -> list[Blocker]:
             out.append(Blocker("ImagePullFailed", f"{who} cannot pull image {image} ({reason}"
                                                   f"{': ' + message if message else ''}); check image.repository, "
                                                   "image.tag and imagePullSecrets"))
-        elif reason == "CrashLoopBackOff":
+        elif reason == "CrashLoopBackOff" or _restarting(cs):
             last = (cs.get("lastState") or {}).get("terminated") or {}
             lines = [x for x in str(last.get("message") or "").splitlines() if x.strip()]
             line = next((x for x in reversed(lines) if "error" in x.lower()), lines[-1] if lines else "")

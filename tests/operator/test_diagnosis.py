@@ -65,6 +65,13 @@ def test_image_pull_failures_crash_loops_config_errors_and_unschedulable_pods_ar
     waiting = pod("dequeue-getmsg", conditions=[{
         "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "lastTransitionTime": JUST_NOW}])
     healthy = pod("dequeue-put")
+    # started again between two back-offs, not ready: still crash-looping (no flapping condition)
+    again = pod("dequeue-put")
+    again["status"]["containerStatuses"][0].update(restartCount=2, ready=False, lastState={"terminated": {
+        "exitCode": 2, "message": "timerwheel: error: TW_REDIS_URL: must start with redis://"}})
+    assert [b.reason for b in diagnosis.diagnose([again], None, [], NOW)] == ["CrashLooping"]
+    again["status"]["containerStatuses"][0]["ready"] = True  # it came up after all
+    assert diagnosis.diagnose([again], None, [], NOW) == []
     found = diagnosis.diagnose([healthy, unschedulable, waiting, config, crash, backoff, pull], None, [], NOW)
     assert [b.reason for b in found] == ["ImagePullFailed", "ImagePullFailed", "CrashLooping", "PodConfigError",
                                          "Unschedulable"]
