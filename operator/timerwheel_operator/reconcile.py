@@ -26,8 +26,8 @@ from timerwheel_operator import retention as ret
 from timerwheel_operator import window as win
 from timerwheel_operator.autoscale import Decision, Load, decide
 from timerwheel_operator.crd import DELIVERY_STAGES, SHARD_OWNERS, STAGES
-from timerwheel_operator.kube import Cluster
 from timerwheel_operator.diagnosis import Blocker
+from timerwheel_operator.kube import Cluster
 from timerwheel_operator.spec import HTTP_PORT, SpecError, Wheel, read, with_claim, workload_name
 from timerwheel_operator.stage_metrics import (
     MetricsParseError,
