@@ -375,8 +375,8 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, config: OperatorConfig,
         kept = win.Window.of_spec(prev.get("current")) or win.Window(
             wheel.config.tick_ms, wheel.config.roll_window_ms, int(wheel.env["TW_WHEEL_SPAN_MS"]))
         step = win.WindowStep(kept, prev.get("phase") in (*win.ROLLING, "Failed"), dict(prev),
-                        (prev.get("phase") in win.ROLLING, str(prev.get("reason") or "Unknown"),
-                         str(prev.get("message") or "")))
+                              (prev.get("phase") in win.ROLLING, str(prev.get("reason") or "Unknown"),
+                               str(prev.get("message") or "")))
     effective = _with_window(body, step.run)
     applied, status = _round(effective, wheel, cluster, config, now_ms,
                              {s: 0 for s in SHARD_OWNERS} if step.pause else {})
