@@ -3,11 +3,11 @@
 Start with ``Shard`` (shard.py); FORMAT.md documents every byte on disk and the recovery algorithm.
 """
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.store.checkpoint import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.format import (
     FORMAT_VERSION,
     RECORD_DTYPE,
+    RECORD_SIZE,
     RECORD_STRUCT,
     Flag,
     TimerRecord,

@@ -30,9 +30,9 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError, FormatMismatchError, TimerwheelError
 from timerwheel.files import atomic_write
+from timerwheel.store.format import RECORD_SIZE
 
 __all__ = ["atomic_write"]  # re-exported for tests that write a file as another owner would
 from timerwheel.store.format import FORMAT_VERSION

@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
-from timerwheel.store.format import valid_mask
+from timerwheel.store.format import RECORD_SIZE, valid_mask
 from timerwheel.store.timerlog import CHUNK_RECORDS, TimerLog
 from timerwheel.store.wheel import Slot, TimerWheel, group_order
 

@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import (
     ConfigError,
     CorruptRecordError,
@@ -56,6 +55,7 @@ from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.format import (
     FORMAT_VERSION,
     RECORD_DTYPE,
+    RECORD_SIZE,
     RecordArray,
     TimerRecord,
     pack_records,

@@ -31,11 +31,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import ConfigError, CorruptRecordError, FormatMismatchError, TimerwheelError
 from timerwheel.files import FILE_MODE, fsync_dir, pwrite_all
 from timerwheel.store.format import (
     RECORD_DTYPE,
+    RECORD_SIZE,
     RecordArray,
     TimerRecord,
     pack_records,
