@@ -178,8 +178,6 @@ class Shard:
         lock_fd: int,
     ) -> None:
         self.directory = directory
-        #: This view's own checkpoint saves, so that the next save's epoch check needs no read.
-        self._saved: checkpoint.SaveMemo = {}
         #: Where this view last found each checkpoint (spares a directory listing per load).
         self._found: checkpoint.LoadMemo = {}
         self.log = timer_log
@@ -528,7 +526,7 @@ class Shard:
 
     def save_enqueue_checkpoint(self, ckpt: EnqueueCheckpoint) -> None:
         """Atomically replace enqueue.ckpt (FencedError if it holds a newer epoch)."""
-        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync, self._saved)
+        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync)
 
     def load_enqueue_checkpoint(self) -> EnqueueCheckpoint | None:
         """The published enqueue checkpoint as it is now on the volume, or None (a newer owner's file is
@@ -537,7 +535,7 @@ class Shard:
 
     def save_dequeue_checkpoint(self, ckpt: DequeueCheckpoint) -> None:
         """Atomically replace dequeue.ckpt (FencedError if it holds a newer epoch)."""
-        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync, self._saved)
+        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync)
 
     def load_dequeue_checkpoint(self) -> DequeueCheckpoint | None:
         """The published dequeue checkpoint as it is now on the volume, or None (see above)."""
