@@ -691,7 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_repair(args: argparse.Namespace) -> int:
     """``recover`` / ``rebuild-wheel``: one stopped shard, one JSON report (timerwheel.repair)."""
-    from timerwheel.repair import change_window, rebuild_wheel, recover_shard
+    from timerwheel.store.deployment import DeploymentSettings, refuse_other_window
+    from timerwheel.store.repair import change_window, rebuild_wheel, repair_shard
 
     window = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _var) in _WINDOW_FIELD.items()
               if getattr(args, flag[2:].replace("-", "_"), None) is not None}
@@ -701,14 +702,15 @@ def cmd_repair(args: argparse.Namespace) -> int:
     if not Path(cfg.data_dir).is_dir():
         raise CliError(f"--data-dir: {cfg.data_dir} is not a directory")
     if args.command == "recover":
-        report = recover_shard(cfg, args.shard)
+        report = repair_shard(cfg, args.shard)
     elif getattr(args, "change_window", False):
         report = change_window(cfg, args.shard, check_only=args.check)
     elif getattr(args, "check", False):
         raise CliError("--check: only with --change-window")
     else:
         asked = {field for flag, (field, var) in _WINDOW_FIELD.items() if field in window or var in os.environ}
-        _refuse_other_window(cfg, asked)
+        refuse_other_window(cfg.data_dir, DeploymentSettings.of(cfg), asked,
+                            {field: f"{flag} ({var})" for flag, (field, var) in _WINDOW_FIELD.items()})
         report = rebuild_wheel(cfg, args.shard)
     print(json.dumps(report, indent=2))
     return 0
@@ -726,26 +728,6 @@ def _window_config(args: argparse.Namespace, window: dict[str, int]) -> TimerCon
         if flag is None and exc.field == "data_dir" and args.data_dir is not None:
             flag = "--data-dir"
         raise CliError(f"{flag}: {str(exc).split(': ', 1)[1]}" if flag else str(exc)) from None
-
-
-def _refuse_other_window(cfg: TimerConfig, asked: set[str]) -> None:
-    """Without --change-window, a tick, roll window or span given that differs from the stored
-    one is refused as a stage's start refuses it (exit 2), pointing to --change-window."""
-    from timerwheel.store.deployment import DeploymentSettings, load_settings
-
-    stored = load_settings(cfg.data_dir)
-    if stored is None or not asked:
-        return
-    wanted = DeploymentSettings.of(cfg)
-    names = {"tick_ms": ("TW_TICK_MS", "--tick-ms"), "roll_window_ms": ("TW_ROLL_WINDOW_MS", "--roll-window-ms"),
-             "wheel_span_ms": ("TW_WHEEL_SPAN_MS", "--wheel-span-ms")}
-    wrong = [f"{names[n][1]} ({names[n][0]}): stored {getattr(stored, n)}, requested {getattr(wanted, n)}"
-             for n in names if (n in asked or (n == "wheel_span_ms" and "roll_window_ms" in asked))
-             and getattr(stored, n) != getattr(wanted, n)]
-    if wrong:
-        raise FormatMismatchError(f"data directory {cfg.data_dir} was made with other settings ({'; '.join(wrong)}; "
-                                  "see timerwheel.json): add --change-window to rebuild every shard's wheel with "
-                                  "the new values (stages stopped), or give the stored ones")
 
 
 def cmd_stage(args: argparse.Namespace) -> int:

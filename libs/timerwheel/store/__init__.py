@@ -14,7 +14,7 @@ from timerwheel.store.format import (
     records_array,
 )
 from timerwheel.store.layout import shard_dir
-from timerwheel.store.recovery import RecoveryReport
+from timerwheel.store.recovery import CrashRecoveryReport
 from timerwheel.store.shard import Shard
 from timerwheel.store.timerlog import TimerLog
 from timerwheel.store.wheel import Slot, TimerWheel
@@ -25,10 +25,10 @@ __all__ = [
     "RECORD_SIZE",
     "RECORD_STRUCT",
     "CorruptCheckpointError",
+    "CrashRecoveryReport",
     "DequeueCheckpoint",
     "EnqueueCheckpoint",
     "Flag",
-    "RecoveryReport",
     "Shard",
     "Slot",
     "TimerLog",
