@@ -1,9 +1,11 @@
-"""Counters, gauges and the lateness histogram that every stage updates, and their ``/metrics`` text.
+"""Counters, gauges and the lateness histogram that every stage updates.
 
-A plain, thread-safe registry (``Metrics``) that knows nothing of who reads it. Exporters read it:
-``/metrics`` in Prometheus' text format (``render``, at the end of this module, through
-prometheus_client), OTLP (``timerwheel.telemetry.export_metrics``); ``timerwheel inspect`` shows
-the same figures. Stages add per batch (``inc_many``), never allocate per message on the hot path.
+A plain, thread-safe registry with no dependency but numpy, so the pure core stays pure; it knows
+nothing of who reads it. Exporters read it: ``/metrics`` through prometheus_client
+(``timerwheel.exposition``, which imports this module and is imported only by who serves it:
+prometheus_client brings http and email modules that a producer's ``import timerwheel`` does not
+need), OTLP (``timerwheel.telemetry.export_metrics``); ``timerwheel inspect`` shows the same figures.
+Stages add per batch (``inc_many``), never allocate per message on the hot path.
 
 Every family is declared below (``COUNTERS``, ``GAUGES``, ``HISTOGRAMS``, with its help text):
 the exporters enumerate these, so a figure recorded under an undeclared name would reach
@@ -20,13 +22,10 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
-from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector, CollectorRegistry
 
 if TYPE_CHECKING:
     from timerwheel.config import TimerConfig
@@ -244,65 +243,3 @@ class Metrics:
         """Names of the counter, gauge and histogram families recorded so far."""
         with self._lock:
             return sorted(self.counters), sorted(self.gauges), sorted(self.histograms)
-
-    def render_prometheus(self) -> str:
-        """The registry in Prometheus' text exposition format (``render``)."""
-        return render(self)
-
-
-# ---------------------------------------------------------------- /metrics
-# The registry in Prometheus' text format. A custom prometheus_client ``Collector`` reads the registry at scrape time, so the stages keep
-# their one lock-cheap registry and prometheus_client does what is easy to get wrong by hand:
-# label values escaped (``\\``, ``"``, new lines), numbers printed exactly (a float's shortest
-# round-trip form: W = ``1.700000000123e+12`` is that very millisecond), ``# HELP`` and
-# ``# TYPE`` lines. Names and types are those of the registry: counter ``x`` is the family
-# ``timerwheel_x`` of type counter with the sample ``timerwheel_x_total``; gauge ``x`` is
-# ``timerwheel_x``; histogram ``x`` has ``timerwheel_x_bucket{le=...}``, ``_sum`` and ``_count``.
-# Label values are bounded where they are recorded (``LabelBound``), not here.
-
-PREFIX = "timerwheel_"
-
-
-class RegistryCollector(Collector):
-    """Every family of one ``Metrics`` registry, read at each scrape."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        m = self.metrics
-        counters, gauges, histograms = m.families()
-        for name in counters:
-            family = Metric(PREFIX + name, COUNTERS.get(name, name), "counter")
-            for labels, value in sorted(m.snapshot("counters", name).items()):
-                family.add_sample(f"{PREFIX}{name}_total", dict(labels), value)
-            yield family
-        for name in gauges:
-            family = Metric(PREFIX + name, GAUGES.get(name, name), "gauge")
-            for labels, value in sorted(m.snapshot("gauges", name).items()):
-                family.add_sample(PREFIX + name, dict(labels), value)
-            yield family
-        for name in histograms:
-            family = Metric(PREFIX + name, HISTOGRAMS.get(name, name), "histogram")
-            for labels, (bounds, counts, total, count) in sorted(m.histogram_snapshot(name).items()):
-                running = 0
-                for bound, n in zip(bounds, counts, strict=False):
-                    running += n
-                    family.add_sample(f"{PREFIX}{name}_bucket", {**dict(labels), "le": repr(float(bound))}, running)
-                family.add_sample(f"{PREFIX}{name}_bucket", {**dict(labels), "le": "+Inf"}, running + counts[-1])
-                family.add_sample(f"{PREFIX}{name}_sum", dict(labels), total)
-                family.add_sample(f"{PREFIX}{name}_count", dict(labels), count)
-            yield family
-
-
-def registry_of(metrics: Metrics) -> CollectorRegistry:
-    """A prometheus_client registry holding only ``metrics`` (no process or platform collectors:
-    their names are not ours, and the operator parses what we serve)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(RegistryCollector(metrics))
-    return registry
-
-
-def render(metrics: Metrics) -> str:
-    """``/metrics``: ``metrics`` in Prometheus' text exposition format."""
-    return generate_latest(registry_of(metrics)).decode()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from timerwheel import SimulatedClock, Timer
 from timerwheel.config import TimerConfig
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.errors import FormatMismatchError, ShardNeedsRecoveryError
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 from timerwheel.store import Shard, records_array
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.layout import shard_dir

@@ -83,6 +83,16 @@ def load_settings(data_dir: str | os.PathLike[str]) -> DeploymentSettings | None
         raise TimerwheelError(f"deployment file {path} is unreadable: {exc}") from None
 
 
+def shards_to_show(data_dir: str | os.PathLike[str], count: int | None = None) -> list[int]:
+    """The shards of ``data_dir`` a tool reads (``inspect``, ``pending``): those found among
+    0..count-1, by default the stored shard count, or without a deployment file every shard found."""
+    found = found_shards(data_dir)
+    if count is None:
+        stored = load_settings(data_dir)
+        count = stored.shards if stored is not None else None
+    return found if count is None else [s for s in range(count) if s in found]
+
+
 def _refuse(data_dir: str | os.PathLike[str], stored: DeploymentSettings, wanted: DeploymentSettings) -> None:
     mine, theirs = asdict(wanted), asdict(stored)
     wrong = [f"{VARIABLE_OF[n]}: stored {theirs[n]!r}, requested {mine[n]!r}" for n in mine if mine[n] != theirs[n]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,19 @@ def open_found_shard(data_dir: str | os.PathLike[str], shard: int, *, fsync: boo
     directory = shard_dir(data_dir, shard)
     tick_ms, slots, segment_bytes = stored_settings(directory)
     return Shard.open(directory, tick_ms=tick_ms, slots=slots, segment_bytes=segment_bytes, fsync=fsync, writer=False)
+
+
+def open_found_shards(data_dir: str | os.PathLike[str], shards: Iterable[int]) -> dict[int, Shard]:
+    """``open_found_shard`` of each of ``shards``; if one fails, those opened are closed again."""
+    opened: dict[int, Shard] = {}
+    try:
+        for s in shards:
+            opened[s] = open_found_shard(data_dir, s)
+    except BaseException:
+        for shard in opened.values():
+            shard.close()
+        raise
+    return opened
 
 
 class DataDirLock:
