@@ -36,6 +36,9 @@ def test_the_busiest_ten_seconds_ahead_per_horizon(tmp_path: Path) -> None:
         sample_gauges(metrics, {}, {0: shard}, count_wheel=False, now_ms=NOW)
         assert metrics.gauge("due_peak_per_s", shard=0, ahead_s=60) == 5.0
         assert metrics.gauge("due_peak_per_s", shard=0, ahead_s=300) == 12.0
+        assert metrics.gauge("pending", shard=0) is None, "the wheel is counted only when asked"
+        sample_gauges(metrics, {}, {0: shard})
+        assert metrics.gauge("pending", shard=0) == len(due), "every record from R over the wheel's span"
         clock.set(NOW + 300_000)
         assert due_peak_per_s(shard, NOW + 300_000, 60) == 0.0
     finally:

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from timerwheel.cli.common import CliError, build_config, client_args, commit_log, duration
@@ -52,14 +53,10 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         headers.append((k, v.encode()))
     _check_level(cfg, args.delay_level)
     client = TimerClient(commit_log(cfg, args.kafka, args), cfg, validate=True)
-    try:
-        ticket = client.schedule(args.topic, args.value.encode(), key=args.key.encode() if args.key else None,
-                                 headers=tuple(headers), delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at,
-                                 delay_level=args.delay_level, message_id=args.message_id)
-    except (ValueError, InvalidTimerMessage) as exc:
-        raise CliError(f"schedule: {exc}") from None
-    print(ticket)
-    return 0
+    return _print_ticket("schedule", lambda: client.schedule(
+        args.topic, args.value.encode(), key=args.key.encode() if args.key else None, headers=tuple(headers),
+        delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at, delay_level=args.delay_level,
+        message_id=args.message_id))
 
 
 def add_cancel(sub: Any) -> None:
@@ -102,13 +99,9 @@ def cmd_reschedule(args: argparse.Namespace) -> int:
     ticket = _ticket(args.ticket)
     _check_level(cfg, args.delay_level)
     client = TimerClient(commit_log(cfg, args.kafka, args), cfg, validate=True)
-    try:
-        new = client.reschedule(ticket, delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at,
-                                delay_level=args.delay_level, message_id=args.message_id)
-    except (ValueError, InvalidTimerMessage) as exc:
-        raise CliError(f"reschedule: {exc}") from None
-    print(new)
-    return 0
+    return _print_ticket("reschedule", lambda: client.reschedule(
+        ticket, delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at, delay_level=args.delay_level,
+        message_id=args.message_id))
 
 
 def add_consume(sub: Any) -> None:
@@ -136,6 +129,16 @@ def cmd_consume(args: argparse.Namespace) -> int:
         return 0
     finally:
         consumer.close()
+
+
+def _print_ticket(command: str, schedule: Callable[[], Ticket]) -> int:
+    """Print the ticket ``schedule`` returns; a timer the service's rules refuse is one line, exit 2."""
+    try:
+        ticket = schedule()
+    except (ValueError, InvalidTimerMessage) as exc:
+        raise CliError(f"{command}: {exc}") from None
+    print(ticket)
+    return 0
 
 
 def _check_level(cfg: TimerConfig, level: int | None) -> None:
