@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from timerwheel import SimulatedClock, Timer, TimerClient, TimerConfig
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import OutRecord
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 from timerwheel.transports.local import LocalCommitLog
 
 from bench.common import emit, peak_rss_mb, percentile, say
