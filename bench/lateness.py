@@ -31,6 +31,8 @@ from bench.common import percentile
 WAYS = ("delivered_at", "timestamp", "received")
 #: The due-time shapes the load generators give their messages.
 DUE_MODES = ("whole_second", "uniform")
+#: Ids of messages sent to see a system deliver before it is measured: never counted.
+WARM_UP_PREFIX = "warm-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +92,13 @@ def three_way(due_ms: Mapping[str, int], arrivals: Iterable[Arrival]) -> dict[st
 
 def counts(expected: Iterable[str], arrivals: Iterable[Arrival]) -> dict[str, int]:
     """Of the ``expected`` ids: how many arrived, how many never did (lost), how many extra copies
-    arrived (duplicated), and arrivals of ids not expected (unexpected)."""
+    arrived (duplicated), and arrivals of ids not expected (unexpected). Warm-up messages
+    (``WARM_UP_PREFIX``) are not counted at all."""
     wanted = set(expected)
     copies: dict[str, int] = {}
     for a in arrivals:
+        if a.message_id.startswith(WARM_UP_PREFIX):
+            continue
         copies[a.message_id] = copies.get(a.message_id, 0) + 1
     return {"expected": len(wanted), "delivered": sum(1 for m in wanted if m in copies),
             "lost": sum(1 for m in wanted if m not in copies),
