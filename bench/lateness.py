@@ -31,6 +31,8 @@ from bench.common import percentile
 WAYS = ("delivered_at", "timestamp", "received")
 #: The due-time shapes the load generators give their messages.
 DUE_MODES = ("whole_second", "uniform")
+#: Delays of the steady runs (issue 30's figures): 2-10 s.
+DELAYS_MS = (2_000, 10_000)
 #: Ids of messages sent to see a system deliver before it is measured: never counted.
 WARM_UP_PREFIX = "warm-"
 

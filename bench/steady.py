@@ -13,12 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.lateness import counts, describe, rounded, three_way
+from bench.lateness import DELAYS_MS, counts, describe, rounded, three_way
 from bench.load import Load, Wire
 from bench.receiver import Receiver
-
-#: Delays of the steady runs (issue 30's figures): 2-10 s.
-DELAYS_MS = (2_000, 10_000)
 
 
 def steady(kafka: str, wire: Wire, dest: str, rate: float, seconds: float, due_mode: str, *,
