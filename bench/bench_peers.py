@@ -100,7 +100,13 @@ class System(Protocol):
 
     def restart(self, names: list[str]) -> None: ...
 
-    def pending_taken_in(self) -> int: ...
+    def pending_taken_in(self) -> int:
+        """Schedules taken in so far (counted from the system's start)."""
+        ...
+
+    def side_memory_kb(self) -> int:
+        """Memory a system keeps outside its own processes (timerwheel: Redis), in KiB."""
+        ...
 
 
 # -- timerwheel ----------------------------------------------------------------------------------
@@ -114,9 +120,13 @@ class Timerwheel:
         self.kafka = kafka
         self.pipe = new_pipeline(kafka, redis_url, code=code, tick_ms=100, batch_size=200, max_in_flight=5_000)
         self.dest = self.pipe.dest("peers")
-        self.pipe.create_timer_topic()
-        self.pipe.create_topic(self.dest, PARTITIONS)
-        self.pipe.start_all(120)
+        try:
+            self.pipe.create_timer_topic()
+            self.pipe.create_topic(self.dest, PARTITIONS)
+            self.pipe.start_all(120)
+        except BaseException:
+            close(self.pipe)
+            raise
         self.wire: Wire = TimerwheelWire(self.pipe.timer_topic, self.dest, PARTITIONS)
         self.options = self.pipe.kafka_options
 
@@ -142,6 +152,10 @@ class Timerwheel:
 
     def pending_taken_in(self) -> int:
         return sum(sum(self.pipe.checkpoint(s)["next_offsets"].values()) for s in range(2))
+
+    def side_memory_kb(self) -> int:
+        """Redis's ``used_memory``: the queues between the stages."""
+        return int(self.pipe.redis.info("memory")["used_memory"]) // 1024
 
     def close(self) -> None:
         close(self.pipe)
@@ -226,6 +240,9 @@ class Etf1:
 
     def pending_taken_in(self) -> int:
         return self.metric("planned")
+
+    def side_memory_kb(self) -> int:
+        return 0
 
     def tail(self) -> str:
         return "\n".join((self.work / "etf1.log").read_text(errors="replace").splitlines()[-20:])
@@ -354,8 +371,18 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-def _rss_kb(pids: list[int]) -> int:
-    return sum(int(psutil.Process(pid).memory_info().rss) // 1024 for pid in pids)
+def _status_kb(pid: int, field: str) -> int:
+    """A ``/proc/PID/status`` memory field in KiB (VmRSS: resident; RssAnon: its anonymous part,
+    without the file pages a process maps, such as timerwheel's wheel and TimerLog)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _memory_kb(procs: dict[str, int]) -> dict[str, dict[str, int]]:
+    return {name: {"rss": _status_kb(pid, "VmRSS"), "anon": _status_kb(pid, "RssAnon")} for name, pid in procs.items()}
 
 
 def row_idle(env: Env) -> None:
@@ -384,8 +411,8 @@ def row_pending(env: Env) -> None:
         with opened(opener) as system:
             time.sleep(3)
             procs = system.processes()
-            pids = list(procs.values())
-            idle_kb = _rss_kb(pids)
+            idle = _memory_kb(procs)
+            idle_side = system.side_memory_kb()
             due_ms = pending_due_ms()
             if due_ms - now_ms() < 300_000:
                 say("pending: skipped, less than 10 minutes left of the UTC day (etf1 plans the current day only)")
@@ -400,14 +427,24 @@ def row_pending(env: Env) -> None:
                 time.sleep(0.5)
             taken_s = time.monotonic() - t0
             time.sleep(2)
-            pending_kb = _rss_kb(pids)
-            per = {name: psutil.Process(pid).memory_info().rss // 1024 for name, pid in procs.items()}
-        per_schedule = (pending_kb - idle_kb) * 1024 / n
-        say(f"pending, {system.name}: RSS {idle_kb / 1024:.0f} MiB idle, {pending_kb / 1024:.0f} MiB with {n:,} "
-            f"pending ({per_schedule:,.0f} B each), taken in in {taken_s:.1f} s")
+            pending = _memory_kb(procs)
+            pending_side = system.side_memory_kb()
+
+        def total(memory: dict[str, dict[str, int]], kind: str) -> int:
+            return sum(m[kind] for m in memory.values())
+
+        per_schedule = (total(pending, "rss") - total(idle, "rss")) * 1024 / n
+        anon_per_schedule = (total(pending, "anon") - total(idle, "anon")) * 1024 / n
+        side_per_schedule = (pending_side - idle_side) * 1024 / n
+        say(f"pending, {system.name}: RSS {total(idle, 'rss') / 1024:.0f} MiB idle, "
+            f"{total(pending, 'rss') / 1024:.0f} MiB with {n:,} pending ({per_schedule:,.0f} B each; anonymous "
+            f"{anon_per_schedule:,.0f} B each; Redis {side_per_schedule:,.0f} B each), taken in in {taken_s:.1f} s")
         emit("peers.pending", round(per_schedule), "bytes of RSS per pending schedule", system=system.name,
-             pending=n, rss_idle_mb=round(idle_kb / 1024, 1), rss_pending_mb=round(pending_kb / 1024, 1),
-             rss_pending_per_process_mb={k: round(v / 1024, 1) for k, v in per.items()}, taken_in_s=round(taken_s, 1))
+             pending=n, anon_bytes_per_pending=round(anon_per_schedule), redis_bytes_per_pending=round(side_per_schedule),
+             rss_idle_mb=round(total(idle, "rss") / 1024, 1), rss_pending_mb=round(total(pending, "rss") / 1024, 1),
+             anon_idle_mb=round(total(idle, "anon") / 1024, 1), anon_pending_mb=round(total(pending, "anon") / 1024, 1),
+             rss_pending_per_process_mb={k: round(v["rss"] / 1024, 1) for k, v in pending.items()},
+             taken_in_s=round(taken_s, 1))
 
 
 def main() -> None:

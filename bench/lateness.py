@@ -108,6 +108,14 @@ def counts(expected: Iterable[str], arrivals: Iterable[Arrival]) -> dict[str, in
             "unexpected": sum(n for m, n in copies.items() if m not in wanted)}
 
 
+def longest_gap_ms(arrivals: Iterable[Arrival]) -> int:
+    """The longest stretch between two consecutive receipts (first copies): how long a system
+    delivered nothing while messages fell due every second (a kill's outage)."""
+    times = sorted({a.received_ms for a in first_arrivals(a for a in arrivals
+                                                          if not a.message_id.startswith(WARM_UP_PREFIX)).values()})
+    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0)
+
+
 def due_time(now_ms: int, delay_ms: int, mode: str) -> int:
     """When a message sent at ``now_ms`` with ``delay_ms`` is due: ``uniform`` at now + delay,
     ``whole_second`` at the first whole second at or after it."""

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.lateness import DELAYS_MS, counts, describe, rounded, three_way
+from bench.lateness import DELAYS_MS, counts, describe, longest_gap_ms, rounded, three_way
 from bench.load import Load, Wire
 from bench.receiver import Receiver
 
@@ -23,7 +23,8 @@ def steady(kafka: str, wire: Wire, dest: str, rate: float, seconds: float, due_m
            events: Sequence[tuple[float, Callable[[], None]]] = (), settle_s: float = 20.0,
            prefix: str = "m") -> dict[str, Any]:
     """The run's figures: ``lateness`` (three ways, rounded), the counts, ``behind`` (messages not
-    delivered ``delays_ms[1] + settle_s`` after the last send) and ``sent``."""
+    delivered ``delays_ms[1] + settle_s`` after the last send), ``longest_gap_ms`` (the longest
+    time without a receipt: an outage) and ``sent``."""
     with Receiver(kafka, [dest], options) as rx:
         load = Load(kafka, wire, rate, seconds, delays_ms, due_mode, prefix=prefix, options=options).start()
         t0 = time.monotonic()
@@ -38,7 +39,7 @@ def steady(kafka: str, wire: Wire, dest: str, rate: float, seconds: float, due_m
         arrivals = rx.arrivals()
     result = three_way(load.due, arrivals)
     return {"lateness": rounded(result), "summary": describe(result), **counts(load.due, arrivals),
-            "behind": behind, "sent": load.sent, "send_failed": load.failed, "rate_per_s": rate,
+            "behind": behind, "longest_gap_ms": longest_gap_ms(arrivals), "sent": load.sent, "send_failed": load.failed, "rate_per_s": rate,
             "seconds": seconds, "delays_ms": list(delays_ms), "due": due_mode}
 
 

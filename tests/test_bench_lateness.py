@@ -18,6 +18,7 @@ from bench.lateness import (  # noqa: E402
     counts,
     describe,
     due_time,
+    longest_gap_ms,
     rounded,
     stats,
     three_way,
@@ -84,3 +85,11 @@ def test_due_time_shapes(now: int, delay: int, mode: str, want: int) -> None:
 def test_due_time_refuses_an_unknown_mode_naming_it() -> None:
     with pytest.raises(ValueError, match="'hourly'"):
         due_time(0, 0, "hourly")
+
+
+def test_longest_gap_is_between_consecutive_first_receipts() -> None:
+    arrivals = [Arrival("a", None, 0, 1_000), Arrival("b", None, 0, 2_000), Arrival("c", None, 0, 9_500),
+                Arrival("b", None, 0, 5_000),  # a duplicate: its first copy came at 2,000
+                Arrival(f"{WARM_UP_PREFIX}0", None, 0, 0)]  # the warm-up does not open the run
+    assert longest_gap_ms(arrivals) == 7_500
+    assert longest_gap_ms([]) == 0
