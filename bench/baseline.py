@@ -1,4 +1,5 @@
-"""The code a benchmark runs: this checkout, and the code before a change (``TW_BENCH_BASELINE``).
+"""What a benchmark runs: this checkout, the code before a change (``TW_BENCH_BASELINE``), and
+settings variants of either (``TW_BENCH_VARIANTS``).
 
 ``TW_BENCH_BASELINE=<git rev>`` (a commit, a branch, a tag) makes the benchmarks that support it
 run each measurement against that revision too, alternately with the current code in the same run,
@@ -13,11 +14,18 @@ One virtualenv serves both only while the two revisions ask for the same package
 baseline's ``pyproject.toml`` lists other dependencies than the current one, ``checkout`` refuses
 with the difference (install them side by side, or pick a revision with the same ones), rather
 than measure old code on libraries it was not written for.
+
+``TW_BENCH_VARIANTS="name:KEY=VALUE,KEY=VALUE;name2:KEY=VALUE"`` runs each code once per variant,
+the variant's settings added to its stage processes' environment: two settings side by side in
+one run, e.g. ``alo:TW_DELIVERY_GUARANTEE=at-least-once;eos:TW_DELIVERY_GUARANTEE=exactly-once``
+or ``strict:TW_CANCEL_LEAD_MS=0;loose:TW_CANCEL_LEAD_MS=500``. A row's ``code`` label names the
+code and the variant ("current eos", "baseline 1a2b3c4d5e6f eos").
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -31,17 +39,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True, slots=True)
 class Code:
-    """Where a run's timerwheel comes from: ``libs`` None is the installed (current) package."""
+    """Where a run's timerwheel comes from (``libs`` None: the installed, current package) and
+    the settings it runs with beyond the benchmark's own."""
 
     name: str
     libs: Path | None = None
     commit: str | None = None
+    settings: tuple[tuple[str, str], ...] = ()
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """``base`` (default: this process's environment) with PYTHONPATH set for this code."""
+        """``base`` (default: this process's environment) with PYTHONPATH set for this code and
+        the variant's settings."""
         env = dict(os.environ if base is None else base)
         if self.libs is not None:
             env["PYTHONPATH"] = os.pathsep.join([str(self.libs), *filter(None, [env.get("PYTHONPATH", "")])])
+        env.update(self.settings)
         return env
 
 
@@ -120,7 +132,34 @@ def checkout(rev: str, repo: Path = ROOT, into: Path | None = None) -> Code:
     return Code(f"baseline {commit[:12]}", tree / "libs", commit)
 
 
+_SETTING = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def variants(value: str) -> list[tuple[str, tuple[tuple[str, str], ...]]]:
+    """``TW_BENCH_VARIANTS`` parsed: [(name, ((KEY, VALUE), ...)), ...]; empty: one, unnamed."""
+    out: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+    for part in filter(None, (p.strip() for p in value.split(";"))):
+        name, sep, body = part.partition(":")
+        if not sep or not name.strip():
+            raise BaselineError(f"TW_BENCH_VARIANTS: {part!r} is not name:KEY=VALUE,...")
+        settings = []
+        for pair in filter(None, (p.strip() for p in body.split(","))):
+            key, eq, val = pair.partition("=")
+            if not eq or not _SETTING.fullmatch(key.strip()):
+                raise BaselineError(f"TW_BENCH_VARIANTS: {pair!r} of variant {name.strip()!r} is not KEY=VALUE")
+            settings.append((key.strip(), val.strip()))
+        out.append((name.strip(), tuple(settings)))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise BaselineError(f"TW_BENCH_VARIANTS: variant names repeat: {names}")
+    return out or [("", ())]
+
+
 def codes(env: dict[str, str] | None = None, repo: Path = ROOT) -> list[Code]:
-    """The code to measure: the current one, then the baseline when ``TW_BENCH_BASELINE`` names one."""
-    rev = (os.environ if env is None else env).get("TW_BENCH_BASELINE", "").strip()
-    return [CURRENT, checkout(rev, repo)] if rev else [CURRENT]
+    """What to measure, in the order each row runs it: the current code, then the baseline when
+    ``TW_BENCH_BASELINE`` names one, each in every variant of ``TW_BENCH_VARIANTS``."""
+    env = dict(os.environ if env is None else env)
+    rev = env.get("TW_BENCH_BASELINE", "").strip()
+    bases = [CURRENT, checkout(rev, repo)] if rev else [CURRENT]
+    return [Code(f"{base.name} {name}".strip(), base.libs, base.commit, settings)
+            for base in bases for name, settings in variants(env.get("TW_BENCH_VARIANTS", ""))]

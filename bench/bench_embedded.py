@@ -168,15 +168,19 @@ def burst_child(n: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def lateness(rate: int, seconds: int, due_mode: str, code_name: str = "current") -> None:
+def lateness(rate: int, seconds: int, due_mode: str, code_name: str = "current",
+             settings: dict[str, str] | None = None) -> None:
     """``rate`` msg/s for ``seconds``, delays 2-10 s shaped by ``due_mode``, on the system clock;
     a consumer thread of this process polls the destination continuously (a user of embedded
     mode reads in its own process): lateness by ``tw-delivered-at``, by the local log's record
-    timestamp and by the time the consumer got the record."""
+    timestamp and by the time the consumer got the record. ``settings``: ``TW_*`` variables of
+    the variant measured (``bench.baseline``)."""
     tmp = Path(tempfile.mkdtemp(prefix="tw-late-"))
     rng = random.Random(1)
     try:
-        with EmbeddedTimerwheel(tmp, tick_ms=100, roll_window_ms=3_600_000, shards=2, fsync=True) as tw:
+        config = TimerConfig.from_env(settings or {})
+        with EmbeddedTimerwheel(tmp, config=config, tick_ms=100, roll_window_ms=3_600_000, shards=2,
+                                fsync=True) as tw:
             log = tw.commit_log
             consumer = log.consumer("late", dict.fromkeys(range(log.partitions("late")), 0))
             arrivals: list[Arrival] = []
@@ -231,7 +235,7 @@ def lateness_runs(rate: int, seconds: int, modes: list[str]) -> None:
     for mode in modes:
         for code in codes():
             subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import lateness; "
-                            f"lateness({rate}, {seconds}, {mode!r}, {code.name!r})"],
+                            f"lateness({rate}, {seconds}, {mode!r}, {code.name!r}, {dict(code.settings)!r})"],
                            check=True, cwd=root, env=code.env())
 
 

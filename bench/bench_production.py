@@ -4,11 +4,14 @@
   pipeline runs; messages/s from the moment enqueue-get starts consuming to the last delivery,
   beside a plain kafka-python consume-then-produce pass-through of the same records (same client,
   acks=all, measured in the same run). The ratio is the figure.
-* ``production.lateness``: a steady rate (default 1,000 msg/s) for S seconds (default 60), tick
-  100 ms, delays 1-5 s: lateness p50 / p99 / max. If the pipeline cannot keep up with the rate
-  here (``keeps_up``), the rate is halved until a short probe keeps up, the figure is measured
-  there, and the output says so (``sustained_asked_rate=false``). Then the same rate with
-  ``TW_CANCEL_LEAD_MS=500`` (``production.lateness.lead``), the strict figures beside it.
+* ``production.lateness``: a steady rate (default 500 msg/s) for S seconds (default 60), tick
+  100 ms, delays 2-10 s, due on whole seconds (a burst each second) and then uniform
+  (``TW_BENCH_DUE``): lateness three ways (``bench.lateness``: ``tw-delivered-at``, the
+  destination record's Kafka timestamp, the receive time of a consumer in a process of its own),
+  p50 / p99 / max and early of each, lost and duplicated; ``sustained`` says whether it kept up.
+  With ``TW_BENCH_BASELINE`` the baseline revision's run follows the current code's for each
+  due mode. Then the current code with ``TW_CANCEL_LEAD_MS=500`` (``TW_BENCH_PROD_LEAD_MS``; 0
+  skips it), whole seconds (``production.lateness.lead``).
 * ``production.burst``: N messages (default 200,000) due in the same second: time to drain,
   messages/s, and the peak RSS (VmHWM) of each stage process.
 * ``production.large_burst`` (issue 16): 500, 1,500 and 5,000 records of 800 KB due in the same
@@ -37,10 +40,16 @@
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
   records read in passing and without it (``read_cache_records=0``), side by side.
 
-Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
-``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, compressed, sasl_ssl, lateness, burst, large_burst, idle, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
-else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
+Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (500),
+``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_DUE`` (comma list of
+whole_second, uniform). ``TW_BENCH_PROD_ONLY``: comma list of throughput, compressed, sasl_ssl,
+lateness, burst, large_burst, idle, slot_reads, shared_volume, or ``all``; by default throughput,
+lateness, burst and idle (``DEFAULT_ONLY``). ``TW_BENCH_BASELINE=<git rev>``: throughput,
+lateness, burst and idle run that revision's stage processes too, alternately with the current
+code (``bench.baseline``), each row labelled ``code``. Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` /
+``TW_REDIS_URL``, else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards:
+2, timer partitions: 4. One production benchmark at a time per Redis server: each run numbers its
+Redis databases from 1.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """A consumer of the destination topics in a process of its own: where a user sees a delivery.
 
-It polls the destinations continuously (assigned every partition, from the start) and writes one
+It polls the destinations continuously (assigned every partition, from the start, reading
+``read_committed`` as a reader of an exactly-once producer must; without transactions that is
+every record as soon as it is acknowledged) and writes one
 line per record: its ``bench-id``, its ``tw-delivered-at`` (if any), its Kafka timestamp and the
 wall time at which the poll returned it. Its own process so that the load generator's sends and
 the benchmark's bookkeeping never hold the interpreter while a record waits to be read.
@@ -33,6 +35,7 @@ def _receive(kafka: str, topics: list[str], options: dict[str, Any], out_path: s
 
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, enable_auto_commit=False,
                              auto_offset_reset="earliest", fetch_max_wait_ms=100, max_poll_records=10_000,
+                             isolation_level="read_committed",
                              client_id="bench-receiver", **options)
     tps = []
     for topic in topics:

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: ``bench`` is no installed package
 
-from bench.baseline import CURRENT, BaselineError, checkout, codes, dependency_difference  # noqa: E402
+from bench.baseline import CURRENT, BaselineError, checkout, codes, dependency_difference, variants  # noqa: E402
 
 PYPROJECT = '[project]\nname = "timerwheel"\ndependencies = [{deps}]\n'
 
@@ -82,3 +82,26 @@ def test_a_revision_needing_other_packages_is_refused(repo: Path, tmp_path: Path
 def test_dependency_difference_ignores_order_and_spacing() -> None:
     assert dependency_difference(["a>=1", "b"], ["b", "a>=1"]) == ""
     assert dependency_difference(["a"], []) == "only in the current code: a"
+
+
+def test_variants_run_each_code_with_their_settings(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TW_CACHE_DIR", str(tmp_path / "cache"))
+    commit(repo, "old")
+    commit(repo, "new")
+    got = codes({"TW_BENCH_BASELINE": "HEAD~1",
+                 "TW_BENCH_VARIANTS": "alo:TW_DELIVERY_GUARANTEE=at-least-once; eos:TW_DELIVERY_GUARANTEE=exactly-once"},
+                repo)
+    assert [c.name.split(" ")[0] + " " + c.name.split(" ")[-1] for c in got] == [
+        "current alo", "current eos", "baseline alo", "baseline eos"]
+    assert got[1].env({})["TW_DELIVERY_GUARANTEE"] == "exactly-once"
+    assert got[2].libs is not None and got[2].env({})["TW_DELIVERY_GUARANTEE"] == "at-least-once"
+
+
+@pytest.mark.parametrize("value", ["nocolon", "a:KEY", "a:lower=1", "a:K=1;a:K=2", ":K=1"])
+def test_a_malformed_variant_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(BaselineError, match="TW_BENCH_VARIANTS"):
+        variants(value)
+
+
+def test_no_variants_is_one_unnamed_run() -> None:
+    assert variants("") == [("", ())]
