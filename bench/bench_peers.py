@@ -344,6 +344,16 @@ def row_burst(env: Env) -> None:
                                    "written_ahead_s": ahead_s})
 
 
+def kill(system: System, names: list[str]) -> None:
+    system.kill(names)
+    say(f"kill -9 of {system.name}: {', '.join(names)}")
+
+
+def restart(system: System, names: list[str]) -> None:
+    system.restart(names)
+    say(f"restarted {system.name}: {', '.join(names)}")
+
+
 def row_kill(env: Env) -> None:
     rate, seconds = _env_int("KILL_RATE", 200), float(_env_int("KILL_SECONDS", 40))
     at_s, down_s = float(_env_int("KILL_AT_S", 15)), float(_env_int("KILL_DOWN_S", 3))
@@ -354,10 +364,10 @@ def row_kill(env: Env) -> None:
         with opened(opener) as system:
             events: list[tuple[float, Callable[[], None]]] = []
             for k, group in enumerate(system.kill_groups(mode)):
-                events.append((at_s + 3 * k, lambda g=group: system.kill(g)))
-                events.append((at_s + 3 * k + down_s, lambda g=group: system.restart(g)))
+                events.append((at_s + 3 * k, lambda s=system, g=group: kill(s, g)))
+                events.append((at_s + 3 * k + down_s, lambda s=system, g=group: restart(s, g)))
             result = steady(system.kafka, system.wire, system.dest, rate, seconds, "whole_second",
-                            options=system.options, settle_s=60.0, prefix="k")
+                            options=system.options, events=events, settle_s=60.0, prefix="k")
         say(f"kill -9 ({mode}) at {at_s:.0f} s, back {down_s:.0f} s later, {system.name}: lost {result['lost']}, "
             f"duplicated {result['duplicated']}; {result['summary']}")
         emit_row("kill", system, result, kill=mode, kill_at_s=at_s, down_s=down_s)
