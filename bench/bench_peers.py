@@ -19,7 +19,8 @@ consumer (``bench.receiver``): timerwheel, the baseline revision when ``TW_BENCH
 one, then etf1. Lateness by the destination record's Kafka timestamp and by the consumer's
 receive time (and timerwheel's ``tw-delivered-at``).
 
-Rows (``TW_BENCH_PEERS_ONLY``, a comma list; sizes from ``TW_BENCH_PEERS_*``):
+Rows (``TW_BENCH_PEERS_ONLY``, a comma list; sizes from ``TW_BENCH_PEERS_*``; each row runs its
+systems ``TW_BENCH_PEERS_ROUNDS`` (1) times, alternately; ``TW_BENCH_PEERS_SYSTEMS`` picks them):
 
 * ``steady``: ``RATE`` (500) msg/s for ``SECONDS`` (60), delays 2-10 s, due on whole seconds.
 * ``burst``: ``BURST`` (20,000) messages due in one second, written ``BURST_AHEAD_S`` (20) before.
@@ -284,7 +285,7 @@ def systems(env: Env) -> list[Callable[[], System]]:
         out += [lambda c=c: Timerwheel(env.kafka, env.redis_url, c) for c in codes()]
     if "etf1" in names:
         out.append(lambda: Etf1(env.kafka, env.etf1))
-    return out
+    return out * _env_int("ROUNDS", 1)  # rounds alternate: timerwheel, etf1, timerwheel, etf1, ...
 
 
 @contextmanager
