@@ -37,6 +37,7 @@ systems ``TW_BENCH_PEERS_ROUNDS`` (1) times, alternately; ``TW_BENCH_PEERS_SYSTE
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -135,16 +136,16 @@ class Timerwheel:
         return {name: self.pipe.procs[name].pid for name in STAGE_ORDER}
 
     def tail(self) -> str:
-        return self.pipe.tails()
+        return str(self.pipe.tails())
 
     def kill_groups(self, mode: str) -> list[list[str]]:
         return [[name] for name in STAGE_ORDER] if mode == "each" else [list(STAGE_ORDER)]
 
     def kill(self, names: list[str]) -> None:
         for name in names:
-            self.pipe.procs[name].popen.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+            os.kill(self.pipe.procs[name].pid, signal.SIGKILL)
         for name in names:
-            self.pipe.procs[name].popen.wait(30)  # type: ignore[union-attr]
+            self.pipe.kill(name)  # reaps it (SIGKILL again to a dead process, then wait)
 
     def restart(self, names: list[str]) -> None:
         for name in STAGE_ORDER:  # enqueue-put first: it opens the shards the others read
@@ -170,7 +171,7 @@ def etf1_binary() -> str:
                           timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"scripts/peers.sh path etf1 failed:\n{done.stderr}")
-    return done.stdout.strip().splitlines()[-1]
+    return str(done.stdout).strip().splitlines()[-1]
 
 
 class Etf1:
@@ -282,10 +283,14 @@ def systems(env: Env) -> list[Callable[[], System]]:
         raise SystemExit(f"TW_BENCH_PEERS_SYSTEMS: unknown {', '.join(unknown)} (choose from {', '.join(SYSTEMS)})")
     out: list[Callable[[], System]] = []
     if "timerwheel" in names:
-        out += [lambda c=c: Timerwheel(env.kafka, env.redis_url, c) for c in codes()]
+        out += [_timerwheel(env, code) for code in codes()]
     if "etf1" in names:
         out.append(lambda: Etf1(env.kafka, env.etf1))
     return out * _env_int("ROUNDS", 1)  # rounds alternate: timerwheel, etf1, timerwheel, etf1, ...
+
+
+def _timerwheel(env: Env, code: Code) -> Callable[[], System]:
+    return lambda: Timerwheel(env.kafka, env.redis_url, code)
 
 
 @contextmanager
@@ -365,8 +370,8 @@ def row_kill(env: Env) -> None:
         with opened(opener) as system:
             events: list[tuple[float, Callable[[], None]]] = []
             for k, group in enumerate(system.kill_groups(mode)):
-                events.append((at_s + 3 * k, lambda s=system, g=group: kill(s, g)))
-                events.append((at_s + 3 * k + down_s, lambda s=system, g=group: restart(s, g)))
+                events.append((at_s + 3 * k, functools.partial(kill, system, group)))
+                events.append((at_s + 3 * k + down_s, functools.partial(restart, system, group)))
             result = steady(system.kafka, system.wire, system.dest, rate, seconds, "whole_second",
                             options=system.options, events=events, settle_s=60.0, prefix="k")
         say(f"kill -9 ({mode}) at {at_s:.0f} s, back {down_s:.0f} s later, {system.name}: lost {result['lost']}, "

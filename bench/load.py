@@ -33,7 +33,10 @@ def now_ms() -> int:
 
 
 class Wire(Protocol):
-    topic: str
+    @property
+    def topic(self) -> str:
+        """The topic the system reads its schedules from."""
+        ...
 
     def record(self, i: int, mid: str, due_ms: int) -> tuple[bytes, list[tuple[str, bytes]], int | None]:
         """(key, headers, partition or None for the producer's partitioner) of message ``i``."""
