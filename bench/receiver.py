@@ -10,7 +10,7 @@ the benchmark's bookkeeping never hold the interpreter while a record waits to b
     with Receiver(kafka, [dest]) as rx:     # ready: assigned and positioned
         ... send ...
         rx.wait_for(n, timeout_s=60)
-    arrivals = rx.arrivals()                 # list[bench.lateness.Arrival]
+        arrivals = rx.arrivals()             # list[bench.lateness.Arrival]; its file goes with the block
 """
 
 from __future__ import annotations
@@ -139,3 +139,4 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        Path(self._path).unlink(missing_ok=True)  # read by ``arrivals`` inside the block, or never
