@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -258,7 +259,7 @@ class Etf1:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
-        subprocess.run(["rm", "-rf", str(self.work)], check=False)
+        shutil.rmtree(self.work, ignore_errors=True)
 
 
 # -- running a row -------------------------------------------------------------------------------
