@@ -12,6 +12,7 @@
     timerwheel recover --shard N --data-dir D   repair a stopped shard (JSON report)  repair.py
     timerwheel rebuild-wheel --shard N --data-dir D                                   repair.py
     timerwheel recover-from-kafka                                                     repair.py
+    timerwheel rebase --data-dir D              fresh shards on the timer topic now read  repair.py
     timerwheel audit | bulk-schedule | forecast  the Spark jobs                       spark.py
 
 A command is two functions in its module: ``add_<command>(sub)`` adds its parser and sets its
@@ -60,6 +61,7 @@ def make_parser() -> Parser:
     for add in (service.add_run, messages.add_schedule, messages.add_cancel, messages.add_reschedule,
                 messages.add_consume, inspect.add_inspect, inspect.add_pending, repair.add_recover,
                 repair.add_rebuild_wheel, service.add_demo, service.add_stage, repair.add_recover_from_kafka,
+                repair.add_rebase,
                 spark.add_audit, spark.add_bulk_schedule, spark.add_forecast):
         add(sub)
     return parser

@@ -117,6 +117,49 @@ def build_config(args: argparse.Namespace, **extra: Any) -> TimerConfig:
         raise CliError(f"{flag}: {str(exc).split(': ', 1)[1]}" if flag else str(exc)) from None
 
 
+#: A setting the data directory stores (timerwheel.json) -> the flag and the variable that ask for it.
+STORED_AS = {"shards": ("--shards", "TW_SHARDS"), "tick_ms": ("--tick-ms", "TW_TICK_MS"),
+             "roll_window_ms": ("--roll-window", "TW_ROLL_WINDOW_MS"), "wheel_span_ms": (None, "TW_WHEEL_SPAN_MS"),
+             "timer_topic": ("--timer-topic", "TW_TIMER_TOPIC")}
+
+
+def with_stored_settings(cfg: TimerConfig, args: argparse.Namespace) -> TimerConfig:
+    """``cfg`` with the data directory's stored settings (timerwheel.json) wherever neither a flag
+    nor a ``TW_*`` variable asked for one; one asked for that differs is refused, naming it."""
+    from timerwheel.store.deployment import SETTINGS_FILE, DeploymentSettings, load_settings
+
+    stored = load_settings(cfg.data_dir)
+    if stored is None:
+        return cfg
+
+    def asked(field: str) -> bool:
+        flag, var = STORED_AS[field]
+        return var in os.environ or (flag is not None and getattr(args, _dest(flag), None) is not None)
+
+    # the span follows the roll window when only the window is asked for (a span of 0: twice it)
+    adopt = {f: getattr(stored, f) for f in STORED_AS if not asked(f)
+             and not (f == "wheel_span_ms" and asked("roll_window_ms"))}
+    try:
+        cfg = cfg.replace(**adopt)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    wanted = DeploymentSettings.of(cfg)
+    for field, (flag, var) in STORED_AS.items():
+        mine, theirs = getattr(wanted, field), getattr(stored, field)
+        if mine != theirs:
+            how = ("the shard count never changes" if field == "shards" else "the timer topic never changes"
+                   if field == "timer_topic" else "to change it: `timerwheel rebuild-wheel --change-window` for every "
+                   "shard, stages stopped")
+            raise CliError(f"{flag + ' (' + var + ')' if flag else var}: the data directory {cfg.data_dir} holds "
+                           f"{theirs!r} ({SETTINGS_FILE}), requested {mine!r}: leave it out to use the stored value "
+                           f"({how})")
+    return cfg
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 def data_dir(cfg: TimerConfig, args: argparse.Namespace) -> Path:
     """The data directory a client command uses: it must exist (``--create-data-dir`` creates it)."""
     d = Path(cfg.data_dir)

@@ -1,6 +1,7 @@
 """The commands that repair or rebuild shards, every stage that owns them stopped: ``recover`` and
-``rebuild-wheel`` (one shard, ``store.repair``) and ``recover-from-kafka`` (every shard of a lost
-volume, ``runtime.disaster``). Each prints one JSON report; the exit codes are the CLI's."""
+``rebuild-wheel`` (one shard, ``store.repair``), ``recover-from-kafka`` (every shard of a lost
+volume, ``runtime.disaster``) and ``rebase`` (fresh shards on the timer topic now read,
+``runtime.rebase``). Each prints one JSON report; the exit codes are the CLI's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from timerwheel.cli.common import CliError, build_config, commit_log, config_args, data_dir_arg, duration
+from timerwheel.cli.common import (
+    DEFAULTS,
+    CliError,
+    build_config,
+    commit_log,
+    config_args,
+    data_dir_arg,
+    duration,
+    with_stored_settings,
+)
 from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError
 
@@ -140,4 +150,56 @@ def cmd_recover_from_kafka(args: argparse.Namespace) -> int:
         log.close()
         client.close()
     print(json.dumps(report.as_json()))
+    return 0
+
+
+def add_rebase(sub: Any) -> None:
+    p = sub.add_parser("rebase", help="start a data directory afresh on the timer topic it now reads (JSON report)",
+                       description="After a start refused shards written from another Kafka cluster, another "
+                                   "incarnation of the timer topic (deleted and made again) or another local log: set "
+                                   "the old shards aside (moved into set-aside-<time>/ in the data directory) and make "
+                                   "fresh ones that read the timer topic from its start. The messages still pending in "
+                                   "the old shards are NOT delivered (their timer records are not in this topic; "
+                                   "pending_records counts them); every record this topic holds is scheduled, so one "
+                                   "that another timerwheel already delivered from it is delivered again (to move to a "
+                                   "mirrored cluster use recover-from-kafka, which skips what the destinations hold). "
+                                   "Every stage must be stopped. The settings are the data directory's own.",
+                       epilog="example: timerwheel rebase --data-dir ./data-prod --kafka localhost:9092 --redis "
+                              "redis://localhost:6379/0 --dry-run")
+    data_dir_arg(p)
+    p.add_argument("--kafka", metavar="BOOTSTRAP", help="the stages' Kafka (else the data directory's local log: the "
+                                                        "embedded mode)")
+    p.add_argument("--redis", metavar="URL", help="with --kafka: the stages' Redis (default $TW_REDIS_URL), checked "
+                                                  "for running stages, its work queues cleared")
+    p.add_argument("--timer-topic", help=f"the timer topic (default: the data directory's, else $TW_TIMER_TOPIC or "
+                                         f"{DEFAULTS.timer_topic})")
+    p.add_argument("--dry-run", action="store_true", help="report what would be set aside; change nothing")
+    p.set_defaults(handler=cmd_rebase)
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    from timerwheel.runtime.rebase import NothingToRebase, rebase
+    from timerwheel.security import redis_client
+
+    servers = {"kafka_bootstrap": args.kafka} if args.kafka else {}
+    if args.redis:
+        servers["redis_url"] = args.redis
+    cfg = build_config(args, **servers)
+    if not Path(cfg.data_dir).is_dir():
+        raise CliError(f"--data-dir: {cfg.data_dir} is not a directory")
+    cfg = with_stored_settings(cfg, args)
+    if args.kafka and not cfg.redis_url:
+        raise CliError("--redis (or TW_REDIS_URL) must be set with --kafka: the stages must be stopped, and their "
+                       "work queues are cleared")
+    log = commit_log(cfg, args.kafka)
+    client = redis_client(cfg) if args.kafka else None
+    try:
+        report = rebase(cfg, log, client, dry_run=args.dry_run)
+    except NothingToRebase as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        log.close()
+        if client is not None:
+            client.close()
+    print(json.dumps(report.as_json(), indent=2))
     return 0

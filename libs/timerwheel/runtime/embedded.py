@@ -32,7 +32,14 @@ from timerwheel.pending import PendingTimers, pending_timers
 from timerwheel.records import Headers, Record
 from timerwheel.runtime.inspect import inspect_shards, sample_gauges
 from timerwheel.runtime.runner import WHEEL_COUNT_EVERY_S, Every, Heartbeat, StageRunner, tune_interpreter
-from timerwheel.runtime.wiring import Stage, Transports, build_stage, ensure_topics, local_transports
+from timerwheel.runtime.wiring import (
+    Stage,
+    Transports,
+    build_stage,
+    check_source,
+    ensure_topics,
+    local_transports,
+)
 from timerwheel.stages import STAGE_NAMES, StageContext
 from timerwheel.stages.codec import Q_DELIVER
 from timerwheel.store.deployment import DeploymentSettings, check_settings
@@ -85,6 +92,7 @@ class EmbeddedTimerwheel:
         transports = self._transports or local_transports(cfg, self.clock)
         self.commit_log, self.queues = transports.commit_log, transports.queues
         partitions = ensure_topics(cfg, self.commit_log)
+        check_source(cfg, self.commit_log, adopt=True, production=self._transports is not None)
         self.client = TimerClient(self.commit_log, cfg, self.clock)
         owner = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.ctx = StageContext(cfg, self.clock, self.metrics, consumer=owner)
