@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 from timerwheel import telemetry
 from timerwheel.cli import inspect, messages, repair, service, spark
-from timerwheel.cli.common import CliError, Parser
+from timerwheel.cli.common import CliError, Parser, join_dash_values
 from timerwheel.errors import ConfigError, FormatMismatchError, ShardInUseError, TimerwheelError
 from timerwheel.log import configure_logging, stage_logger
 
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         sys.stderr.write(f"timerwheel: error: TW_LOG_LEVEL: must be DEBUG, INFO, WARNING or ERROR, got {level!r}\n")
         return EXIT_USAGE
-    args = make_parser().parse_args(argv)
+    args = make_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
     stage = args.name if args.command == "stage" else None
     telemetry.configure_from_env(stage=stage)
     try:
