@@ -147,31 +147,46 @@ def _value(text: str) -> bytes:
 
 def _schedule_lines(client: TimerClient, args: argparse.Namespace,
                     timer: Callable[[bytes | None, bytes], Timer]) -> int:
-    """``schedule --lines``: a message per line of standard input, written as the lines arrive."""
+    """``schedule --lines``: a message per line of standard input, written as the lines arrive.
+    A bad line stops it: every line before it is scheduled (its ticket printed), none after."""
     sep = None if args.key_separator is None else args.key_separator.replace("\\t", "\t").encode()
     if sep == b"":
         raise CliError("--key-separator: must not be empty")
+    def send(timers: list[Timer], last: int) -> None:
+        """Schedule ``timers``, the lines up to line ``last``."""
+        first = last - len(timers) + 1
+        for i in range(0, len(timers), LINES_BATCH):
+            batch = timers[i:i + LINES_BATCH]
+            try:
+                tickets = client.schedule_many(batch)
+            except RefusedTimer as exc:
+                tickets = client.schedule_many(batch[:exc.index]) if exc.index else []
+                _print_tickets(tickets)
+                raise CliError(f"standard input line {first + i + exc.index}: refused, the service would dead-letter "
+                               f"it: {_user_words(exc.reason)} (the lines before it are scheduled, their tickets "
+                               "printed)") from None
+            _print_tickets(tickets)
+
     number = 0
     for lines in _stdin_lines():
-        timers = []
+        timers: list[Timer] = []
         for line in lines:
             number += 1
             key = None
             if sep is not None:
                 if sep not in line:
-                    raise CliError(f"standard input line {number}: no --key-separator {sep.decode()!r} in it")
+                    send(timers, number - 1)
+                    raise CliError(f"standard input line {number}: no --key-separator {sep.decode()!r} in it "
+                                   "(the lines before it are scheduled, their tickets printed)")
                 key, _, line = line.partition(sep)
             timers.append(timer(key, line))
-        first = number - len(timers) + 1
-        for i in range(0, len(timers), LINES_BATCH):
-            try:
-                tickets = client.schedule_many(timers[i:i + LINES_BATCH])
-            except RefusedTimer as exc:
-                raise CliError(f"standard input line {first + i + exc.index}: {_refusal(args, exc)} (the lines "
-                               "before it are scheduled, their tickets printed)") from None
-            sys.stdout.write("".join(f"{t}\n" for t in tickets))
-            sys.stdout.flush()
+        send(timers, number)
     return 0
+
+
+def _print_tickets(tickets: list[Ticket]) -> None:
+    sys.stdout.write("".join(f"{t}\n" for t in tickets))
+    sys.stdout.flush()
 
 
 def _stdin_lines() -> Iterator[list[bytes]]:
@@ -431,12 +446,16 @@ def _print_ticket(args: argparse.Namespace, schedule: Callable[[], Ticket]) -> i
 def _refusal(args: argparse.Namespace, exc: RefusedTimer) -> str:
     """The service's reason in the words of the command line: flags and ``TW_*`` variables, not
     wire headers or setting names, led by the flag the reason is about."""
-    reason = re.sub("|".join(map(re.escape, _USER_WORDS)), lambda m: _USER_WORDS[m.group(0)], exc.reason)
+    reason = _user_words(exc.reason)
     when = next((f for f, v in (("--delay", args.delay_ms), ("--deliver-at", args.deliver_at),
                                 ("--delay-level", args.delay_level)) if v is not None), "--delay")
     flag = ("--topic" if "topic" in reason and "--delay" not in reason else "--id" if "--id" in reason
             else "--value" if "TW_MAX_RECORD_BYTES" in reason else when)
     return f"{flag}: refused, the service would dead-letter it: {reason}"
+
+
+def _user_words(reason: str) -> str:
+    return re.sub("|".join(map(re.escape, _USER_WORDS)), lambda m: _USER_WORDS[m.group(0)], reason)
 
 
 def _check_level(cfg: TimerConfig, level: int | None) -> None:
