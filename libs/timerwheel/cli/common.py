@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from timerwheel.config import DAY_MS, TimerConfig, parse_duration_ms
-from timerwheel.errors import ConfigError
+from timerwheel.errors import ConfigError, TimerwheelError
 
 #: TimerConfig field -> command-line flag, so a config error names the flag the user typed.
 FLAG_OF = {
@@ -249,9 +249,13 @@ def commit_log(cfg: TimerConfig, kafka: str | None, args: argparse.Namespace | N
     """Kafka at ``kafka`` (its access checked first), else the data directory's local commit log
     (with ``args``: the directory checked as a client command's, ``data_dir``)."""
     if kafka:
-        from timerwheel.security import check_kafka_access
+        from timerwheel.security import check_kafka_access, kafka_unreachable
         from timerwheel.transports.kafka import KafkaCommitLog
 
+        unreachable = kafka_unreachable(kafka)
+        if unreachable is not None:  # said at once, not after kafka-python's 30 s bootstrap timeout
+            raise TimerwheelError(f"cannot reach Kafka at {kafka} ({unreachable}): is it running, and is --kafka its "
+                                  "address?")
         check_kafka_access(cfg, kafka)
         return KafkaCommitLog.from_config(cfg, kafka)
     from timerwheel.transports.local import LocalCommitLog
