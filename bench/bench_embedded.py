@@ -9,6 +9,11 @@
   (bounded by the queue bounds, not by the burst).
 * ``embedded.lateness``: real clock, 1,000 messages/s for 60 s, tick 100 ms: lateness
   p50 / p99 / max and early deliveries.
+* ``embedded.idle``: ``timerwheel run --embedded`` (the default settings, as ``make run``) with no
+  traffic for ``TW_BENCH_IDLE_SECONDS`` (30): its CPU time from ``/proc`` (psutil, as
+  ``production.idle``), in % of one core.
+
+``TW_BENCH_EMBEDDED_ONLY`` (a comma list of throughput, burst, lateness, idle) runs some of them.
 """
 
 from __future__ import annotations
@@ -193,13 +198,45 @@ def lateness(rate: int = 1_000, seconds: int = 60) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def idle(seconds: float) -> float:
+    """CPU of an idle ``timerwheel run --embedded``, in % of one core; emits ``embedded.idle.cpu``."""
+    import psutil
+
+    tmp = Path(tempfile.mkdtemp(prefix="tw-idle-"))
+    proc = subprocess.Popen([sys.executable, "-m", "timerwheel.cli", "run", "--embedded", "--data-dir", str(tmp)],
+                            env={**os.environ, "TW_LOG_LEVEL": "WARNING"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(5)  # settle: the shards made, the first checkpoints written
+        process = psutil.Process(proc.pid)
+        times = process.cpu_times()
+        before, started = times.user + times.system, time.monotonic()
+        time.sleep(seconds)  # the measured window: nothing is sent
+        times = process.cpu_times()
+        cpu = round(100 * (times.user + times.system - before) / (time.monotonic() - started), 2)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"idle CPU of timerwheel run --embedded over {seconds:.0f} s: {cpu} % of a core")
+    emit("embedded.idle.cpu", cpu, "% of a core", seconds=round(seconds), tick_ms=100, shards=1,
+         load_average=round(os.getloadavg()[0], 1))
+    return cpu
+
+
 def main() -> None:
-    throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")), int(os.environ.get("TW_BENCH_ROUNDS", "3")))
-    n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
-    say(f"burst of {n:,} messages due in one tick (child process, for its own peak RSS)")
-    subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],
-                   check=True, cwd=Path(__file__).resolve().parent.parent)
-    lateness(seconds=int(os.environ.get("TW_BENCH_SECONDS", "60")))
+    only = set(os.environ.get("TW_BENCH_EMBEDDED_ONLY", "throughput,burst,lateness,idle").split(","))
+    if "throughput" in only:
+        throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")), int(os.environ.get("TW_BENCH_ROUNDS", "3")))
+    if "burst" in only:
+        n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
+        say(f"burst of {n:,} messages due in one tick (child process, for its own peak RSS)")
+        subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],
+                       check=True, cwd=Path(__file__).resolve().parent.parent)
+    if "lateness" in only:
+        lateness(seconds=int(os.environ.get("TW_BENCH_SECONDS", "60")))
+    if "idle" in only:
+        idle(float(os.environ.get("TW_BENCH_IDLE_SECONDS", "30")))
 
 
 if __name__ == "__main__":
