@@ -630,9 +630,13 @@ class KafkaCommitLog:
     # -- identity: which cluster, which incarnation of a topic (the deployment file records both) --
 
     def cluster_id(self) -> str | None:
-        """The cluster's id; None from a broker too old to tell."""
+        """The cluster's id; None from a broker too old to tell, or one whose ACLs do not let this
+        client describe the cluster."""
         with self._admin_lock, self._kafka_call("describe the cluster"):
-            found: dict[str, Any] = self._get_admin().describe_cluster()
+            try:
+                found: dict[str, Any] = self._get_admin().describe_cluster()
+            except kafka_errors.ClusterAuthorizationFailedError:
+                return None  # a client the ACLs do not let describe the cluster: the topic id still tells
         return found.get("cluster_id") or None
 
     def topic_id(self, topic: str) -> str | None:
