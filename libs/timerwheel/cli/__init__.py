@@ -3,9 +3,9 @@
     timerwheel run --embedded --data-dir D      serve until SIGINT / SIGTERM          service.py
     timerwheel stage NAME                       one stage, production mode            service.py
     timerwheel demo                                                                   service.py
-    timerwheel schedule --data-dir D --topic T --delay-ms 5000 --value hello          messages.py
+    timerwheel schedule --data-dir D --topic T --delay 5s --value hello              messages.py
     timerwheel cancel --data-dir D TICKET                                             messages.py
-    timerwheel reschedule --data-dir D TICKET --delay-ms 10s                          messages.py
+    timerwheel reschedule --data-dir D TICKET --delay 10s                             messages.py
     timerwheel consume --data-dir D --topic T [--follow]                              messages.py
     timerwheel inspect --data-dir D                                                   inspect.py
     timerwheel pending --data-dir D [--from T1] [--to T2] [--topic X] [--id ID] [--limit N]
@@ -15,13 +15,16 @@
     timerwheel rebase --data-dir D              fresh shards on the timer topic now read  repair.py
     timerwheel audit | bulk-schedule | forecast  the Spark jobs                       spark.py
 
-A command is two functions in its module: ``add_<command>(sub)`` adds its parser and sets its
+A command is two functions in its module: ``add_<command>(sub)`` adds its parser (with
+``common.described``: a description and examples, which ``--help`` shows) and sets its
 ``handler``, ``cmd_<command>(args)`` runs it and returns the exit code. It checks its flags and
 calls the domain (``store``, ``runtime``, ``client``, ...), never re-implements a rule of it. A new
 command goes into the module of its group (or a new module) and into ``make_parser``'s list.
 
-A bad argument or configuration value exits with status 2 and one line naming it; every error
-line starts ``timerwheel: error:``. Client commands (schedule, cancel, reschedule, consume,
+A bad argument or configuration value exits with status 2 and one line naming it (the flag the
+user typed, never a wire header); every error line starts ``timerwheel: error:``. A flag has one
+spelling across commands, named for what it is (``--delay``, ``--roll-window``: durations and
+times take units); a renamed one stays accepted as a hidden alias (``common.hidden_alias``). Client commands (schedule, cancel, reschedule, consume,
 inspect, pending) take only their own flags; the service's settings come from the same ``TW_*``
 variables the service reads (``schedule`` checks a timer with the service's rules).
 """
