@@ -245,3 +245,23 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 30) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_shards_of_one_cluster_are_refused_on_another_naming_both_cluster_ids(
+        tmp_path: Path, kafka: KafkaCommitLog, kafka_noauto_bootstrap: str) -> None:
+    """The production quick start rerun after `make down; make kafka-up`: another cluster, the
+    same TW_DATA_DIR. The checkpoints here are not beyond the new topic's end (it holds more
+    records than they read): only the recorded cluster id tells."""
+    cfg = _config(tmp_path)
+    _written_from(cfg, kafka, 1)
+    store_source(cfg.data_dir, Source(kafka.cluster_id(), kafka.topic_id(cfg.timer_topic)), fsync=False)
+    other = KafkaCommitLog(kafka_noauto_bootstrap)
+    try:
+        other.ensure_topic(cfg.timer_topic, 2)
+        other.append([OutRecord(cfg.timer_topic, None, b"v", partition=p) for p in (0, 1) for _ in range(3)])
+        with pytest.raises(SourceMismatchError) as refused:
+            check_source(cfg, other, adopt=True, production=True)
+        assert f"cluster id stored {kafka.cluster_id()}, found {other.cluster_id()}" in str(refused.value)
+        assert kafka.cluster_id() != other.cluster_id()
+    finally:
+        other.close()
