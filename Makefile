@@ -4,9 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= ./data
 
-.PHONY: setup setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
+.PHONY: setup assets setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed assets
+
+## The console's browser libraries (uPlot), fetched with npm into ~/.cache/timerwheel/npm and copied
+## into libs/timerwheel/console/static/vendor/ (scripts/assets.sh; cached, integrity-checked).
+assets:
+	@scripts/assets.sh fetch
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "setup: $(PY) not found (Python 3.11 is required)"; exit 1; }

@@ -10,6 +10,8 @@
     timerwheel recover --shard N --data-dir D   repair a stopped shard (JSON report)
     timerwheel rebuild-wheel --shard N --data-dir D
     timerwheel demo
+    timerwheel console --data-dir D --metrics HOST:PORT,...   the web console (timerwheel.console)
+    timerwheel top --data-dir D --metrics HOST:PORT,...       its overview in the terminal
 
 A bad argument or configuration value exits with status 2 and one line naming it; every error
 line starts ``timerwheel: error:``. Client commands (schedule, cancel, reschedule, consume,
@@ -37,6 +39,7 @@ from typing import Any, NoReturn
 from timerwheel import telemetry
 from timerwheel.client import Timer, TimerClient
 from timerwheel.config import DAY_MS, ENV_VARS, TimerConfig, parse_duration_ms
+from timerwheel.console import command as console_command
 from timerwheel.errors import (
     AccessError,
     ConfigError,
@@ -255,6 +258,8 @@ def make_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="schedule random timers in a temporary directory and watch them fire")
     demo.add_argument("--count", type=int, default=3000, help="timers to schedule (default 3000)")
     demo.add_argument("--max-delay-s", type=float, default=8.0, help="longest delay in seconds (default 8)")
+
+    console_command.add_parsers(sub)  # console, top (timerwheel.console)
 
     stage = sub.add_parser("stage", help="run one stage as its own process (production mode, see README)",
                            description="Run one stage as its own process, configured by TW_* variables only.")
@@ -672,7 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "consume": cmd_consume, "inspect": cmd_inspect, "pending": cmd_pending, "demo": cmd_demo,
                 "stage": cmd_stage, "recover": cmd_repair, "rebuild-wheel": cmd_repair,
                 "recover-from-kafka": cmd_recover_from_kafka,
-                "audit": cmd_spark_job, "bulk-schedule": cmd_spark_job, "forecast": cmd_spark_job}
+                "audit": cmd_spark_job, "bulk-schedule": cmd_spark_job, "forecast": cmd_spark_job,
+                "console": console_command.run_console, "top": console_command.run_top}
     try:
         return handlers[args.command](args)
     except (CliError, ConfigError, FormatMismatchError) as exc:

@@ -402,6 +402,10 @@ OTHER_ENV_VARS = {
     "TW_SPARK_JARS": "Spark jobs: a directory of Spark's Kafka connector jars (default: scripts/spark.sh's cache)",
     "TW_SPARK_DRIVER_MEMORY": "Spark jobs: the driver's memory on local[*] (default 1g)",
     "TW_SPARK_SHUFFLE_PARTITIONS": "Spark jobs: spark.sql.shuffle.partitions (default 8)",
+    "TW_CONSOLE_METRICS": "timerwheel console / top: the stages' /metrics endpoints, host:port,...",
+    "TW_CONSOLE_ACTION_TOKEN_FILE": "timerwheel console: file holding the action token (none: read-only)",
+    "TW_CONSOLE_HOST": "timerwheel console: address to listen on (default 127.0.0.1)",
+    "TW_CONSOLE_PORT": "timerwheel console: port to listen on (default 8090)",
 }
 
 #: Variables of the project's own scripts, tests and benchmarks (README "Tests and tooling");
