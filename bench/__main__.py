@@ -1,11 +1,11 @@
-"""Run every benchmark in turn: ``python -m bench [name ...]`` (names: store, embedded, production, spark)."""
+"""Run every benchmark in turn: ``python -m bench [name ...]`` (names: store, embedded, production, spark, console)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-ALL = ("store", "embedded", "production", "spark")
+ALL = ("store", "embedded", "production", "spark", "console")
 
 
 def main() -> None:

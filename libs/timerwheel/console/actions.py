@@ -65,6 +65,13 @@ class Actions:
             self._client = TimerClient(self.inst.commit_log, self.inst.config, self.inst.clock)
         return self._client
 
+    def warm(self) -> None:
+        """Connect what a write needs before the first one: the client, and Kafka's transactional
+        producer (reschedule and deliver now write in a transaction; its first start takes seconds)."""
+        append_atomic = getattr(self.client.log, "append_atomic", None)
+        if append_atomic is not None:
+            append_atomic([])
+
     def _pending(self, message_id: str) -> PendingItem:
         message_id = message_id.strip()
         if not message_id:

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -337,9 +338,17 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
 
+    def warm() -> None:
+        try:
+            console.actions.warm()
+        except Exception as exc:  # noqa: BLE001 - the first write connects again, and reports
+            console.log.warning("connecting the writers failed", error=repr(exc)[:200])
+
     def started() -> None:
         if start_sampler:
             sampler.start()
+        if console.writable:
+            threading.Thread(target=warm, name="tw-console-warm", daemon=True).start()
 
     def stopped() -> None:
         sampler.stop()
