@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
+import httpx2 as httpx
 
 from timerwheel import Timer
 from timerwheel.embedded import EmbeddedTimerwheel
