@@ -30,7 +30,6 @@ from pathlib import Path
 from urllib.parse import quote
 
 import httpx2 as httpx
-
 from timerwheel import Timer
 from timerwheel.embedded import EmbeddedTimerwheel
 
@@ -49,10 +48,7 @@ def fill(data: Path, n: int, seed: int = 33) -> str:
         for i in range(0, n, batch):
             timers = []
             for j in range(i, min(n, i + batch)):
-                if rng.random() < 0.1:
-                    delay = rng.randint(3 * DAY, 30 * DAY)
-                else:
-                    delay = rng.randint(600_000, DAY)
+                delay = rng.randint(3 * DAY, 30 * DAY) if rng.random() < 0.1 else rng.randint(600000, DAY)
                 topic = "rare" if rng.random() < 0.01 else f"orders-{j % 8}"
                 timers.append(Timer(topic, b"x" * 100, key=str(j).encode(), deliver_at_ms=now + delay,
                                     message_id=f"bench-{j}"))
