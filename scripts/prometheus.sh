@@ -6,6 +6,9 @@
 #                                   building them first if missing
 #   scripts/prometheus.sh build     build them (again only if missing)
 #   scripts/prometheus.sh version   the version this script builds
+#   scripts/prometheus.sh crds      print the directory holding the Prometheus Operator's CRDs
+#                                   (monitoring.coreos.com_*.yaml) of TW_PROMETHEUS_OPERATOR_VERSION
+#                                   (default v0.85.0): its Go module, fetched into Go's module cache
 #
 # Builds github.com/prometheus/prometheus/cmd/{prometheus,promtool} at TW_PROMETHEUS_VERSION
 # (default v0.316.0, the Go module version of Prometheus 3.16.0) in a throwaway wrapper module and
@@ -22,6 +25,8 @@ BIN_DIR="$CACHE/bin"
 PROMETHEUS="$BIN_DIR/prometheus-$VERSION"
 PROMTOOL="$BIN_DIR/promtool-$VERSION"
 MODULE=github.com/prometheus/prometheus
+OPERATOR_VERSION="${TW_PROMETHEUS_OPERATOR_VERSION:-v0.85.0}"
+OPERATOR_MODULE=github.com/prometheus-operator/prometheus-operator
 
 log() { echo "prometheus.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -75,9 +80,23 @@ EOF
     log "built $PROMETHEUS and $PROMTOOL"
 }
 
+crds() {
+    local go dir work
+    go="$(go_bin)" || die "Go is missing: install Go (or set GO=/path/to/go) to fetch $OPERATOR_MODULE $OPERATOR_VERSION"
+    work="$(mktemp -d "${TMPDIR:-/tmp}/tw-prometheus-crds.XXXXXX")"
+    # outside any module: `go mod download` of one module
+    dir="$(cd "$work" && "$go" mod download -json "$OPERATOR_MODULE@$OPERATOR_VERSION" 2>/dev/null \
+        | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+    rm -rf "$work"
+    [[ -n "$dir" && -f "$dir/example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml" ]] \
+        || die "go mod download $OPERATOR_MODULE@$OPERATOR_VERSION gave no example/prometheus-operator-crd (is the Go module proxy reachable?)"
+    echo "$dir/example/prometheus-operator-crd"
+}
+
 case "${1:-path}" in
     path) build; echo "$PROMETHEUS"; echo "$PROMTOOL" ;;
     build) build ;;
     version) echo "$VERSION" ;;
-    *) die "usage: scripts/prometheus.sh path|build|version" ;;
+    crds) crds ;;
+    *) die "usage: scripts/prometheus.sh path|build|version|crds" ;;
 esac

@@ -32,6 +32,7 @@ from urllib.parse import urlencode, urlsplit
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import Request
@@ -44,6 +45,7 @@ from timerwheel.config import parse_duration_ms
 from timerwheel.console.actions import ActionRefused, Actions, Outcome
 from timerwheel.console.browse import (
     DeadLetter,
+    PendingPage,
     browse_dead_letters,
     browse_pending,
     dead_letter_at,
@@ -209,7 +211,7 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
 
     @page
     async def overview(request: Request) -> Response:
-        snap = sampler.latest()
+        snap = await run_in_threadpool(sampler.latest)
         charts = {
             "rates": {"t": [t for t, _ in snap.rate_history],
                       **{k: [round(r[k], 3) for _, r in snap.rate_history] for k in COUNTED}},
@@ -234,9 +236,13 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= PAGE_MAX:
             raise Refused(400, f"limit must be 1..{PAGE_MAX}, got {limit_text!r}")
         topic, message_id = (q.get("topic") or "").strip() or None, (q.get("id") or "").strip() or None
-        with inst.shards() as shards:
-            found = browse_pending(shards, inst.commit_log, inst.config, from_ms, to_ms, topic=topic,
-                                   message_id=message_id, limit=int(limit_text), after=q.get("after") or None)
+
+        def browse() -> PendingPage:
+            with inst.shards() as shards:
+                return browse_pending(shards, inst.commit_log, inst.config, from_ms, to_ms, topic=topic,
+                                      message_id=message_id, limit=int(limit_text), after=q.get("after") or None)
+
+        found = await run_in_threadpool(browse)
         params = {k: v for k, v in {"from": from_text, "to": to_text, "topic": topic or "", "id": message_id or "",
                                     "limit": limit_text, "tz": q.get("tz") or ""}.items() if v}
         next_url = None if found.next_cursor is None else "/pending?" + urlencode({**params, "after": found.next_cursor})
@@ -248,8 +254,8 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
     async def dead_letter_page(request: Request) -> Response:
         q = request.query_params
         reason, source = (q.get("reason") or "").strip() or None, (q.get("source") or "").strip() or None
-        found = browse_dead_letters(inst.commit_log, inst.config, reason=reason, source=source,
-                                    before=q.get("before") or None)
+        found = await run_in_threadpool(lambda: browse_dead_letters(inst.commit_log, inst.config, reason=reason,
+                                                                    source=source, before=q.get("before") or None))
         params = {k: v for k, v in {"reason": reason or "", "source": source or ""}.items() if v}
         next_url = None if found.next_cursor is None else "/dead-letters?" + urlencode(
             {**params, "before": partitions_text(found.next_cursor)})
@@ -264,12 +270,12 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
     @page
     async def cancel(request: Request) -> Response:
         form = await console.checked_form(request)
-        return outcome(request, console.actions.cancel(form.get("id", "")))
+        return outcome(request, await run_in_threadpool(console.actions.cancel, form.get("id", "")))
 
     @page
     async def deliver_now(request: Request) -> Response:
         form = await console.checked_form(request)
-        return outcome(request, console.actions.deliver_now(form.get("id", "")))
+        return outcome(request, await run_in_threadpool(console.actions.deliver_now, form.get("id", "")))
 
     @page
     async def reschedule(request: Request) -> Response:
@@ -279,14 +285,15 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
             raise Refused(400, "no new delivery time given (e.g. now+10m, or a date and time)")
         tz = form.get("tz", "0")
         at = parse_time(when, inst.now_ms(), int(tz) if tz.lstrip("-").isdigit() else 0)
-        return outcome(request, console.actions.reschedule(form.get("id", ""), at))
+        return outcome(request, await run_in_threadpool(console.actions.reschedule, form.get("id", ""), at))
 
     @page
     async def redrive(request: Request) -> Response:
         form = await console.checked_form(request)
         letters: list[DeadLetter]
         if form.get("partition", "").isdigit() and form.get("offset", "").isdigit():
-            one = dead_letter_at(inst.commit_log, inst.config, int(form["partition"]), int(form["offset"]))
+            one = await run_in_threadpool(dead_letter_at, inst.commit_log, inst.config, int(form["partition"]),
+                                          int(form["offset"]))
             if one is None:
                 raise Refused(404, f"no dead letter at partition {form['partition']} offset {form['offset']} of "
                                    f"{inst.config.dlq_topic!r} (gone by retention?)")
@@ -296,8 +303,9 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
             if not reason and not source:
                 raise Refused(400, "a redrive by filter needs a reason or a source: redriving every dead letter at "
                                    "once is not offered")
-            letters = dead_letters(inst.commit_log, inst.config, reason=reason, source=source, at_most=10_001)
-        return outcome(request, console.actions.redrive(letters))
+            letters = await run_in_threadpool(lambda: dead_letters(inst.commit_log, inst.config, reason=reason,
+                                                                   source=source, at_most=10_001))
+        return outcome(request, await run_in_threadpool(console.actions.redrive, letters))
 
     @page
     async def unlock(request: Request) -> Response:

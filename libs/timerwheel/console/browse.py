@@ -139,6 +139,19 @@ def _slot_records(shard: Shard, t: int, limit_pos: int) -> list[tuple[int, int, 
     return out
 
 
+def _next_slot(shard: Shard, t: int, end: int) -> int | None:
+    """``shard.next_nonempty(t, end)`` in growing windows: its cost is the slots it looks at (up to
+    a quarter million at once), so a page over sparse slots looks a few ticks ahead first."""
+    window = 64 * shard.tick_ms
+    while t < end:
+        found = shard.next_nonempty(t, min(end, t + window))
+        if found is not None:
+            return found
+        t = shard.slot_time(min(end, t + window))
+        window = min(window * 8, (1 << 18) * shard.tick_ms)
+    return None
+
+
 def _walk_shard(shard_id: int, shard: Shard, from_ms: int, to_ms: int, after: Key | None, want_topic: int | None,
                 want: int, budget: int) -> tuple[list[tuple[Key, int, int, bool]], Key, int]:
     """Up to ``want`` messages of one shard firing in [from_ms, to_ms) after ``after``: (key,
@@ -158,7 +171,7 @@ def _walk_shard(shard_id: int, shard: Shard, from_ms: int, to_ms: int, after: Ke
     while t is not None and t < end:
         if len(hits) >= want or scanned >= budget:
             return hits, (t, -1, -1), scanned
-        t = shard.next_nonempty(t, end)
+        t = _next_slot(shard, t, end)
         if t is None:
             break
         records = _slot_records(shard, t, enq.flushed_pos)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from timerwheel.console.source import PREFIX, Installation, Sample, Scrape
 from timerwheel.log import stage_logger
+from timerwheel.runtime import PENDING_EVERY_S, Every
 from timerwheel.store import Shard
 
 #: The counters whose rates the overview shows.
@@ -256,6 +257,9 @@ class Sampler:
         self.counters = Counters()
         self.history: deque[tuple[float, dict[str, float]]] = deque(maxlen=keep)
         self._latest: Snapshot | None = None
+        #: the wheel's pending count is a scan of the whole wheel: done every PENDING_EVERY_S
+        self._pending_every = Every(PENDING_EVERY_S)
+        self._pending: dict[int, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -267,9 +271,14 @@ class Sampler:
         scrapes = inst.scrape()
         now = inst.now_ms()
         rows = shard_rows(scrapes)
-        with inst.shards() as shards:
-            fill_from_volume(rows, shards, now, span_pending=True)
+        with inst.shards("sampler") as shards:
+            fill_from_volume(rows, shards, now, span_pending=self._pending_every.due())
             minutes, hours = due_ahead(shards, now)
+            for shard_id, row in rows.items():  # between wheel scans: the last count
+                if row.pending is None and shard_id in self._pending:
+                    row.pending = self._pending[shard_id]
+                elif row.pending is not None:
+                    self._pending[shard_id] = row.pending
         buckets, p50, p99, early = lateness(scrapes)
         with self._lock:
             self.history.append((now / 1000, self.counters.add(scrapes)))

@@ -94,8 +94,8 @@ def scrape_one(target: str, address: str, timeout_s: float = SCRAPE_TIMEOUT_S) -
 class Installation:
     """The console's view of one timerwheel: shards read-only, the stages' metrics, the commit log.
 
-    Shard views are shared by the request threads and the sampler, so every use holds ``lock``
-    (``with inst.shards() as shards``)."""
+    A shard view is used by one thread at a time: ``with inst.shards() as shards`` holds its lock
+    (the request threads share the "pages" views; the sampler has its own)."""
 
     def __init__(self, config: TimerConfig, metrics_targets: Sequence[str], *, commit_log: CommitLog | None = None,
                  clock: Clock | None = None) -> None:
@@ -105,7 +105,7 @@ class Installation:
         self.targets = list(metrics_targets)
         self.clock = clock or SystemClock()
         self.lock = threading.RLock()
-        self._shards: dict[int, Shard] = {}
+        self._views: dict[str, tuple[threading.Lock, dict[int, Shard]]] = {}
         self._commit_log = commit_log
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tw-console-scrape")
         self.log = stage_logger("console")
@@ -113,19 +113,22 @@ class Installation:
     # -- shards ------------------------------------------------------------------------------------
 
     @contextmanager
-    def shards(self) -> Iterator[dict[int, Shard]]:
-        """The read-only views of the shards found in the data directory (opened on first use, and
-        again for a shard that appeared since), held under the lock."""
+    def shards(self, view: str = "pages") -> Iterator[dict[int, Shard]]:
+        """Read-only views of the shards found in the data directory (opened on first use, and
+        again for a shard that appeared since), held under the view's lock. Each ``view`` has views
+        of its own, so the sampler's wheel counts never hold up a page."""
         from timerwheel.embedded import found_shards, open_found_shard
 
         with self.lock:
+            lock, shards = self._views.setdefault(view, (threading.Lock(), {}))
+        with lock:
             for s in found_shards(self.config.data_dir):
-                if s not in self._shards:
+                if s not in shards:
                     try:
-                        self._shards[s] = open_found_shard(self.config.data_dir, s)
+                        shards[s] = open_found_shard(self.config.data_dir, s)
                     except (OSError, TimerwheelError) as exc:  # not created yet, or being recovered
                         self.log.warning("shard not readable", shard=s, error=str(exc)[:200])
-            yield self._shards
+            yield shards
 
     # -- metrics -----------------------------------------------------------------------------------
 
@@ -158,9 +161,11 @@ class Installation:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self.lock:
-            for shard in self._shards.values():
-                shard.close()
-            self._shards.clear()
+            for lock, shards in self._views.values():
+                with lock:
+                    for shard in shards.values():
+                        shard.close()
+            self._views.clear()
             if self._commit_log is not None:
                 self._commit_log.close()
                 self._commit_log = None
