@@ -112,11 +112,18 @@ def test_a_time_range_lists_exactly_the_messages_due_in_it(inst: Installation, d
                                                                          .encode() or b"0") in first.headers
 
 
-def test_a_destination_filter_continues_page_by_page_within_its_budget(inst: Installation, data: Data) -> None:
-    pages = _all_pages(inst, data, limit=20, topic="a", budget=40)
+def test_a_destination_filter_pages_through_exactly_its_messages(inst: Installation, data: Data) -> None:
+    pages = _all_pages(inst, data, limit=20, topic="a")
     seen = [m for p in pages for m in p]
     assert sorted(seen) == sorted(m for m, t in data.topic.items() if t == "a" and m not in CANCELLED)
-    assert len(pages) > len(seen) // 20 + 1  # the budget cut pages short and the cursor went on
+    assert all(len(p) == 20 for p in pages[:-1])
+
+
+def test_a_walk_stops_at_its_budget_and_its_cursor_goes_on(inst: Installation, data: Data) -> None:
+    pages = _all_pages(inst, data, limit=50, budget=20)
+    seen = [m for p in pages for m in p]
+    assert len(seen) == len(set(seen)) and set(seen) == set(data.due) - CANCELLED
+    assert len(pages) > len(seen) // 50 + 1  # the budget cut pages short
 
 
 def test_by_id_finds_the_message_and_not_a_cancelled_one(inst: Installation, data: Data) -> None:

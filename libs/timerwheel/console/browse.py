@@ -5,16 +5,15 @@ a page of ``limit`` messages from a cursor costs about ``limit`` TimerLog record
 shards hold (1 M pending: BENCHMARKS.md, "Console").
 
 - *By time range* (``walk``): per shard, the wheel's non-empty slots from ``max(from, R)`` on
-  (``Shard.next_nonempty`` skips empty slots column-wise), each slot's records read through its
-  TimerLog chain, or column-wise for a dense slot; a shard stops once it has ``limit + 1``
-  messages past the cursor. The shards' lists are merged by (fire time, shard, TimerLog
-  position), which is also the cursor: the next page starts after the last message shown. A
-  destination filter (``topic``) compares the records' topic hash on the way; as it may pass many
-  records for a few matches, a page also stops after ``budget`` records read and says where it
-  got to, so a selective filter costs several short pages, never one long one.
-- *By message id* (``scan``): the TimerLog is read column-wise from its start (records before
-  retention are gone) and the records with the id's hash kept; time is linear in the TimerLog's
-  size (a few tens of ms per million records), and an id has at most a few records.
+  (``Shard.next_nonempty``, column-wise, looking a few ticks ahead first), each slot's records
+  read through its TimerLog chain, or column-wise for a dense slot; a shard stops once it has
+  ``limit + 1`` messages past the cursor, or after ``budget`` records (a slot of a burst), and says
+  where it got to. The shards' lists are merged by (fire time, shard, TimerLog position), which is
+  also the cursor: the next page starts after the last message shown.
+- *By destination or id* (``scan``): the TimerLog is read column-wise from its start (records
+  before retention are gone), the records of the destination's topic hash or the id's hash kept,
+  and the first ``limit + 1`` past the cursor taken; time is linear in the TimerLog's size (tens of
+  ms per million records), whatever share of them matches.
 
 A message is listed in the slot it fires in: its own delivery time, or for a message due beyond
 the roll window (2 days by default) its next roll hop, marked ``rolled`` (its delivery time is
@@ -35,12 +34,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from timerwheel.config import RECORD_SIZE, TimerConfig
 from timerwheel.errors import InvalidTimerMessage
 from timerwheel.records import Record
 from timerwheel.store import Flag, Shard
-from timerwheel.store.format import records_from_array, valid_mask
+from timerwheel.store.format import RecordArray, pack_records, seal, valid_mask
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_ERROR,
@@ -122,21 +122,69 @@ class PendingPage:
     method: str
 
 
-def _slot_records(shard: Shard, t: int, limit_pos: int) -> list[tuple[int, int, int, int, int, int]]:
-    """(position, flags, deliver ms, topic hash, id hash, src partition/offset...) of one slot,
-    oldest first: column-wise for a dense slot, else through its chain."""
+#: Mixes a record's slot into its id hash: a cancel marker hides the messages of its id in its slot.
+_SLOT_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+Hit = tuple[Key, int, int, bool]  # (key, src partition, src offset, rolled)
+
+
+def _slot_arrays(shard: Shard, t: int, limit_pos: int) -> tuple[npt.NDArray[np.int64], RecordArray]:
+    """One slot's records and their positions: column-wise for a dense slot, else through its chain."""
     dense = shard.read_dense_slot(t, limit_pos)
     if dense is not None:
-        positions, arr = dense
+        return dense
+    pairs = list(shard.read_slot(t, limit_pos))  # checked records (read_slot skips and reports the others)
+    arr = pack_records([r for _, r in pairs])
+    seal(arr)  # their CRC, as _first checks every record it returns
+    return np.array([p for p, _ in pairs], dtype=np.int64), arr
+
+
+class _Want:
+    """What a page asks of each record: the range, R, the filters and the cursor."""
+
+    def __init__(self, from_ms: int, to_ms: int, topic: int | None, message_id: int | None, after: Key | None,
+                 tick_ms: int) -> None:
+        self.from_ms, self.to_ms, self.topic, self.message_id, self.after = from_ms, to_ms, topic, message_id, after
+        self.tick_ms = tick_ms
+
+    def candidates(self, shard_id: int, positions: npt.NDArray[np.int64], arr: RecordArray,
+                   r_slot: int) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """(mask of the messages asked for, their cancel keys, the cancel markers' keys)."""
+        deliver = arr["deliver_ms"]
+        slot = deliver - deliver % self.tick_ms
         flags = arr["magic"] & 0xFF
-        cols = zip(positions.tolist(), flags.tolist(), arr["deliver_ms"].tolist(), arr["topic_hash"].tolist(),
-                   arr["id_hash"].tolist(), arr["src_partition"].tolist(), arr["src_offset"].tolist(), strict=True)
-        out = [(p, f, d, th, ih, sp * _BIG + so) for p, f, d, th, ih, sp, so in cols]
-    else:
-        out = [(pos, int(r.flags), r.deliver_ms, r.topic_hash, r.id_hash, r.src_partition * _BIG + r.src_offset)
-               for pos, r in shard.read_slot(t, limit_pos)]
-    out.sort()
-    return out
+        delete = (flags & _DELETE) != 0
+        keys = arr["id_hash"] ^ (slot.astype(np.uint64) * _SLOT_MIX)
+        m = ~delete & (flags != 0) & (deliver >= self.from_ms) & (deliver < self.to_ms) & (slot >= r_slot)
+        if self.topic is not None:
+            m &= arr["topic_hash"] == np.uint32(self.topic)
+        if self.message_id is not None:
+            m &= arr["id_hash"] == np.uint64(self.message_id)
+        if self.after is not None:
+            d0, s0, p0 = self.after
+            m &= (deliver > d0) | ((deliver == d0) & ((shard_id > s0) | ((shard_id == s0) & (positions > p0))))
+        return m, keys, keys[delete]
+
+
+def _first(shard_id: int, positions: npt.NDArray[np.int64], arr: RecordArray, want: int) -> list[Hit]:
+    """The first ``want`` of these records by (fire time, position), as hits (checked records only)."""
+    order = np.lexsort((positions, arr["deliver_ms"]))[: want]
+    arr, positions = arr[order], positions[order]
+    ok = valid_mask(arr)
+    return [((int(d), shard_id, int(p)), int(sp), int(so), bool(f & _ROLL))
+            for d, p, sp, so, f, good in zip(arr["deliver_ms"].tolist(), positions.tolist(),
+                                               arr["src_partition"].tolist(), arr["src_offset"].tolist(),
+                                               (arr["magic"] & 0xFF).tolist(), ok.tolist(), strict=True) if good]
+
+
+def _bounds(shard: Shard) -> tuple[int, int, int] | None:
+    """(flushed position, R's slot, W) of a shard as its checkpoints publish them; None before any."""
+    enq = shard.load_enqueue_checkpoint()
+    if enq is None:
+        return None
+    shard.refresh(enq)  # a reader on another node: what the volume holds, not a stale cache
+    deq = shard.load_dequeue_checkpoint()
+    return enq.flushed_pos, shard.slot_time(deq.read_ms if deq is not None else enq.write_ms), enq.write_ms
 
 
 def _next_slot(shard: Shard, t: int, end: int) -> int | None:
@@ -152,78 +200,59 @@ def _next_slot(shard: Shard, t: int, end: int) -> int | None:
     return None
 
 
-def _walk_shard(shard_id: int, shard: Shard, from_ms: int, to_ms: int, after: Key | None, want_topic: int | None,
-                want: int, budget: int) -> tuple[list[tuple[Key, int, int, bool]], Key, int]:
-    """Up to ``want`` messages of one shard firing in [from_ms, to_ms) after ``after``: (key,
-    src partition, src offset, rolled); the key up to which the shard is complete; records read."""
-    enq = shard.load_enqueue_checkpoint()
-    if enq is None:
+def _walk_shard(shard_id: int, shard: Shard, want: _Want, count: int, budget: int) -> tuple[list[Hit], Key, int]:
+    """Up to ``count`` messages of one shard, slot by slot from the range's start: the hits, the
+    key up to which the shard is complete, and the TimerLog records read."""
+    bounds = _bounds(shard)
+    if bounds is None:
         return [], (_BIG, _BIG, _BIG), 0
-    shard.refresh(enq)  # a reader on another node: what the volume holds, not a stale cache
-    deq = shard.load_dequeue_checkpoint()
-    r_ms = deq.read_ms if deq is not None else enq.write_ms
-    tick, span = shard.tick_ms, shard.slots * shard.tick_ms
-    start = shard.slot_time(max(from_ms, r_ms, after[0] if after else from_ms))
-    end = min(to_ms, shard.slot_time(r_ms) + span)
-    hits: list[tuple[Key, int, int, bool]] = []
+    flushed, r_slot, _w = bounds
+    start = shard.slot_time(max(want.from_ms, r_slot, want.after[0] if want.after else want.from_ms))
+    end = min(want.to_ms, r_slot + shard.slots * shard.tick_ms)
+    hits: list[Hit] = []
     scanned = 0
     t: int | None = start
     while t is not None and t < end:
-        if len(hits) >= want or scanned >= budget:
+        if len(hits) >= count or scanned >= budget:
             return hits, (t, -1, -1), scanned
         t = _next_slot(shard, t, end)
         if t is None:
             break
-        records = _slot_records(shard, t, enq.flushed_pos)
-        scanned += len(records)
-        markers = {ih for _p, f, _d, _th, ih, _s in records if f & _DELETE}
-        for pos, flags, deliver, th, ih, src in records:
-            key = (deliver, shard_id, pos)
-            if flags & _DELETE or ih in markers or not from_ms <= deliver < to_ms:
-                continue
-            if (want_topic is not None and th != want_topic) or (after is not None and key <= after):
-                continue
-            hits.append((key, src // _BIG, src % _BIG, bool(flags & _ROLL)))
-        t += tick
+        positions, arr = _slot_arrays(shard, t, flushed)
+        scanned += len(arr)
+        m, keys, markers = want.candidates(shard_id, positions, arr, r_slot)
+        if markers.size:
+            m &= ~np.isin(keys, markers)
+        idx = np.flatnonzero(m)
+        hits += _first(shard_id, positions[idx], arr[idx], count - len(hits))
+        t += shard.tick_ms
     return hits, (_BIG, _BIG, _BIG), scanned
 
 
-def _scan_shard(shard_id: int, shard: Shard, from_ms: int, to_ms: int, want_id: int,
-                want_topic: int | None) -> tuple[list[tuple[Key, int, int, bool]], int]:
-    """The records of one id (its hash) in the shard's TimerLog that fire in [from_ms, to_ms),
-    from R on, without a cancel marker in their slot."""
-    enq = shard.load_enqueue_checkpoint()
-    if enq is None:
+def _scan_shard(shard_id: int, shard: Shard, want: _Want, count: int) -> tuple[list[Hit], int]:
+    """The first ``count`` messages of one shard that match, by reading its whole TimerLog
+    column-wise (for a filter by id or destination); and the records read."""
+    bounds = _bounds(shard)
+    if bounds is None:
         return [], 0
-    shard.refresh(enq)
-    deq = shard.load_dequeue_checkpoint()
-    r_slot = shard.slot_time(deq.read_ms if deq is not None else enq.write_ms)
+    flushed, r_slot, _w = bounds
     start = shard.log.start_pos
-    positions: list[int] = []
-    rows_list = []
-    for first, arr in shard.log.iter_chunks(start, enq.flushed_pos):
-        idx = np.flatnonzero(arr["id_hash"] == np.uint64(want_id))
+    found_pos, found_rows, found_keys, markers = [], [], [], []
+    for first, arr in shard.log.iter_chunks(start, flushed):
+        positions = first + RECORD_SIZE * np.arange(len(arr), dtype=np.int64)
+        m, keys, marks = want.candidates(shard_id, positions, arr, r_slot)
+        markers.append(marks)
+        idx = np.flatnonzero(m)
         if idx.size:
-            positions += (first + RECORD_SIZE * idx).tolist()
-            rows_list.append(arr[idx])  # a copy (fancy indexing): the chunk's buffer is reused
-    scanned = (enq.flushed_pos - start) // RECORD_SIZE
-    if not rows_list:
+            found_pos.append(positions[idx])
+            found_rows.append(arr[idx])  # a copy (fancy indexing): the chunk's buffer is reused
+            found_keys.append(keys[idx])
+    scanned = (flushed - start) // RECORD_SIZE
+    if not found_rows:
         return [], scanned
-    rows = np.concatenate(rows_list)
-    ok = valid_mask(rows)
-    records = records_from_array(rows[ok])
-    kept = [p for p, good in zip(positions, ok.tolist(), strict=True) if good]
-    slot = shard.slot_time
-    cancelled = {slot(r.deliver_ms) for r in records if r.flags & _DELETE}
-    hits = []
-    for pos, r in zip(kept, records, strict=True):
-        s = slot(r.deliver_ms)
-        if r.flags & _DELETE or s in cancelled or s < r_slot or not from_ms <= r.deliver_ms < to_ms:
-            continue
-        if want_topic is not None and r.topic_hash != want_topic:
-            continue
-        hits.append(((r.deliver_ms, shard_id, pos), r.src_partition, r.src_offset, bool(r.flags & _ROLL)))
-    return hits, scanned
+    positions, rows, keys = np.concatenate(found_pos), np.concatenate(found_rows), np.concatenate(found_keys)
+    live = ~np.isin(keys, np.concatenate(markers))
+    return _first(shard_id, positions[live], rows[live], count), scanned
 
 
 def browse_pending(shards: Mapping[int, Shard], log: CommitLog, config: TimerConfig, from_ms: int, to_ms: int, *,
@@ -234,21 +263,22 @@ def browse_pending(shards: Mapping[int, Shard], log: CommitLog, config: TimerCon
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     cursor = parse_cursor(after)
-    want_topic = topic_hash(topic) if topic else None
-    hits: list[tuple[Key, int, int, bool]] = []
+    tick = next(iter(shards.values())).tick_ms if shards else config.tick_ms
+    want = _Want(from_ms, to_ms, topic_hash(topic) if topic else None, id_hash(message_id) if message_id else None,
+                 cursor, tick)
+    hits: list[Hit] = []
     scanned = 0
     bound: Key = (_BIG, _BIG, _BIG)
-    if message_id:
+    if message_id or topic:
         for shard_id, shard in sorted(shards.items()):
-            found, n = _scan_shard(shard_id, shard, from_ms, to_ms, id_hash(message_id), want_topic)
-            hits += [h for h in found if cursor is None or h[0] > cursor]
+            found, n = _scan_shard(shard_id, shard, want, limit + 1)
+            hits += found
             scanned += n
         method = "scan"
     else:
         per_shard = max(1, budget // max(1, len(shards)))
         for shard_id, shard in sorted(shards.items()):
-            found, complete_to, n = _walk_shard(shard_id, shard, from_ms, to_ms, cursor, want_topic, limit + 1,
-                                                per_shard)
+            found, complete_to, n = _walk_shard(shard_id, shard, want, limit + 1, per_shard)
             hits += found
             bound = min(bound, complete_to)
             scanned += n
