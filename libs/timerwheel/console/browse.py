@@ -40,7 +40,7 @@ from timerwheel.config import RECORD_SIZE, TimerConfig
 from timerwheel.errors import InvalidTimerMessage
 from timerwheel.records import Record
 from timerwheel.store import Flag, Shard
-from timerwheel.store.format import RecordArray, pack_records, seal, valid_mask
+from timerwheel.store.format import RecordArray, pack_records, valid_mask
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_ERROR,
@@ -129,14 +129,13 @@ Hit = tuple[Key, int, int, bool]  # (key, src partition, src offset, rolled)
 
 
 def _slot_arrays(shard: Shard, t: int, limit_pos: int) -> tuple[npt.NDArray[np.int64], RecordArray]:
-    """One slot's records and their positions: column-wise for a dense slot, else through its chain."""
+    """One slot's records and their positions: column-wise for a dense slot, else through its chain.
+    Both are checked records (size, magic, CRC): either read skips, and reports, any other."""
     dense = shard.read_dense_slot(t, limit_pos)
     if dense is not None:
         return dense
-    pairs = list(shard.read_slot(t, limit_pos))  # checked records (read_slot skips and reports the others)
-    arr = pack_records([r for _, r in pairs])
-    seal(arr)  # their CRC, as _first checks every record it returns
-    return np.array([p for p, _ in pairs], dtype=np.int64), arr
+    pairs = list(shard.read_slot(t, limit_pos))
+    return np.array([p for p, _ in pairs], dtype=np.int64), pack_records([r for _, r in pairs])
 
 
 class _Want:
@@ -166,11 +165,13 @@ class _Want:
         return m, keys, keys[delete]
 
 
-def _first(shard_id: int, positions: npt.NDArray[np.int64], arr: RecordArray, want: int) -> list[Hit]:
-    """The first ``want`` of these records by (fire time, position), as hits (checked records only)."""
+def _first(shard_id: int, positions: npt.NDArray[np.int64], arr: RecordArray, want: int,
+           check: bool) -> list[Hit]:
+    """The first ``want`` of these records by (fire time, position), as hits; with ``check``
+    (raw records), those that fail their checks are left out."""
     order = np.lexsort((positions, arr["deliver_ms"]))[: want]
     arr, positions = arr[order], positions[order]
-    ok = valid_mask(arr)
+    ok = valid_mask(arr) if check else np.ones(len(arr), dtype=bool)
     return [((int(d), shard_id, int(p)), int(sp), int(so), bool(f & _ROLL))
             for d, p, sp, so, f, good in zip(arr["deliver_ms"].tolist(), positions.tolist(),
                                                arr["src_partition"].tolist(), arr["src_offset"].tolist(),
@@ -224,7 +225,7 @@ def _walk_shard(shard_id: int, shard: Shard, want: _Want, count: int, budget: in
         if markers.size:
             m &= ~np.isin(keys, markers)
         idx = np.flatnonzero(m)
-        hits += _first(shard_id, positions[idx], arr[idx], count - len(hits))
+        hits += _first(shard_id, positions[idx], arr[idx], count - len(hits), check=False)
         t += shard.tick_ms
     return hits, (_BIG, _BIG, _BIG), scanned
 
@@ -252,7 +253,7 @@ def _scan_shard(shard_id: int, shard: Shard, want: _Want, count: int) -> tuple[l
         return [], scanned
     positions, rows, keys = np.concatenate(found_pos), np.concatenate(found_rows), np.concatenate(found_keys)
     live = ~np.isin(keys, np.concatenate(markers))
-    return _first(shard_id, positions[live], rows[live], count), scanned
+    return _first(shard_id, positions[live], rows[live], count, check=True), scanned
 
 
 def browse_pending(shards: Mapping[int, Shard], log: CommitLog, config: TimerConfig, from_ms: int, to_ms: int, *,
