@@ -40,7 +40,8 @@ from timerwheel.config import RECORD_SIZE, TimerConfig
 from timerwheel.errors import InvalidTimerMessage
 from timerwheel.records import Record
 from timerwheel.store import Flag, Shard
-from timerwheel.store.format import RecordArray, pack_records, valid_mask
+from timerwheel.store.format import RecordArray, valid_mask
+from timerwheel.store.wheel import SLOT_MAGIC
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_ERROR,
@@ -128,16 +129,6 @@ _SLOT_MIX = np.uint64(0x9E3779B97F4A7C15)
 Hit = tuple[Key, int, int, bool]  # (key, src partition, src offset, rolled)
 
 
-def _slot_arrays(shard: Shard, t: int, limit_pos: int) -> tuple[npt.NDArray[np.int64], RecordArray]:
-    """One slot's records and their positions: column-wise for a dense slot, else through its chain.
-    Both are checked records (size, magic, CRC): either read skips, and reports, any other."""
-    dense = shard.read_dense_slot(t, limit_pos)
-    if dense is not None:
-        return dense
-    pairs = list(shard.read_slot(t, limit_pos))
-    return np.array([p for p, _ in pairs], dtype=np.int64), pack_records([r for _, r in pairs])
-
-
 class _Want:
     """What a page asks of each record: the range, R, the filters and the cursor."""
 
@@ -166,7 +157,7 @@ class _Want:
 
 
 def _first(shard_id: int, positions: npt.NDArray[np.int64], arr: RecordArray, want: int,
-           check: bool) -> list[Hit]:
+           check: bool = False) -> list[Hit]:
     """The first ``want`` of these records by (fire time, position), as hits; with ``check``
     (raw records), those that fail their checks are left out."""
     order = np.lexsort((positions, arr["deliver_ms"]))[: want]
@@ -188,17 +179,44 @@ def _bounds(shard: Shard) -> tuple[int, int, int] | None:
     return enq.flushed_pos, shard.slot_time(deq.read_ms if deq is not None else enq.write_ms), enq.write_ms
 
 
-def _next_slot(shard: Shard, t: int, end: int) -> int | None:
-    """``shard.next_nonempty(t, end)`` in growing windows: its cost is the slots it looks at (up to
-    a quarter million at once), so a page over sparse slots looks a few ticks ahead first."""
-    window = 64 * shard.tick_ms
-    while t < end:
-        found = shard.next_nonempty(t, min(end, t + window))
-        if found is not None:
-            return found
-        t = shard.slot_time(min(end, t + window))
-        window = min(window * 8, (1 << 18) * shard.tick_ms)
-    return None
+def _nonempty(shard: Shard, t: int, end: int) -> list[int]:
+    """The times of the non-empty slots in [t, end) as this view knows them (the wheel's rows,
+    read column-wise, and the reader's tail index), in order."""
+    tick = shard.tick_ms
+    times = t + tick * np.arange(max(0, -((t - end) // tick)), dtype=np.int64)
+    rows = shard.wheel.rows((times // tick) % shard.slots)
+    found = times[(rows["magic"] == SLOT_MAGIC) & (rows["slot_time"] == times) & (rows["num"] > 0)]
+    if shard.tail is not None:
+        in_tail, _head, _first, num = shard.tail.merged(t, end)
+        found = np.union1d(found, in_tail[num > 0])
+    return [int(x) for x in found]
+
+
+def _slot_hits(shard_id: int, shard: Shard, t: int, flushed: int, r_slot: int, want: _Want,
+               count: int) -> tuple[list[Hit], int]:
+    """The first ``count`` messages of one slot that match (a cancel marker in the slot hides its
+    id's messages), and the records read: column-wise for a dense slot, else one by one."""
+    dense = shard.read_dense_slot(t, flushed)
+    if dense is not None:
+        positions, arr = dense
+        m, keys, markers = want.candidates(shard_id, positions, arr, r_slot)
+        if markers.size:
+            m &= ~np.isin(keys, markers)
+        idx = np.flatnonzero(m)
+        return _first(shard_id, positions[idx], arr[idx], count), len(arr)
+    records = sorted(shard.read_slot(t, flushed))  # checked records: read_slot skips the others
+    markers_set = {r.id_hash for _p, r in records if r.flags & _DELETE}
+    hits: list[Hit] = []
+    for pos, r in records:
+        key = (r.deliver_ms, shard_id, pos)
+        if (r.flags & _DELETE or r.id_hash in markers_set or not want.from_ms <= r.deliver_ms < want.to_ms
+                or (want.after is not None and key <= want.after)
+                or (want.topic is not None and r.topic_hash != want.topic)
+                or (want.message_id is not None and r.id_hash != want.message_id)):
+            continue
+        hits.append((key, r.src_partition, r.src_offset, bool(r.flags & _ROLL)))
+    hits.sort()
+    return hits[:count], len(records)
 
 
 def _walk_shard(shard_id: int, shard: Shard, want: _Want, count: int, budget: int) -> tuple[list[Hit], Key, int]:
@@ -208,25 +226,21 @@ def _walk_shard(shard_id: int, shard: Shard, want: _Want, count: int, budget: in
     if bounds is None:
         return [], (_BIG, _BIG, _BIG), 0
     flushed, r_slot, _w = bounds
-    start = shard.slot_time(max(want.from_ms, r_slot, want.after[0] if want.after else want.from_ms))
-    end = min(want.to_ms, r_slot + shard.slots * shard.tick_ms)
+    tick = shard.tick_ms
+    t = shard.slot_time(max(want.from_ms, r_slot, want.after[0] if want.after else want.from_ms))
+    end = min(want.to_ms, r_slot + shard.slots * tick)
     hits: list[Hit] = []
     scanned = 0
-    t: int | None = start
-    while t is not None and t < end:
-        if len(hits) >= count or scanned >= budget:
-            return hits, (t, -1, -1), scanned
-        t = _next_slot(shard, t, end)
-        if t is None:
-            break
-        positions, arr = _slot_arrays(shard, t, flushed)
-        scanned += len(arr)
-        m, keys, markers = want.candidates(shard_id, positions, arr, r_slot)
-        if markers.size:
-            m &= ~np.isin(keys, markers)
-        idx = np.flatnonzero(m)
-        hits += _first(shard_id, positions[idx], arr[idx], count - len(hits), check=False)
-        t += shard.tick_ms
+    window = 64 * tick  # a few ticks first: a page over sparse slots looks no further than it needs
+    while t < end:
+        upto = min(end, t + window)
+        for slot in _nonempty(shard, t, upto):
+            if len(hits) >= count or scanned >= budget:
+                return hits, (slot, -1, -1), scanned
+            found, n = _slot_hits(shard_id, shard, slot, flushed, r_slot, want, count - len(hits))
+            hits += found
+            scanned += n
+        t, window = upto, min(window * 8, (1 << 18) * tick)
     return hits, (_BIG, _BIG, _BIG), scanned
 
 
