@@ -231,37 +231,48 @@ def _walk_shard(shard_id: int, shard: Shard, want: _Want, count: int, budget: in
     end = min(want.to_ms, r_slot + shard.slots * tick)
     hits: list[Hit] = []
     scanned = 0
-    window = 64 * tick  # a few ticks first: a page over sparse slots looks no further than it needs
+    window = 64 * tick  # a few ticks at a time while they hold messages; growing over empty stretches
     while t < end:
         upto = min(end, t + window)
-        for slot in _nonempty(shard, t, upto):
+        slots = _nonempty(shard, t, upto)
+        for slot in slots:
             if len(hits) >= count or scanned >= budget:
                 return hits, (slot, -1, -1), scanned
             found, n = _slot_hits(shard_id, shard, slot, flushed, r_slot, want, count - len(hits))
             hits += found
             scanned += n
-        t, window = upto, min(window * 8, (1 << 18) * tick)
+        t, window = upto, 64 * tick if slots else min(window * 8, (1 << 18) * tick)
     return hits, (_BIG, _BIG, _BIG), scanned
 
 
 def _scan_shard(shard_id: int, shard: Shard, want: _Want, count: int) -> tuple[list[Hit], int]:
-    """The first ``count`` messages of one shard that match, by reading its whole TimerLog
-    column-wise (for a filter by id or destination); and the records read."""
+    """The first ``count`` messages of one shard with the id or destination asked for, by reading
+    its whole TimerLog column-wise; and the records read."""
     bounds = _bounds(shard)
     if bounds is None:
         return [], 0
     flushed, r_slot, _w = bounds
     start = shard.log.start_pos
     found_pos, found_rows, found_keys, markers = [], [], [], []
+    if want.message_id is not None:
+        column, value = "id_hash", np.uint64(want.message_id)
+    else:
+        assert want.topic is not None, "a scan filters by id or destination"
+        column, value = "topic_hash", np.uint32(want.topic)
     for first, arr in shard.log.iter_chunks(start, flushed):
-        positions = first + RECORD_SIZE * np.arange(len(arr), dtype=np.int64)
-        m, keys, marks = want.candidates(shard_id, positions, arr, r_slot)
+        # the markers and the filter's column first, over every record; the rest only on those
+        marked = np.flatnonzero(arr["magic"] & _DELETE)
+        picked = np.flatnonzero(arr[column] == value)
+        idx = np.union1d(marked, picked)
+        if not idx.size:
+            continue
+        rows = arr[idx]  # a copy (fancy indexing): the chunk's buffer is reused
+        positions = first + RECORD_SIZE * idx.astype(np.int64)
+        m, keys, marks = want.candidates(shard_id, positions, rows, r_slot)
         markers.append(marks)
-        idx = np.flatnonzero(m)
-        if idx.size:
-            found_pos.append(positions[idx])
-            found_rows.append(arr[idx])  # a copy (fancy indexing): the chunk's buffer is reused
-            found_keys.append(keys[idx])
+        found_pos.append(positions[m])
+        found_rows.append(rows[m])
+        found_keys.append(keys[m])
     scanned = (flushed - start) // RECORD_SIZE
     if not found_rows:
         return [], scanned
