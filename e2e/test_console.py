@@ -268,6 +268,15 @@ def test_a_dead_letter_redriven_after_its_topic_is_created_is_delivered(run: Con
     run.shot("dead-letters")
     run.pipe.create_topic(later, 1)
     with Collector(run.pipe, [later]) as collector:
+        # The stages look at a topic they found missing again only every few seconds: a probe
+        # delivered to it says they see it now (as its operator would check before a redrive).
+        probe = run.producer.schedule(later, now_ms())
+        run.producer.flush()
+        deadline = time.monotonic() + 60
+        while collector.wait_for([probe.message_id], timeout_s=3, pipe=run.pipe):
+            assert time.monotonic() < deadline, f"a probe to the created topic was never delivered\n{run.pipe.tails()}"
+            probe = run.producer.schedule(later, now_ms())
+            run.producer.flush()
         row.find_element(By.CSS_SELECTOR, "button.redrive").click()
         title, detail = run.outcome()
         run.shot("redriven")

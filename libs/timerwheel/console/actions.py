@@ -8,7 +8,8 @@ contract"), written through ``TimerClient`` as any producer would write it:
 - **redrive** a dead letter: a new timer record built from it: its destination, key, value and
   user headers, its id (``tw-id``, else the id the service gave it), due at its old delivery time
   or now if that has passed. What the service would dead-letter again (a destination the
-  allow-list refuses, ...) is refused here with the reason and not written.
+  allow-list refuses, a destination that does not exist with ``TW_MISSING_TOPIC=dlq``, ...) is
+  refused here with the reason and not written.
 
 Each returns an ``Outcome`` saying what was written; a refusal raises ``ActionRefused`` with one
 line saying why, which the page shows.
@@ -134,11 +135,21 @@ class Actions:
         now = self.inst.now_ms()
         timers: list[Timer] = []
         refused: list[str] = []
+        missing: dict[str, bool] = {}
         for d in letters:
             try:
-                timers.append(redrive_timer(d, now, rules, self.inst.config.timer_topic))
+                timer = redrive_timer(d, now, rules, self.inst.config.timer_topic)
             except InvalidTimerMessage as exc:
                 refused.append(f"{d.partition}/{d.offset}: {exc}")
+                continue
+            if self.inst.config.missing_topic == "dlq":  # the service would dead-letter it at once
+                if timer.topic not in missing:
+                    missing[timer.topic] = self.inst.commit_log.partition_count(timer.topic) is None
+                if missing[timer.topic]:
+                    refused.append(f"{d.partition}/{d.offset}: destination topic {timer.topic!r} does not exist "
+                                   "(TW_MISSING_TOPIC=dlq): create it, then redrive")
+                    continue
+            timers.append(timer)
         tickets = []
         for i in range(0, len(timers), REDRIVE_BATCH):
             tickets += self.client.schedule_many(timers[i:i + REDRIVE_BATCH])
