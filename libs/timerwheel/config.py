@@ -426,6 +426,8 @@ TOOLING_ENV_VARS = {
     "TW_REDIS_TLS": "scripts/redis.sh: the server requires TLS and a password (rediss://)",
     "TW_CACHE_DIR": "scripts/k8s.sh, helm.sh, image.py, spark.sh: build cache (default ~/.cache/timerwheel)",
     "TW_HELM_VERSION": "scripts/helm.sh: the helm version to build (default v3.22.0)",
+    "TW_PROMETHEUS_VERSION": "scripts/prometheus.sh: the Prometheus Go module version to build (default v0.316.0)",
+    "TW_PROMETHEUS_OPERATOR_VERSION": "scripts/prometheus.sh crds: the Prometheus Operator whose CRDs to use (default v0.85.0)",
     "TW_LISTEN_HOST": "scripts/kafka.sh, redis.sh: an address of this machine to listen on too",
     "TW_KAFKA_EXTERNAL_BOOTSTRAP": "scripts/kafka.sh env: the listener on TW_LISTEN_HOST",
     "TW_REDIS_EXTERNAL_URL": "scripts/redis.sh env: the server on TW_LISTEN_HOST",
