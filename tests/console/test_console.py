@@ -4,7 +4,10 @@ the write actions' records (read back from the commit log) and every refusal; an
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,3 +300,21 @@ def test_top_prints_the_shards(inst: Installation) -> None:
     text = out.export_text()
     assert "no owner" in text and "due: next minute" in text
     assert len([line for line in text.splitlines() if re.match(r"^\W*[01]\s*│", line)]) == 2, text
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TW_")}
+    return subprocess.run([sys.executable, "-m", "timerwheel.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_the_top_command_prints_a_frame_and_bad_flags_are_one_line(data: Data) -> None:
+    out = _cli("top", "--once", "--every", "0.2", "--data-dir", str(data.path))
+    assert out.returncode == 0, out.stderr
+    assert "W lag" in out.stdout and "due: next minute" in out.stdout, out.stdout
+    for args, named in ((("console", "--port", "99999"), "--port: must be 1..65535"),
+                        (("console", "--metrics", "nohost"), "TW_CONSOLE_METRICS: expected host:port"),
+                        (("top", "--data-dir", str(data.path / "nowhere")), "is not a directory"),
+                        (("console", "--action-token-file", str(data.path / "none")), "--action-token-file")):
+        bad = _cli(*args, *(("--data-dir", str(data.path)) if "--data-dir" not in args else ()))
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and named in bad.stderr, (args, bad.stderr)
