@@ -149,6 +149,7 @@ def monitored(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Ite
                         "crd/prometheusrules.monitoring.coreos.com", "--timeout=60s")
         values = json.loads(json.dumps(rel.values))
         values["timerwheel"]["spec"]["recovery"] = {"restartStalled": False}  # the alert, not the operator
+        values["console"] = {"enabled": True}  # read-only: its pod is checked too
         values["monitoring"] = {
             "podMonitor": {"interval": f"{SCRAPE_S}s"},
             "prometheusRule": {"alerts": {"stageStalled": {"for": STALL_FOR, "window": STALL_WINDOW}}},
@@ -245,6 +246,28 @@ def test_every_dashboard_panel_s_query_returns_data(monitored: Monitored) -> Non
               flush=True)
         missing, rep = run.drain("monitoring load", timeout_s=120)
     assert not missing and rep.lost == [] and rep.early == [], rep.line()
+
+
+def test_the_console_pod_serves_the_shards_from_its_read_only_claim(monitored: Monitored) -> None:
+    """The chart's console (read-only) beside the stages: ready, and its pages answer from the data
+    claim mounted read-only (this cluster has no DNS, so its scrapes of the stages' Services fail
+    and W, R and the epochs come from the shards' checkpoints, as the page says)."""
+    rel = monitored.rel
+
+    def pod() -> dict[str, Any] | None:
+        return rel.ready_pod("console")
+
+    _wait("the console pod ready", lambda: pod() is not None, 180, rel.diagnosis)
+    console = pod()
+    assert console is not None
+    ip = console["status"]["podIP"]
+    with urllib.request.urlopen(f"http://{ip}:8090/", timeout=30) as resp:
+        page = resp.read().decode()
+    assert page.count('class="shard"') == 2, page[-3000:]
+    with urllib.request.urlopen(f"http://{ip}:8090/pending?to=now%2B1d", timeout=30) as resp:
+        assert resp.status == 200
+    top = rel.kubectl("exec", console["metadata"]["name"], "--", "timerwheel", "top", "--once", timeout=120)
+    assert "W lag" in top.stdout and "due: next minute" in top.stdout, top.stdout + top.stderr
 
 
 def test_a_stalled_stage_fires_its_alert_and_it_resolves_after_recovery(monitored: Monitored) -> None:

@@ -134,7 +134,8 @@ class Installation:
 
     def scrape(self) -> list[Scrape]:
         """Every endpoint of every target, scraped in parallel."""
-        pairs = [(t, a) for t in self.targets for a in addresses(t)]
+        resolved = list(self._pool.map(addresses, self.targets))  # each name at once: a slow resolver waits once
+        pairs = [(t, a) for t, found in zip(self.targets, resolved, strict=True) for a in found]
         return list(self._pool.map(lambda pair: scrape_one(*pair), pairs))
 
     # -- the commit log ----------------------------------------------------------------------------
