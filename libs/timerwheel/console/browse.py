@@ -32,6 +32,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -254,6 +255,7 @@ def _scan_shard(shard_id: int, shard: Shard, want: _Want, count: int) -> tuple[l
     flushed, r_slot, _w = bounds
     start = shard.log.start_pos
     found_pos, found_rows, found_keys, markers = [], [], [], []
+    value: np.unsignedinteger[Any]
     if want.message_id is not None:
         column, value = "id_hash", np.uint64(want.message_id)
     else:
