@@ -70,7 +70,7 @@ _HEADERS = {
                                "frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # the outcome page's back link; nothing leaves the site
     "Cache-Control": "no-store",
 }
 
