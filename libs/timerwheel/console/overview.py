@@ -173,10 +173,11 @@ def due_ahead(shards: Mapping[int, Shard], now_ms: int) -> tuple[list[int], list
     minutes = [0] * MINUTES_AHEAD
     hours = [0] * HOURS_AHEAD
     for shard in shards.values():
+        base = shard.slot_time(now_ms)  # buckets start at slot boundaries: no slot counts twice
         for i in range(MINUTES_AHEAD):
-            minutes[i] += shard.count_range(now_ms + i * 60_000, now_ms + (i + 1) * 60_000)
+            minutes[i] += shard.count_range(base + i * 60_000, base + (i + 1) * 60_000)
         for i in range(HOURS_AHEAD):
-            hours[i] += shard.count_range(now_ms + i * 3_600_000, now_ms + (i + 1) * 3_600_000)
+            hours[i] += shard.count_range(base + i * 3_600_000, base + (i + 1) * 3_600_000)
     return minutes, hours
 
 
