@@ -10,7 +10,8 @@
 # package's tarball into ${TW_CACHE_DIR:-~/.cache/timerwheel}/npm (npm's own cache beside it),
 # the tarball's sha512 is checked against UPLOT_INTEGRITY (the registry's dist.integrity), and
 # dist/uPlot.iife.min.js, dist/uPlot.min.css and LICENSE are copied into the package. `make
-# setup` runs `fetch`; services/Dockerfile refuses to build without the files (`check`).
+# assets` runs `fetch` (make test, bench, k8s-up and the image need it; make run does not);
+# services/Dockerfile refuses to build without the files.
 set -euo pipefail
 
 UPLOT_VERSION=1.6.32

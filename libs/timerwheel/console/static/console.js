@@ -48,7 +48,13 @@
 
   function charts() {
     const src = document.getElementById("chart-data");
-    if (!src || typeof uPlot === "undefined") return;
+    if (!src) return;
+    if (typeof uPlot === "undefined") {  // the vendored library is fetched at build time
+      for (const el of document.querySelectorAll(".chart")) {
+        el.textContent = "no charts: uPlot is not installed (scripts/assets.sh fetch)";
+      }
+      return;
+    }
     const data = JSON.parse(src.textContent);
     const rates = document.getElementById("chart-rates");
     if (rates) lines(rates, data.rates);
