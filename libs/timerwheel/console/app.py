@@ -24,7 +24,8 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,6 @@ from timerwheel.console.browse import (
 )
 from timerwheel.console.overview import COUNTED, Sampler, age_text, rate_text
 from timerwheel.console.source import Installation
-from timerwheel.errors import TimerwheelError
 from timerwheel.log import stage_logger
 
 HERE = Path(__file__).parent
@@ -361,10 +361,8 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
     def stopped() -> None:
         sampler.stop()
 
-    from contextlib import asynccontextmanager
-
     @asynccontextmanager
-    async def lifespan(_app: Starlette):  # type: ignore[no-untyped-def]
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         started()
         try:
             yield
@@ -378,4 +376,4 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
     return app
 
 
-__all__ = ["TimerwheelError", "create_app", "parse_time"]
+__all__ = ["create_app", "parse_time"]
