@@ -56,6 +56,7 @@ from timerwheel.console.browse import (
 )
 from timerwheel.console.overview import COUNTED, Sampler, age_text, rate_text
 from timerwheel.console.source import Installation
+from timerwheel.errors import TimerwheelError
 from timerwheel.log import stage_logger
 
 HERE = Path(__file__).parent
@@ -205,6 +206,10 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
                 response = console.refusal(request, refused)
             except (ActionRefused, ValueError) as exc:
                 response = console.refusal(request, Refused(409 if isinstance(exc, ActionRefused) else 400, str(exc)))
+            except (TimerwheelError, OSError) as exc:  # Kafka or the volume: say so, and what failed
+                console.log.warning("page failed", path=request.url.path, error=repr(exc)[:300])
+                response = console.refusal(request, Refused(503, f"the console cannot read the installation now: "
+                                                                 f"{type(exc).__name__}: {str(exc)[:300]}"))
             response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - t0) * 1000:.1f}"
             return response
         return wrapped

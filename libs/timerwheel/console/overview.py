@@ -263,6 +263,7 @@ class Sampler:
         self._pending: dict[int, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._first = threading.Event()
         self._thread: threading.Thread | None = None
         self.log = stage_logger("console")
 
@@ -288,6 +289,7 @@ class Sampler:
             snap = Snapshot(now, [rows[s] for s in sorted(rows)], rates, hist, buckets, p50, p99, early, minutes,
                             hours, [(s.target, s.address, s.error) for s in scrapes])
             self._latest = snap
+        self._first.set()
         return snap
 
     def _rates(self) -> dict[str, float | None]:
@@ -306,7 +308,10 @@ class Sampler:
                 for (t0, c0), (t1, c1) in zip(points, points[1:], strict=False)]
 
     def latest(self) -> Snapshot:
-        """The last snapshot; the first call before the thread made one makes it."""
+        """The last snapshot; before the first one, the thread's first (or, with no thread, one
+        made now)."""
+        if self._thread is not None:
+            self._first.wait(self.interval_s + 30)
         with self._lock:
             snap = self._latest
         return snap if snap is not None else self.sample()
@@ -324,6 +329,7 @@ class Sampler:
                 self.sample()
                 failing = False
             except Exception as exc:  # noqa: BLE001 - the console keeps its last snapshot
+                self._first.set()  # a page waiting for the first one makes its own, and says why it fails
                 if not failing:
                     self.log.warning("sampling failed", exc=exc, error=repr(exc)[:200])
                 failing = True

@@ -62,13 +62,13 @@ def parse_target(text: str) -> tuple[str, int]:
 
 
 def addresses(target: str) -> list[str]:
-    """Every ``ip:port`` a target stands for (a headless Service: one per pod); ``[target]`` when
-    the name does not resolve now (the scrape then reports the error)."""
+    """Every ``ip:port`` a target stands for (a headless Service: one per pod); none when the
+    name does not resolve now."""
     host, port = parse_target(target)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
-        return [f"{host}:{port}"]
+        return []
     found = sorted({f"{info[4][0]}:{port}" for info in infos if info[0] == socket.AF_INET}
                    or {f"[{info[4][0]}]:{port}" for info in infos})
     return found or [f"{host}:{port}"]
@@ -136,7 +136,9 @@ class Installation:
         """Every endpoint of every target, scraped in parallel."""
         resolved = list(self._pool.map(addresses, self.targets))  # each name at once: a slow resolver waits once
         pairs = [(t, a) for t, found in zip(self.targets, resolved, strict=True) for a in found]
-        return list(self._pool.map(lambda pair: scrape_one(*pair), pairs))
+        unresolved = [Scrape(t, t, error="the name does not resolve") for t, found in zip(self.targets, resolved,
+                                                                                            strict=True) if not found]
+        return list(self._pool.map(lambda pair: scrape_one(*pair), pairs)) + unresolved
 
     # -- the commit log ----------------------------------------------------------------------------
 
