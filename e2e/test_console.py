@@ -34,6 +34,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.wait import WebDriverWait
 
 pytestmark = pytest.mark.e2e
 
@@ -99,6 +100,8 @@ class ConsoleRun:
         return self.row(m.message_id)
 
     def outcome(self) -> tuple[str, str]:
+        """The outcome page a form's submission loads (waited for: a click returns before it)."""
+        WebDriverWait(self.browser, 60).until(lambda b: b.find_elements(By.ID, "outcome-title"))
         return (self.browser.find_element(By.ID, "outcome-title").text,
                 self.browser.find_element(By.ID, "outcome-detail").text)
 
