@@ -222,8 +222,8 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
                       **{k: [round(r[k], 3) for _, r in snap.rate_history] for k in COUNTED}},
             "lateness": {"bounds": [b if b != float("inf") else None for b, _ in snap.lateness],
                          "counts": [n for _, n in snap.lateness]},
-            "due_minutes": {"start_ms": snap.at_ms, "counts": snap.due_minutes},
-            "due_hours": {"start_ms": snap.at_ms, "counts": snap.due_hours},
+            "due_minutes": {"start_ms": snap.due_from_ms, "counts": snap.due_minutes},
+            "due_hours": {"start_ms": snap.due_from_ms, "counts": snap.due_hours},
         }
         return console.render(request, "overview.html", snap=snap, counted=COUNTED, charts=json.dumps(charts),
                               age_ms=inst.now_ms() - snap.at_ms)

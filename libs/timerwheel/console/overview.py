@@ -41,6 +41,8 @@ RATE_WINDOW_S = 30.0
 #: Minutes and hours counted ahead.
 MINUTES_AHEAD = 60
 HOURS_AHEAD = 24
+#: ... and counted again this often (168 wheel counts for two shards).
+DUE_EVERY_S = 10.0
 
 _WRITER = {"write_ms", "write_lag_ms", "input_wait_ms", "timerlog_bytes"}
 _READER = {"read_ms", "read_lag_ms", "in_flight"}
@@ -83,7 +85,8 @@ class Snapshot:
     lateness_p50_ms: float | None
     lateness_p99_ms: float | None
     early_records: float
-    #: messages due in each minute from ``at_ms`` (MINUTES_AHEAD), and each hour (HOURS_AHEAD)
+    #: messages due in each minute from ``due_from_ms`` (MINUTES_AHEAD), and each hour (HOURS_AHEAD)
+    due_from_ms: int
     due_minutes: list[int]
     due_hours: list[int]
     #: (target, address, error or None) of each endpoint scraped
@@ -261,6 +264,9 @@ class Sampler:
         #: the wheel's pending count is a scan of the whole wheel: done every PENDING_EVERY_S
         self._pending_every = Every(PENDING_EVERY_S)
         self._pending: dict[int, int] = {}
+        #: what is due ahead moves by the minute: counted every DUE_EVERY_S, not every sample
+        self._due_every = Every(DUE_EVERY_S)
+        self._due: tuple[int, list[int], list[int]] = (0, [], [])
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._first = threading.Event()
@@ -275,7 +281,9 @@ class Sampler:
         rows = shard_rows(scrapes)
         with inst.shards("sampler") as shards:
             fill_from_volume(rows, shards, now, span_pending=self._pending_every.due())
-            minutes, hours = due_ahead(shards, now)
+            if self._due_every.due() or not self._due[1]:
+                self._due = (now, *due_ahead(shards, now))
+            due_from, minutes, hours = self._due
             for shard_id, row in rows.items():  # between wheel scans: the last count
                 if row.pending is None and shard_id in self._pending:
                     row.pending = self._pending[shard_id]
@@ -286,8 +294,8 @@ class Sampler:
             self.history.append((now / 1000, self.counters.add(scrapes)))
             rates = self._rates()
             hist = self._rate_history()
-            snap = Snapshot(now, [rows[s] for s in sorted(rows)], rates, hist, buckets, p50, p99, early, minutes,
-                            hours, [(s.target, s.address, s.error) for s in scrapes])
+            snap = Snapshot(now, [rows[s] for s in sorted(rows)], rates, hist, buckets, p50, p99, early, due_from,
+                            minutes, hours, [(s.target, s.address, s.error) for s in scrapes])
             self._latest = snap
         self._first.set()
         return snap
