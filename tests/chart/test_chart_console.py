@@ -169,3 +169,33 @@ def test_bad_console_and_monitoring_values_are_refused_naming_the_field(helm: st
     out = run(helm, "template", "tw", str(CHART), "--kube-version", KUBE_VERSION, "--set", setting)
     assert out.returncode != 0, f"--set {setting} was accepted"
     assert named in out.stderr, out.stderr
+
+
+@pytest.fixture(scope="session")
+def operator_crds() -> dict[str, Any]:
+    """kind -> the Prometheus Operator's own CRD (its Go module's files, scripts/prometheus.sh crds)."""
+    out = subprocess.run([str(ROOT / "scripts" / "prometheus.sh"), "crds"], capture_output=True, text=True,
+                         timeout=600, check=False)
+    if out.returncode != 0:
+        pytest.fail(f"scripts/prometheus.sh crds failed:\n{out.stderr[-2000:]}", pytrace=False)
+    found = {}
+    for name in ("podmonitors", "prometheusrules"):
+        crd = yaml.safe_load((Path(out.stdout.strip()) / f"monitoring.coreos.com_{name}.yaml").read_text())
+        found[crd["spec"]["names"]["kind"]] = crd
+    return found
+
+
+@pytest.mark.parametrize("values", [(), ("-f", str(VALUES))], ids=["default", "console-values"])
+def test_the_pod_monitor_and_rule_are_valid_for_the_prometheus_operator_s_crds(
+        helm: str, operator_crds: dict[str, Any], values: tuple[str, ...]) -> None:
+    import jsonschema
+
+    for doc in template(helm, *values, *API):
+        crd = operator_crds.get(doc["kind"])
+        if crd is None:
+            continue
+        (version,) = [v for v in crd["spec"]["versions"] if v["name"] == doc["apiVersion"].split("/")[1]]
+        schema = version["schema"]["openAPIV3Schema"]
+        errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+                  for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+        assert not errors, (doc["kind"], errors)
