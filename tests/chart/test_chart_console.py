@@ -199,3 +199,25 @@ def test_the_pod_monitor_and_rule_are_valid_for_the_prometheus_operator_s_crds(
         errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
                   for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
         assert not errors, (doc["kind"], errors)
+        assert _pruned(schema, doc, "") == [], (doc["kind"], "the API server would drop these fields")
+
+
+def _pruned(schema: dict[str, Any], value: Any, path: str) -> list[str]:
+    """The fields of ``value`` a structural schema does not know (the API server prunes them)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    out = []
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, sub in value.items():
+            if props is not None and key in props:
+                out += _pruned(props[key], sub, f"{path}.{key}")
+            elif isinstance(extra, dict):
+                out += _pruned(extra, sub, f"{path}.{key}")
+            elif path != ".metadata":  # the API server's own schema of metadata is not in the CRD
+                out.append(f"{path}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        for i, sub in enumerate(value):
+            out += _pruned(schema["items"], sub, f"{path}[{i}]")
+    return out
