@@ -108,10 +108,6 @@ class PendingItem:
             return None
         return str(Ticket(self.partition, self.deliver_at_ms, self.message_id))
 
-    @property
-    def cursor(self) -> str:
-        return cursor_text((self.fire_ms, self.shard, self.position))
-
 
 @dataclass(slots=True)
 class PendingPage:
