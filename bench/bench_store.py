@@ -226,7 +226,7 @@ def _build_data_dir(data: str, total: int) -> None:
     from timerwheel.config import TimerConfig
     from timerwheel.store.checkpoint import DequeueCheckpoint, save_dequeue
     from timerwheel.store.deployment import DeploymentSettings, check_settings
-    from timerwheel.store.shard import shard_dir
+    from timerwheel.store.layout import shard_dir
 
     config = TimerConfig(data_dir=data, tick_ms=TICK_MS, roll_window_ms=MAX_DELAY_MS, segment_bytes=SEGMENT_BYTES)
     assert config.wheel_slots == SLOTS

@@ -54,6 +54,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from timerwheel.config import TimerConfig
 from timerwheel.security import kafka_client_options, redis_client
+from timerwheel.store import layout
 from timerwheel.store.checkpoint import published_file
 from two_mounts import TwoMounts
 
@@ -409,7 +410,7 @@ class Pipeline:
         return 0
 
     def shard_dir(self, shard: int) -> Path:
-        return self.data_dir / f"shard-{shard:04d}"
+        return Path(layout.shard_dir(self.data_dir, shard))
 
     def checkpoint(self, shard: int, kind: str = "enqueue") -> dict[str, Any]:
         """The published checkpoint (the newest epoch's file) as its JSON object."""

@@ -33,6 +33,7 @@ from harness import Collector, LoadRun, Pipeline, Scheduled, TimerProducer, make
 from k8s_cluster import ROOT, Cluster
 from otlp_receiver import OtlpReceiver, SpanRec
 from test_tracing import message_trace
+from timerwheel.store.layout import shard_dir
 
 pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
 
@@ -211,7 +212,7 @@ def test_helm_install_makes_a_ready_timerwheel_of_five_stage_pods_on_one_claim(r
     assert pvc["status"]["phase"] == "Bound" and pvc["spec"]["volumeName"] == f"tw-e2e-{release.pipe.uid}"
     # The stages write the shards on the one volume: the hostPath directory has them.
     shards = sorted(p.name for p in release.volume_dir.iterdir() if p.name.startswith("shard-"))
-    assert shards == [f"shard-{s:04d}" for s in range(SHARDS)], sorted(os.listdir(release.volume_dir))
+    assert shards == [os.path.basename(shard_dir(release.volume_dir, s)) for s in range(SHARDS)], sorted(os.listdir(release.volume_dir))
     # and each shard is owned by the StatefulSets' pods (status from the stages' /metrics)
     owners = {s["shard"]: (s.get("owner", ""), s.get("reader", "")) for s in tw["status"].get("shards", [])}
     assert sorted(owners) == list(range(SHARDS)), tw["status"]

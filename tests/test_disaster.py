@@ -15,8 +15,8 @@ import pytest
 import redis
 from timerwheel.config import TimerConfig
 from timerwheel.disaster import PendingSet, RecoveryRefused, recover_from_kafka, recovered_record
-from timerwheel.embedded import open_shard
 from timerwheel.records import OutRecord, Record
+from timerwheel.store.layout import open_shard
 from timerwheel.transports.kafka import KafkaCommitLog
 from timerwheel.wire import TimerRules, default_id
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from timerwheel import SimulatedClock, TimerConfig
-from timerwheel.embedded import open_shard
 from timerwheel.metrics import Metrics
 from timerwheel.runtime import due_peak_per_s, sample_gauges
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import PutEntry, PutRequest
 from timerwheel.stages.enqueue_put import EnqueuePut
 from timerwheel.stages.ownership import Ownership
+from timerwheel.store.layout import open_shard
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
 NOW = 1_700_000_000_000

@@ -20,7 +20,7 @@ from timerwheel.errors import FormatMismatchError, ShardNeedsRecoveryError
 from timerwheel.repair import change_window, rebuild_wheel
 from timerwheel.store import Shard, records_array
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
-from timerwheel.store.shard import shard_dir
+from timerwheel.store.layout import shard_dir
 
 ENV = {**os.environ, "TW_LOG_LEVEL": "WARNING"}
 ENV.pop("TW_REDIS_URL", None)  # the lease check is not what these tests are about
@@ -159,10 +159,10 @@ def test_recover_cuts_a_torn_timerlog_tail(tmp_path: Path) -> None:
 def test_dequeue_get_leaves_a_shard_without_its_checkpoint_unowned_and_says_why(tmp_path: Path) -> None:
     """The production dequeue-get: it must not start the shard at some R of its own making."""
     from timerwheel import SystemClock, TimerConfig
-    from timerwheel.embedded import open_reader_if_exists
     from timerwheel.metrics import Metrics
     from timerwheel.stages import DequeueGet, StageContext
     from timerwheel.stages.ownership import Ownership
+    from timerwheel.store.layout import open_reader_if_exists
     from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
     data = tmp_path / "data"

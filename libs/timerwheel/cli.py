@@ -562,8 +562,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _open_shards(cfg: TimerConfig, count: int | None) -> dict[int, Any]:
     """Read-only views of shards 0..count-1: by default the data directory's shard count (its
     deployment file ``timerwheel.json``), else every ``shard-NNNN`` directory found."""
-    from timerwheel.embedded import found_shards, open_found_shard
     from timerwheel.store.deployment import load_settings
+    from timerwheel.store.layout import found_shards, open_found_shard
 
     found = found_shards(cfg.data_dir)
     if not found:

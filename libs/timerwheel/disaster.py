@@ -291,7 +291,7 @@ def write_copies(config: TimerConfig, commit_log: CommitLog, found: PendingSet) 
 
 def make_shards(config: TimerConfig, ends: Mapping[int, int], now_ms: int) -> None:
     """Fresh shards whose enqueue checkpoints start at ``ends`` (partition p -> shard p % shards)."""
-    from timerwheel.embedded import open_shard
+    from timerwheel.store.layout import open_shard
 
     for shard_id in range(config.shards):
         offsets = {p: o for p, o in ends.items() if p % config.shards == shard_id}
@@ -313,7 +313,7 @@ def check_stopped(running: Iterable[str]) -> None:
 
 
 def check_empty(config: TimerConfig) -> None:
-    from timerwheel.embedded import found_shards
+    from timerwheel.store.layout import found_shards
 
     shards = found_shards(config.data_dir)
     if shards:

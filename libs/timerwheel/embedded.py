@@ -16,7 +16,6 @@ queues and ``max_in_flight``, which keep ``R`` close behind).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 import uuid
@@ -28,7 +27,6 @@ from timerwheel.client import Timer, TimerClient
 from timerwheel.clock import Clock, SimulatedClock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import ShardNeedsRecoveryError, TimerwheelError
-from timerwheel.files import FILE_MODE
 from timerwheel.log import stage_logger
 from timerwheel.metrics import registry_for
 from timerwheel.pending import PendingTimers, pending_timers
@@ -39,7 +37,7 @@ from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import Shard
 from timerwheel.store.deployment import DeploymentSettings, check_settings
-from timerwheel.store.shard import stored_settings
+from timerwheel.store.layout import DataDirLock, open_reader_if_exists, open_shard
 from timerwheel.transports.base import CommitLog, LeaseStore, WorkQueue
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
@@ -66,59 +64,6 @@ def local_transports(config: TimerConfig, clock: Clock) -> Transports:
     # The process holds the data directory's lock (see DataDirLock), so shard leases only need
     # to live in this process; checkpoint epochs keep them growing across restarts.
     return Transports(log, queues, MemoryLeaseStore(SystemClock()))
-
-
-class DataDirLock:
-    """An exclusive lock on the data directory for the life of the process: a second embedded
-    timerwheel on the same directory is refused, and a killed one releases it at once."""
-
-    def __init__(self, data_dir: str) -> None:
-        self.path = Path(data_dir) / ".lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(self.fd)
-            raise TimerwheelError(f"data directory {data_dir} is in use by another timerwheel process (pid {holder})") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
-
-    def release(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-
-
-def shard_dir(data_dir: str | os.PathLike[str], shard: int) -> Path:
-    return Path(data_dir) / f"shard-{shard:04d}"
-
-
-def open_shard(config: TimerConfig, shard: int, writer: bool) -> Shard:
-    """Open a shard: as its writer (creating it, running recovery) or as a read-only view."""
-    return Shard.open(shard_dir(config.data_dir, shard), tick_ms=config.tick_ms, slots=config.wheel_slots,
-                      segment_bytes=config.segment_bytes, fsync=config.fsync, writer=writer)
-
-
-def found_shards(data_dir: str | os.PathLike[str]) -> list[int]:
-    """The shard numbers of the ``shard-NNNN`` directories in ``data_dir``, in order."""
-    root = Path(data_dir)
-    if not root.is_dir():
-        return []
-    return sorted(int(d.name[6:]) for d in root.glob("shard-[0-9][0-9][0-9][0-9]") if d.is_dir())
-
-
-def open_found_shard(data_dir: str | os.PathLike[str], shard: int) -> Shard:
-    """A read-only view of a shard with the settings it was written with (its meta.json)."""
-    directory = shard_dir(data_dir, shard)
-    tick_ms, slots, segment_bytes = stored_settings(directory)
-    return Shard.open(directory, tick_ms=tick_ms, slots=slots, segment_bytes=segment_bytes, fsync=False, writer=False)
-
-
-def open_reader_if_exists(config: TimerConfig, shard: int) -> Shard | None:
-    """A read-only view of the shard, or None until its writer has created it."""
-    if not (shard_dir(config.data_dir, shard) / "wheel").exists():
-        return None
-    return open_shard(config, shard, writer=False)
 
 
 class EmbeddedTimerwheel:

@@ -92,7 +92,7 @@ def check_timer_topic(cfg: TimerConfig, commit_log: Any) -> int:
 def checkpoint_offsets_of(cfg: TimerConfig) -> Callable[[int], dict[int, int]]:
     """enqueue-get's ``checkpoint_offsets``: a shard's next source offsets from its enqueue.ckpt,
     through a read-only view opened once the shard exists ({} until then)."""
-    from timerwheel.embedded import open_reader_if_exists
+    from timerwheel.store.layout import open_reader_if_exists
 
     views: dict[int, Any] = {}
 
@@ -108,7 +108,7 @@ def checkpoint_offsets_of(cfg: TimerConfig) -> Callable[[int], dict[int, int]]:
 
 
 def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Any) -> Any:
-    from timerwheel.embedded import open_reader_if_exists, open_shard
+    from timerwheel.store.layout import open_reader_if_exists, open_shard
 
     shards = cfg.own_shards or tuple(range(cfg.shards))
     queues = transports.queues

@@ -75,6 +75,7 @@ from timerwheel.store.checkpoint import CorruptCheckpointError, DequeueCheckpoin
 from timerwheel.store.deployment import DeploymentSettings, load_settings
 from timerwheel.store.deployment import change_window as store_window
 from timerwheel.store.format import RECORD_DTYPE, Flag, as_bytes, crc32_rows, valid_mask
+from timerwheel.store.layout import DataDirLock, recovery_command, shard_dir
 from timerwheel.store.recovery import RecoveryReport
 from timerwheel.store.shard import (
     DEQUEUE_CKPT,
@@ -84,8 +85,6 @@ from timerwheel.store.shard import (
     META_FILE,
     WHEEL_FILE,
     Shard,
-    recovery_command,
-    shard_dir,
     stored_settings,
 )
 from timerwheel.store.wheel import group_order
@@ -102,7 +101,6 @@ LEASE_ROLES = ("enqueue-put", "dequeue-get")
 def _stopped_shard(config: TimerConfig, shard: int) -> Iterator[str]:
     """The shard's directory, while no live process may own it: the data directory's lock held
     here, and no lease in Redis (when TW_REDIS_URL names one). ShardInUseError otherwise."""
-    from timerwheel.embedded import DataDirLock
 
     directory = shard_dir(config.data_dir, shard)
     stored_settings(directory)  # no shard there: say so before taking any lock

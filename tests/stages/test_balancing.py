@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 from timerwheel import SimulatedClock, TimerConfig
-from timerwheel.embedded import open_reader_if_exists, open_shard
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DoneEntry, FetchEntry, PutEntry, PutRequest
 from timerwheel.stages.dequeue_get import CKPT_POLL_S, DequeueGet
 from timerwheel.stages.enqueue_put import EnqueuePut
 from timerwheel.stages.ownership import Ownership, assignment
 from timerwheel.store import Shard
+from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
 START = 1_700_000_000_000

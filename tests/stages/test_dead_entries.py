@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import redis
 from timerwheel import SimulatedClock, TimerConfig
-from timerwheel.embedded import open_shard
 from timerwheel.records import Record
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem, PutEntry, PutRequest
 from timerwheel.stages.dequeue_put import DequeuePut
 from timerwheel.stages.enqueue_put import EnqueuePut
 from timerwheel.stages.ownership import Ownership
+from timerwheel.store.layout import open_shard
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 from timerwheel.transports.redisq import RedisWorkQueue

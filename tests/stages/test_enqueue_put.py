@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from timerwheel import SimulatedClock, TimerConfig
-from timerwheel.embedded import open_shard
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import PutEntry, PutRequest
 from timerwheel.stages.enqueue_put import EnqueuePut
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import Shard
+from timerwheel.store.layout import open_shard
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
 START = 1_700_000_000_000

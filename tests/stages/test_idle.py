@@ -21,7 +21,6 @@ from timerwheel import SimulatedClock
 from timerwheel.client import TimerClient
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
-from timerwheel.embedded import open_reader_if_exists, open_shard
 from timerwheel.metrics import Metrics
 from timerwheel.production import checkpoint_offsets_of
 from timerwheel.runtime import WAIT_ON_INPUTS_S, StageRunner, wait_until
@@ -29,6 +28,7 @@ from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet,
 from timerwheel.stages import enqueue_put as enqueue_put_module
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
+from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 

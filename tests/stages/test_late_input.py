@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.client import TimerClient
-from timerwheel.embedded import local_transports, open_reader_if_exists, open_shard
+from timerwheel.embedded import local_transports
 from timerwheel.records import OutRecord
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
+from timerwheel.store.layout import open_reader_if_exists, open_shard
 
 START = 1_700_000_000_000
 TICK_MS = 100

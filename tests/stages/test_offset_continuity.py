@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from timerwheel import SimulatedClock, TimerConfig
-from timerwheel.embedded import open_shard
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages import enqueue_get
 from timerwheel.stages.base import StageContext
@@ -22,6 +21,7 @@ from timerwheel.stages.enqueue_get import EnqueueGet
 from timerwheel.stages.enqueue_put import EnqueuePut
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import Shard
+from timerwheel.store.layout import open_shard
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
 START = 1_700_000_000_000

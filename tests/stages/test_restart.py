@@ -23,7 +23,8 @@ from pathlib import Path
 
 from scenario import by_id, step_through
 from timerwheel import SimulatedClock, Timer, TimerConfig
-from timerwheel.embedded import EmbeddedTimerwheel, open_shard
+from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.store.layout import open_shard
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.wire import id_hash
 

@@ -52,7 +52,8 @@ from timerwheel.store import (
     shard_dir,
 )
 from timerwheel.store.format import RecordArray, records_array, records_from_array, valid_mask
-from timerwheel.store.shard import recovery_command, recovery_needed
+from timerwheel.store.layout import recovery_command
+from timerwheel.store.shard import recovery_needed
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "enqueue-put"

@@ -13,8 +13,9 @@ from timerwheel.store.format import (
     TimerRecord,
     records_array,
 )
+from timerwheel.store.layout import shard_dir
 from timerwheel.store.recovery import RecoveryReport
-from timerwheel.store.shard import Shard, shard_dir
+from timerwheel.store.shard import Shard
 from timerwheel.store.timerlog import TimerLog
 from timerwheel.store.wheel import Slot, TimerWheel
 

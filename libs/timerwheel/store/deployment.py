@@ -22,13 +22,13 @@ import contextlib
 import errno
 import json
 import os
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from timerwheel.errors import FormatMismatchError, TimerwheelError
 from timerwheel.files import FILE_MODE, atomic_write, fsync_dir, temp_path
 from timerwheel.store.format import FORMAT_VERSION
+from timerwheel.store.layout import found_shards, shard_dir
 
 SETTINGS_FILE = "timerwheel.json"
 
@@ -37,9 +37,6 @@ VARIABLE_OF = {
     "shards": "TW_SHARDS", "tick_ms": "TW_TICK_MS", "wheel_span_ms": "TW_WHEEL_SPAN_MS",
     "roll_window_ms": "TW_ROLL_WINDOW_MS", "timer_topic": "TW_TIMER_TOPIC", "format_version": "format version",
 }
-
-_SHARD_DIR = re.compile(r"shard-(\d{4})$")
-
 
 @dataclass(frozen=True, slots=True)
 class DeploymentSettings:
@@ -85,16 +82,6 @@ def load_settings(data_dir: str | os.PathLike[str]) -> DeploymentSettings | None
         raise TimerwheelError(f"deployment file {path} is unreadable: {exc}") from None
 
 
-def found_shard_dirs(data_dir: str | os.PathLike[str]) -> list[int]:
-    """Numbers of the ``shard-NNNN`` directories in ``data_dir``, in order."""
-    try:
-        names = os.listdir(data_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for n in names if (m := _SHARD_DIR.match(n))
-                  and os.path.isdir(os.path.join(data_dir, n)))
-
-
 def _refuse(data_dir: str | os.PathLike[str], stored: DeploymentSettings, wanted: DeploymentSettings) -> None:
     mine, theirs = asdict(wanted), asdict(stored)
     wrong = [f"{VARIABLE_OF[n]}: stored {theirs[n]!r}, requested {mine[n]!r}" for n in mine if mine[n] != theirs[n]]
@@ -113,10 +100,10 @@ def check_settings(data_dir: str | os.PathLike[str], wanted: DeploymentSettings,
     directory with no file passes (a stage that writes no shard state)."""
     stored = load_settings(data_dir)
     if stored is None:
-        beyond = [s for s in found_shard_dirs(data_dir) if s >= wanted.shards]
+        beyond = [s for s in found_shards(data_dir) if s >= wanted.shards]
         if beyond:
             raise FormatMismatchError(
-                f"data directory {os.fspath(data_dir)} holds shard-{beyond[-1]:04d} but TW_SHARDS requests "
+                f"data directory {os.fspath(data_dir)} holds {os.path.basename(shard_dir(data_dir, beyond[-1]))} but TW_SHARDS requests "
                 f"{wanted.shards}: it was made with at least {beyond[-1] + 1} shards (the shard count never changes)")
         if not create:
             return wanted

@@ -64,6 +64,7 @@ from timerwheel.store.format import (
     why_invalid,
 )
 from timerwheel.store.fresh import is_shared
+from timerwheel.store.layout import recovery_command
 from timerwheel.store.recovery import RecoveryReport, recover
 from timerwheel.store.tail import TailIndex
 from timerwheel.store.timerlog import CHUNK_RECORDS, SEGMENT_SUFFIX, TimerLog
@@ -88,11 +89,6 @@ DEFAULT_WHEEL_SYNC_RECORDS = 1_000_000
 #: A reader retries an invalid TimerLog record below the published flushed position this long
 #: (a stale view of a page: it reads fresh bytes each time) before it reports it corrupt.
 STALE_RETRY_S = 5.0
-
-
-def shard_dir(data_dir: str | os.PathLike[str], shard: int) -> str:
-    """The directory of shard number ``shard`` under ``data_dir``: ``shard-NNNN``."""
-    return os.path.join(os.fspath(data_dir), f"shard-{shard:04d}")
 
 
 def _meta(tick_ms: int, slots: int, segment_bytes: int) -> dict[str, int]:
@@ -144,14 +140,6 @@ def _has_data(directory: str) -> bool:
         any(name.endswith(SEGMENT_SUFFIX) and os.path.getsize(os.path.join(log_dir, name)) for name in segments)
         or checkpoint.published_file(os.path.join(directory, ENQUEUE_CKPT)) is not None
     )
-
-
-def recovery_command(directory: str | os.PathLike[str]) -> str:
-    """The command that repairs the shard in ``directory`` (``<data dir>/shard-NNNN``)."""
-    path = os.path.abspath(os.fspath(directory))
-    name = os.path.basename(path)
-    number = int(name[6:]) if name.startswith("shard-") and name[6:].isdigit() else -1
-    return f"timerwheel recover --shard {number} --data-dir {os.path.dirname(path)}"
 
 
 def recovery_needed(directory: str | os.PathLike[str]) -> str | None:

@@ -71,6 +71,7 @@ from timerwheel.clock import Clock, SystemClock
 from timerwheel.errors import CorruptRecordError, TimerwheelError
 from timerwheel.files import FILE_MODE, atomic_write, fsync_dir, pwrite_all
 from timerwheel.records import OutRecord, Record
+from timerwheel.store.layout import holds_shards
 
 FORMAT_VERSION = 1
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
@@ -612,7 +613,7 @@ class _Partition:
 
 def commit_log_dir(directory: str | os.PathLike[str]) -> Path:
     """The commit log's directory for ``directory``: an embedded timerwheel's data directory
-    (it holds ``log/`` that is not a topic, or ``shard-NNNN/``) keeps its log in ``<dir>/log``, so
+    (it holds ``log/`` that is not a topic, or shard directories) keeps its log in ``<dir>/log``, so
     ``LocalCommitLog("./data")`` is the log the service in ./data reads; any other directory is
     the log itself. (Taking the data directory as the log used to wait forever on its ``.lock``,
     which the running service holds.)"""
@@ -620,7 +621,7 @@ def commit_log_dir(directory: str | os.PathLike[str]) -> Path:
     log_dir = path / "log"
     if log_dir.is_dir() and not (log_dir / "topic.json").exists():
         return log_dir
-    if path.is_dir() and any(path.glob("shard-[0-9][0-9][0-9][0-9]")):
+    if holds_shards(path):
         return log_dir
     return path
 
