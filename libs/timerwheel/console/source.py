@@ -117,7 +117,7 @@ class Installation:
         """Read-only views of the shards found in the data directory (opened on first use, and
         again for a shard that appeared since), held under the view's lock. Each ``view`` has views
         of its own, so the sampler's wheel counts never hold up a page."""
-        from timerwheel.embedded import found_shards, open_found_shard
+        from timerwheel.store.layout import found_shards, open_found_shard
 
         with self.lock:
             lock, shards = self._views.setdefault(view, (threading.Lock(), {}))
