@@ -261,12 +261,15 @@ def test_the_console_pod_serves_the_shards_from_its_read_only_claim(monitored: M
     console = pod()
     assert console is not None
     ip = console["status"]["podIP"]
-    with urllib.request.urlopen(f"http://{ip}:8090/", timeout=30) as resp:
+    # The first page waits for the first scrape: without DNS each name fails only after the
+    # resolver's timeouts (its search list, tens of seconds).
+    with urllib.request.urlopen(f"http://{ip}:8090/", timeout=180) as resp:
         page = resp.read().decode()
     assert page.count('class="shard"') == 2, page[-3000:]
     with urllib.request.urlopen(f"http://{ip}:8090/pending?to=now%2B1d", timeout=30) as resp:
         assert resp.status == 200
-    top = rel.kubectl("exec", console["metadata"]["name"], "--", "timerwheel", "top", "--once", timeout=120)
+    top = rel.kubectl("exec", console["metadata"]["name"], "--", "timerwheel", "top", "--once", "--metrics", "",
+                      timeout=120)
     assert "W lag" in top.stdout and "due: next minute" in top.stdout, top.stdout + top.stderr
 
 
