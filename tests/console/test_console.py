@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from timerwheel import EmbeddedTimerwheel, SimulatedClock
 from timerwheel.config import TimerConfig
 from timerwheel.console.app import create_app, parse_time
-from timerwheel.console.browse import browse_dead_letters, browse_pending, reason_kind
+from timerwheel.console.browse import Columns, browse_dead_letters, browse_pending, reason_kind
 from timerwheel.console.overview import Counters, lateness, shard_rows
 from timerwheel.console.source import Installation, Scrape, parse_metrics
 from timerwheel.console.top import run as top_run
@@ -318,3 +318,29 @@ def test_the_top_command_prints_a_frame_and_bad_flags_are_one_line(data: Data) -
                         (("console", "--action-token-file", str(data.path / "none")), "--action-token-file")):
         bad = _cli(*args, *(("--data-dir", str(data.path)) if "--data-dir" not in args else ()))
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and named in bad.stderr, (args, bad.stderr)
+
+
+def test_the_columns_of_a_filter_catch_up_with_what_was_written_since(tmp_path: Path) -> None:
+    clock = SimulatedClock(start_ms=START)
+    columns: dict[int, Columns] = {}
+
+    def write(first: int, n: int) -> None:
+        with EmbeddedTimerwheel(tmp_path / "d", clock=clock, tick_ms=100, shards=1, fsync=False) as tw:
+            for i in range(first, first + n):
+                tw.schedule("x" if i % 2 else "y", b"v", deliver_at_ms=START + 5_000 + i, message_id=f"c{i}")
+            tw.wait_idle()
+
+    def page() -> tuple[list[str], int]:
+        inst = Installation(TimerConfig(data_dir=str(tmp_path / "d"), shards=1), [], clock=clock)
+        try:
+            with inst.shards() as shards:
+                found = browse_pending(shards, inst.commit_log, inst.config, START, START + 60_000, topic="x",
+                                       limit=100, columns=columns)
+            return [i.message_id for i in found.items], found.scanned
+        finally:
+            inst.close()
+
+    write(0, 10)
+    assert page() == ([f"c{i}" for i in range(1, 10, 2)], 10)
+    write(10, 6)
+    assert page() == ([f"c{i}" for i in range(1, 16, 2)], 6)  # only the new records read

@@ -78,7 +78,7 @@ class Actions:
         if not message_id:
             raise ActionRefused("no message id given")
         with self.inst.shards() as shards:
-            item = find_pending(shards, self.inst.commit_log, self.inst.config, message_id)
+            item = find_pending(shards, self.inst.commit_log, self.inst.config, message_id, self.inst.columns())
         if item is None or item.deliver_at_ms is None:
             raise ActionRefused(f"no pending message with id {message_id!r}: it was delivered or cancelled, or "
                                 "enqueue-put has not written it yet (W)")

@@ -245,7 +245,8 @@ def create_app(inst: Installation, *, action_token: str | None = None, sample_ev
         def browse() -> PendingPage:
             with inst.shards() as shards:
                 return browse_pending(shards, inst.commit_log, inst.config, from_ms, to_ms, topic=topic,
-                                      message_id=message_id, limit=int(limit_text), after=q.get("after") or None)
+                                      message_id=message_id, limit=int(limit_text), after=q.get("after") or None,
+                                      columns=inst.columns())
 
         found = await run_in_threadpool(browse)
         params = {k: v for k, v in {"from": from_text, "to": to_text, "topic": topic or "", "id": message_id or "",

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
+from timerwheel.console.browse import Columns
 from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.store import Shard
@@ -106,6 +107,7 @@ class Installation:
         self.clock = clock or SystemClock()
         self.lock = threading.RLock()
         self._views: dict[str, tuple[threading.Lock, dict[int, Shard]]] = {}
+        self._columns: dict[str, dict[int, Columns]] = {}
         self._commit_log = commit_log
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tw-console-scrape")
         self.log = stage_logger("console")
@@ -129,6 +131,12 @@ class Installation:
                     except (OSError, TimerwheelError) as exc:  # not created yet, or being recovered
                         self.log.warning("shard not readable", shard=s, error=str(exc)[:200])
             yield shards
+
+    def columns(self, view: str = "pages") -> dict[int, Columns]:
+        """The view's in-memory TimerLog columns per shard (``browse.Columns``): use them inside
+        ``with inst.shards(view)``, under its lock."""
+        with self.lock:
+            return self._columns.setdefault(view, {})
 
     # -- metrics -----------------------------------------------------------------------------------
 
