@@ -4,9 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= ./data
 
-.PHONY: setup setup-spark run demo test test-fast test-k8s lint docs bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
+.PHONY: setup assets setup-spark run demo test test-fast test-k8s lint docs bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
 
 setup: $(VENV)/.installed
+
+## The console's browser libraries (uPlot), fetched with npm into ~/.cache/timerwheel/npm and copied
+## into libs/timerwheel/console/static/vendor/ (scripts/assets.sh; cached, integrity-checked): make
+## test, bench and the image need them; make run does not (the console then draws no charts).
+assets:
+	@scripts/assets.sh fetch
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "setup: $(PY) not found (Python 3.11 is required)"; exit 1; }
@@ -17,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 
 ## The Spark jobs' extra (PySpark, ~450 MB) and Spark's Kafka connector (scripts/spark.sh, cached in
 ## ~/.cache/timerwheel/spark or $$TW_CACHE_DIR): make test and make bench need them, make run does not.
-setup-spark: $(VENV)/.spark-installed
+setup-spark: $(VENV)/.spark-installed assets
 
 $(VENV)/.spark-installed: $(VENV)/.installed scripts/spark/pom.xml
 	$(BIN)/pip install -q -e '.[dev,spark]'
@@ -61,12 +67,12 @@ redis-up:
 
 ## A single-node Kubernetes v1.34 cluster on this machine (scripts/k8s.sh; builds cached in
 ## ~/.cache/timerwheel or $$TW_CACHE_DIR), with the timerwheel:dev image loaded.
-k8s-up:
+k8s-up: assets
 	scripts/k8s.sh up
 	scripts/k8s.sh load-image
 	@scripts/k8s.sh env
 
-k8s-image:
+k8s-image: assets
 	scripts/k8s.sh load-image
 
 ## The Spark image (services/spark/Dockerfile: the stage package plus Java 17, PySpark and Spark's

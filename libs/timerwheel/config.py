@@ -443,6 +443,10 @@ OTHER_ENV_VARS = {
     "TW_SPARK_JARS": "Spark jobs: a directory of Spark's Kafka connector jars (default: scripts/spark.sh's cache)",
     "TW_SPARK_DRIVER_MEMORY": "Spark jobs: the driver's memory on local[*] (default 1g)",
     "TW_SPARK_SHUFFLE_PARTITIONS": "Spark jobs: spark.sql.shuffle.partitions (default 8)",
+    "TW_CONSOLE_METRICS": "timerwheel console / top: the stages' /metrics endpoints, host:port,...",
+    "TW_CONSOLE_ACTION_TOKEN_FILE": "timerwheel console: file holding the action token (none: read-only)",
+    "TW_CONSOLE_HOST": "timerwheel console: address to listen on (default 127.0.0.1)",
+    "TW_CONSOLE_PORT": "timerwheel console: port to listen on (default 8090)",
 }
 
 #: Variables of the project's own scripts, tests and benchmarks (docs/development.md);
@@ -463,6 +467,8 @@ TOOLING_ENV_VARS = {
     "TW_REDIS_TLS": "scripts/redis.sh: the server requires TLS and a password (rediss://)",
     "TW_CACHE_DIR": "scripts/k8s.sh, helm.sh, image.py, spark.sh: build cache (default ~/.cache/timerwheel)",
     "TW_HELM_VERSION": "scripts/helm.sh: the helm version to build (default v3.22.0)",
+    "TW_PROMETHEUS_VERSION": "scripts/prometheus.sh: the Prometheus Go module version to build (default v0.316.0)",
+    "TW_PROMETHEUS_OPERATOR_VERSION": "scripts/prometheus.sh crds: the Prometheus Operator whose CRDs to use (default v0.85.0)",
     "TW_LISTEN_HOST": "scripts/kafka.sh, redis.sh: an address of this machine to listen on too",
     "TW_KAFKA_EXTERNAL_BOOTSTRAP": "scripts/kafka.sh env: the listener on TW_LISTEN_HOST",
     "TW_REDIS_EXTERNAL_URL": "scripts/redis.sh env: the server on TW_LISTEN_HOST",

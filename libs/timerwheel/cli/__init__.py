@@ -13,6 +13,8 @@
     timerwheel rebuild-wheel --shard N --data-dir D                                   repair.py
     timerwheel recover-from-kafka                                                     repair.py
     timerwheel audit | bulk-schedule | forecast  the Spark jobs                       spark.py
+    timerwheel console --data-dir D --metrics HOST:PORT,...   the web console       timerwheel.console.command
+    timerwheel top --data-dir D --metrics HOST:PORT,...       its overview, live     timerwheel.console.command
 
 A command is two functions in its module: ``add_<command>(sub)`` adds its parser and sets its
 ``handler``, ``cmd_<command>(args)`` runs it and returns the exit code. It checks its flags and
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 from timerwheel import telemetry
 from timerwheel.cli import inspect, messages, repair, service, spark
 from timerwheel.cli.common import CliError, Parser
+from timerwheel.console import command as console_command
 from timerwheel.errors import ConfigError, FormatMismatchError, ShardInUseError, TimerwheelError
 from timerwheel.log import configure_logging, stage_logger
 
@@ -60,7 +63,7 @@ def make_parser() -> Parser:
     for add in (service.add_run, messages.add_schedule, messages.add_cancel, messages.add_reschedule,
                 messages.add_consume, inspect.add_inspect, inspect.add_pending, repair.add_recover,
                 repair.add_rebuild_wheel, service.add_demo, service.add_stage, repair.add_recover_from_kafka,
-                spark.add_audit, spark.add_bulk_schedule, spark.add_forecast):
+                spark.add_audit, spark.add_bulk_schedule, spark.add_forecast, console_command.add_parsers):
         add(sub)
     return parser
 
