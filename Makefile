@@ -13,7 +13,7 @@ DATA ?= ./data
 ## pip, quiet, without setuptools' boxed notice about editable installs (the checkout is the package).
 PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q
 
-.PHONY: setup setup-run setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
+.PHONY: setup setup-run assets setup-spark run demo test test-fast test-k8s lint docs bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
 
 ## What running needs (make run, make demo, the production quick start): timerwheel and its
 ## dependencies, ~160 MB. make setup adds the developer extras (tests, lint, the operator's
@@ -21,6 +21,12 @@ PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q
 setup-run: $(VENV)/.run-installed
 
 setup: $(VENV)/.installed
+
+## The console's browser libraries (uPlot), fetched with npm into ~/.cache/timerwheel/npm and copied
+## into libs/timerwheel/console/static/vendor/ (scripts/assets.sh; cached, integrity-checked): make
+## test, bench and the image need them; make run does not (the console then draws no charts).
+assets:
+	@scripts/assets.sh fetch
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "setup: no Python 3.11 or newer on PATH (looked for python3.14 ... python3.11 and python3): install one, or name it with PYTHON=/path/to/python3 (e.g. make run PYTHON=/opt/python3.12/bin/python3)" >&2; exit 1; }
@@ -41,7 +47,7 @@ $(VENV)/.installed: $(VENV)/.run-installed pyproject.toml
 
 ## The Spark jobs' extra (PySpark, ~450 MB) and Spark's Kafka connector (scripts/spark.sh, cached in
 ## ~/.cache/timerwheel/spark or $$TW_CACHE_DIR): make test and make bench need them, make run does not.
-setup-spark: $(VENV)/.spark-installed
+setup-spark: $(VENV)/.spark-installed assets
 
 $(VENV)/.spark-installed: $(VENV)/.installed scripts/spark/pom.xml
 	@echo "setup: adding PySpark and the Spark jobs' extras to $(VENV) (~450 MB)"
@@ -71,6 +77,10 @@ lint: setup-spark
 	$(BIN)/ruff check $(wildcard libs tests e2e bench services operator)
 	$(BIN)/mypy
 
+## The reference tables of docs/ written from the code's tables (tests/test_docs.py checks them).
+docs: setup
+	$(BIN)/python -m timerwheel.docs
+
 bench: setup-spark
 	$(BIN)/python -m bench
 
@@ -82,12 +92,12 @@ redis-up:
 
 ## A single-node Kubernetes v1.34 cluster on this machine (scripts/k8s.sh; builds cached in
 ## ~/.cache/timerwheel or $$TW_CACHE_DIR), with the timerwheel:dev image loaded.
-k8s-up:
+k8s-up: assets
 	scripts/k8s.sh up
 	scripts/k8s.sh load-image
 	@scripts/k8s.sh env
 
-k8s-image:
+k8s-image: assets
 	scripts/k8s.sh load-image
 
 ## The Spark image (services/spark/Dockerfile: the stage package plus Java 17, PySpark and Spark's

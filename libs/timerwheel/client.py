@@ -228,18 +228,22 @@ class TimerClient:
         return None
 
     def reschedule(self, ticket: Ticket | str, *, delay_ms: int | None = None, deliver_at_ms: int | None = None,
-                   delay_level: int | None = None, message_id: str | None = None) -> Ticket:
+                   delay_level: int | None = None, message_id: str | None = None,
+                   original: Record | None = None) -> Ticket:
         """Cancel the ticket's message and schedule it again (same destination, key, value and
         headers) at the new time; returns the new ticket (a new message id unless ``message_id``).
         The cancel and the new record are appended together (see the module header). Refused
-        once the old delivery time has passed (the message would be delivered twice)."""
+        once the old delivery time has passed (the message would be delivered twice).
+        ``original``: the message's newest timer record when the caller has it already (the
+        console reads it from the position the TimerLog names), instead of ``find``ing it."""
         ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
         now = self.clock.now_ms()
         if ticket.deliver_at_ms <= now:
             # Its cancel could no longer take effect: the message would be delivered twice.
             raise TimerwheelError(f"reschedule: the delivery time of {ticket.message_id!r} passed "
                                   f"{now - ticket.deliver_at_ms} ms ago; the message was most likely delivered")
-        original = self.find(ticket)
+        if original is None:
+            original = self.find(ticket)
         if original is None:
             raise TimerwheelError(f"reschedule: no timer record of {ticket.message_id!r} in partition "
                                   f"{ticket.partition} of {self.config.timer_topic!r}")

@@ -63,7 +63,8 @@ def test_schedule_in_one_process_reaches_run_in_another(tmp_path: Path) -> None:
         kept = tw("schedule", "--data-dir", data, "--topic", "orders", "--delay-ms", "300ms", "--value", "hello",
                   "--key", "k1", "--header", "trace=abc")
         assert kept.returncode == 0, kept.stderr
-        dropped = tw("schedule", "--data-dir", data, "--topic", "orders", "--delay-ms", "3s", "--value", "bye")
+        # 8 s: two CLI processes start before the cancel is written (1.7 s each on a loaded machine)
+        dropped = tw("schedule", "--data-dir", data, "--topic", "orders", "--delay-ms", "8s", "--value", "bye")
         cancel = tw("cancel", "--data-dir", data, dropped.stdout.strip())
         assert cancel.returncode == 0, cancel.stderr
         records: list[dict[str, object]] = []

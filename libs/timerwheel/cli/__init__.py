@@ -14,6 +14,8 @@
     timerwheel recover-from-kafka                                                     repair.py
     timerwheel rebase --data-dir D              fresh shards on the timer topic now read  repair.py
     timerwheel audit | bulk-schedule | forecast  the Spark jobs                       spark.py
+    timerwheel console --data-dir D --metrics HOST:PORT,...   the web console       timerwheel.console.command
+    timerwheel top --data-dir D --metrics HOST:PORT,...       its overview, live     timerwheel.console.command
 
 A command is two functions in its module: ``add_<command>(sub)`` adds its parser (with
 ``common.described``: a description and examples, which ``--help`` shows) and sets its
@@ -38,6 +40,7 @@ from collections.abc import Sequence
 from timerwheel import telemetry
 from timerwheel.cli import inspect, messages, repair, service, spark
 from timerwheel.cli.common import CliError, Parser, join_dash_values
+from timerwheel.console import command as console_command
 from timerwheel.errors import ConfigError, FormatMismatchError, ShardInUseError, TimerwheelError
 from timerwheel.log import configure_logging, stage_logger
 
@@ -64,8 +67,8 @@ def make_parser() -> Parser:
     for add in (service.add_run, messages.add_schedule, messages.add_cancel, messages.add_reschedule,
                 messages.add_consume, inspect.add_inspect, inspect.add_pending, repair.add_recover,
                 repair.add_rebuild_wheel, service.add_demo, service.add_stage, repair.add_recover_from_kafka,
-                repair.add_rebase,
-                spark.add_audit, spark.add_bulk_schedule, spark.add_forecast):
+                repair.add_rebase, spark.add_audit, spark.add_bulk_schedule, spark.add_forecast,
+                console_command.add_parsers):
         add(sub)
     return parser
 

@@ -858,9 +858,8 @@ class KafkaCommitLog:
     def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
         """Append ``records`` in one Kafka transaction: a ``read_committed`` reader (every stage)
         sees all of them or none. A transactional producer of its own is made on first use; a
-        failed transaction is aborted and raises ``KafkaLogError`` (nothing was written)."""
-        if not records:
-            return []
+        failed transaction is aborted and raises ``KafkaLogError`` (nothing was written). An empty
+        call only connects that producer (its first ``init_transactions`` takes a while)."""
         with self._producer_lock:
             producer = getattr(self, "_tx_producer", None)
             if producer is None:
@@ -874,6 +873,8 @@ class KafkaCommitLog:
                         **self._common())
                     producer.init_transactions()
                 self._tx_producer = producer
+            if not records:
+                return []
             try:
                 producer.begin_transaction()
                 futures = [producer.send(r.topic, value=r.value if r.value is not None or r.key is not None else b"",
