@@ -58,6 +58,21 @@ FIND_TIMEOUT_S = 60.0
 _DEFAULT_ID = re.compile(r"(\d+)-(\d+)")
 
 
+class RefusedTimer(InvalidTimerMessage):
+    """A timer ``TimerClient(validate=True)`` refuses: the service would dead-letter it (``reason``,
+    the service's own). ``index``: its place in the batch; ``message_id``: the id it was given,
+    if any (a generated one is never shown: nobody has seen it)."""
+
+    def __init__(self, reason: str, index: int, batch: int, message_id: str | None) -> None:
+        super().__init__(reason)
+        self.index = index
+        self.message_id = message_id
+        self._which = f"{message_id}: " if message_id else f"timer {index} of {batch}: " if batch > 1 else ""
+
+    def __str__(self) -> str:
+        return f"{self._which}refused, the service would dead-letter it: {self.reason}"
+
+
 @dataclass(frozen=True, slots=True)
 class Timer:
     """One message to schedule: give exactly one of delay_ms, deliver_at_ms, delay_level."""
@@ -138,7 +153,7 @@ class TimerClient:
                 try:
                     self.rules.parse(check, now)
                 except InvalidTimerMessage as exc:
-                    raise InvalidTimerMessage(f"{message_id}: refused, the service would dead-letter it: {exc}") from None
+                    raise RefusedTimer(exc.reason, len(records), len(timers), t.message_id) from None
             if spans is not None:
                 sent = telemetry.send_span(self.config.timer_topic, message_id, timer_partition, t.topic)
                 if sent is not None:

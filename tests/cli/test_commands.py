@@ -27,7 +27,7 @@ def tw(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         (["run", "--embedded", "--tick-ms", "7"], "--tick-ms"),
         (["run", "--embedded", "--shards", "x"], "--shards"),
         (["run", "--embedded", "--roll-window", "soon"], "--roll-window"),
-        (["schedule", "--topic", "t"], "--delay-ms"),
+        (["schedule", "--topic", "t"], "--delay"),
         (["schedule", "--topic", "t", "--delay-ms", "5", "--header", "novalue"], "--header"),
         (["cancel", "not-a-ticket"], "ticket"),
         (["demo", "--count", "0"], "--count"),
@@ -123,10 +123,10 @@ def test_a_start_with_another_shard_count_exits_2_naming_stored_and_requested(tm
     stage = subprocess.run([sys.executable, "-m", "timerwheel.cli", "stage", "enqueue-put"], capture_output=True,
                            text=True, timeout=60, env={**ENV, "TW_DATA_DIR": str(data), "TW_SHARDS": "2",
                                                        "TW_TICK_MS": "100", "TW_ROLL_WINDOW_MS": "60000"})
-    for result in (embedded, stage):
+    for result, named in ((embedded, "--shards"), (stage, "TW_SHARDS")):
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and "TW_SHARDS: stored 1, requested 2" in lines[0], result.stderr
+        assert len(lines) == 1 and f"{named}: stored 1, requested 2" in lines[0], result.stderr
     assert sorted(p.name for p in data.iterdir()) == before, "a refused start created files"
 
 

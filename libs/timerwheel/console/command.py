@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from timerwheel.cli.common import described
 from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError
 
@@ -26,8 +27,10 @@ DEFAULT_PORT = 8090
 def add_parsers(sub: Any) -> None:
     """The two subcommands, on the ``timerwheel`` command's subparsers."""
     console = sub.add_parser("console", help="serve the web console (pending timers, dead letters, actions)",
-                             description="Serve the web console: the overview, pending timers, dead letters and "
-                                         "(with an action token) cancel, reschedule, deliver now and redrive.")
+                             **described("Serve the web console: the overview, pending timers, dead letters and "
+                                         "(with an action token) cancel, reschedule, deliver now and redrive.",
+                                         "timerwheel console --data-dir ./data-prod --kafka localhost:9092 "
+                                         "--metrics localhost:9101,localhost:9102"))
     _common(console)
     console.set_defaults(handler=run_console)
     console.add_argument("--host", help="address to listen on (default $TW_CONSOLE_HOST or 127.0.0.1)")
@@ -36,7 +39,8 @@ def add_parsers(sub: Any) -> None:
                                                      "$TW_CONSOLE_ACTION_TOKEN_FILE; none: read-only)")
     console.add_argument("--sample-every", type=float, default=2.0, help="seconds between scrapes (default 2)")
     top = sub.add_parser("top", help="the console's overview, live in the terminal",
-                         description="The overview (per shard W, R, lag, owners; rates; due ahead), refreshed.")
+                         **described("The overview (per shard W, R, lag, owners; rates; due ahead), refreshed.",
+                                     "timerwheel top --data-dir ./data-prod --metrics localhost:9101 --once"))
     _common(top)
     top.set_defaults(handler=run_top)
     top.add_argument("--every", type=float, default=2.0, help="seconds between refreshes (default 2)")

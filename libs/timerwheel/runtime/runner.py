@@ -102,6 +102,7 @@ class StageRunner:
         repeats = 0
         while not self.ctx.stop.is_set():
             try:
+                self.ctx.step_begins(self.name)
                 self.work += self.stage.step(self.idle_s)
                 backoff = 0.01
                 if failing is not None:
