@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium and its WebDriver for the console's browser tests (e2e/test_console.py).
+# Headless Chromium and its WebDriver for the console's browser tests (e2e/test_console_browser.py).
 #
 #   scripts/chromium.sh path    install Debian's chromium and chromium-driver if missing (apt-get,
 #                               as root), then print the two paths: the browser, then chromedriver
