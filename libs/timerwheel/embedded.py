@@ -38,7 +38,7 @@ from timerwheel.stages.ownership import Ownership
 from timerwheel.store import Shard
 from timerwheel.store.deployment import DeploymentSettings, check_settings
 from timerwheel.store.layout import DataDirLock, open_reader_if_exists, open_shard
-from timerwheel.transports.base import CommitLog, LeaseStore, WorkQueue
+from timerwheel.transports.base import CommitLog, ExpiringLog, LeaseStore, WorkQueue
 from timerwheel.transports.local import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 from timerwheel.wire import MAX_EPOCH_MS, Ticket
@@ -144,7 +144,7 @@ class EmbeddedTimerwheel:
             StageRunner("dequeue-getmsg", self.dequeue_getmsg, ctx),
             StageRunner("dequeue-put", self.dequeue_put, ctx),
         ]
-        if not all(getattr(q, "in_process", False) for q in self.queues.values()):
+        if not all(q.in_process for q in self.queues.values()):
             Heartbeat(self.queues[Q_DELIVER], owner, ctx.stop).start()  # shared queues (run --redis)
         for r in self.runners:
             r.start()
@@ -243,10 +243,9 @@ class EmbeddedTimerwheel:
 
     def enforce_retention(self) -> int:
         """Delete the local commit log's segments past ``TW_LOG_RETENTION_MS``; returns how many."""
-        expire = getattr(self.commit_log, "expire", None)  # Kafka keeps its own retention
-        if expire is None:
+        if not isinstance(self.commit_log, ExpiringLog):  # Kafka keeps its own retention
             return 0
-        deleted = int(expire(self.clock.now_ms(), self.config.effective_log_retention_ms))
+        deleted = self.commit_log.expire(self.clock.now_ms(), self.config.effective_log_retention_ms)
         if deleted:
             self.log.info("log retention", segments_deleted=deleted,
                           retention_ms=self.config.effective_log_retention_ms)
