@@ -26,7 +26,7 @@ from pathlib import Path
 from timerwheel import SimulatedClock, Timer, TimerClient, TimerConfig
 from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import OutRecord
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 
 from bench.common import emit, peak_rss_mb, percentile, say
 

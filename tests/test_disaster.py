@@ -17,7 +17,7 @@ from timerwheel.config import TimerConfig
 from timerwheel.disaster import PendingSet, RecoveryRefused, recover_from_kafka, recovered_record
 from timerwheel.records import OutRecord, Record
 from timerwheel.store.layout import open_shard
-from timerwheel.transports.kafka import KafkaCommitLog
+from timerwheel.transports.kafka.log import KafkaCommitLog
 from timerwheel.wire import TimerRules, default_id
 
 T0 = 1_700_000_000_000

@@ -362,7 +362,7 @@ def _self_command() -> str:
 
 
 def _local_client(cfg: TimerConfig) -> TimerClient:
-    from timerwheel.transports.local import LocalCommitLog
+    from timerwheel.transports.local.log import LocalCommitLog
 
     log_dir = Path(cfg.data_dir) / "log"
     return TimerClient(LocalCommitLog(log_dir, default_partitions=1, fsync=cfg.fsync), cfg)
@@ -370,12 +370,12 @@ def _local_client(cfg: TimerConfig) -> TimerClient:
 
 def _commit_log(cfg: TimerConfig, kafka: str | None, args: argparse.Namespace | None = None) -> Any:
     if kafka:
-        from timerwheel.security import check_kafka_access
-        from timerwheel.transports.kafka import KafkaCommitLog
+        from timerwheel.transports.kafka.access import check_kafka_access
+        from timerwheel.transports.kafka.log import KafkaCommitLog
 
         check_kafka_access(cfg, kafka)
         return KafkaCommitLog.from_config(cfg, kafka)
-    from timerwheel.transports.local import LocalCommitLog
+    from timerwheel.transports.local.log import LocalCommitLog
 
     data = _data_dir(cfg, args) if args is not None else Path(cfg.data_dir)
     return LocalCommitLog(data / "log", default_partitions=1, fsync=cfg.fsync)

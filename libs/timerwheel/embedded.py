@@ -39,7 +39,7 @@ from timerwheel.store import Shard
 from timerwheel.store.deployment import DeploymentSettings, check_settings
 from timerwheel.store.layout import DataDirLock, open_reader_if_exists, open_shard
 from timerwheel.transports.base import CommitLog, ExpiringLog, LeaseStore, WorkQueue
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 from timerwheel.wire import MAX_EPOCH_MS, Ticket
 

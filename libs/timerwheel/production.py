@@ -64,7 +64,7 @@ def production_transports(cfg: TimerConfig) -> Any:
     Redis password settings, see ``timerwheel.security``)."""
     from timerwheel.embedded import Transports
     from timerwheel.security import redis_client
-    from timerwheel.transports.kafka import KafkaCommitLog
+    from timerwheel.transports.kafka.log import KafkaCommitLog
     from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 
     require_servers(cfg)
@@ -228,8 +228,9 @@ class _StopBeforeStart(BaseException):  # noqa: N818 - not an error: SIGTERM whi
 def _build_when_reachable(name: str, cfg: TimerConfig, ctx: StageContext) -> tuple[Any, Any] | None:
     """Transports and the stage, retried while Kafka or Redis is unreachable; None if stopped meanwhile.
     Refused credentials or an untrusted certificate are not retried: ``AccessError`` names the setting."""
-    from timerwheel.security import check_kafka_access, check_redis_access
-    from timerwheel.transports.kafka import KafkaLogError
+    from timerwheel.security import check_redis_access
+    from timerwheel.transports.kafka.access import check_kafka_access
+    from timerwheel.transports.kafka.errors import KafkaLogError
     from timerwheel.transports.redisq import RedisTransportError
 
     log = stage_logger(name)
@@ -282,7 +283,8 @@ def _ready(running: dict[str, Any]) -> bool:
 def run_all_in_one(cfg: TimerConfig) -> int:
     """All five stages in one process over Kafka and Redis (``timerwheel run --kafka --redis``)."""
     from timerwheel.embedded import EmbeddedTimerwheel
-    from timerwheel.security import check_kafka_access, check_redis_access
+    from timerwheel.security import check_redis_access
+    from timerwheel.transports.kafka.access import check_kafka_access
 
     stop = threading.Event()
     _stop_on_signals(stop)
