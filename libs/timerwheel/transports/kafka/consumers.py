@@ -123,7 +123,9 @@ class KafkaConsumerAdapter:
         return out
 
     def _fetch_position(self, partition: int) -> int | None:
-        """The consumer's next offset to read for ``partition``, without waiting on the network."""
+        """The consumer's next offset to read for ``partition``, without waiting on the network
+        (kafka-python's public ``position``: ~20 us a partition here, as it checks every assigned
+        position on each call; reading its subscription state directly took 0.2 us)."""
         try:
             at = self._consumer.position(self._tps[partition], timeout_ms=0)
         except kafka_errors.KafkaError:
