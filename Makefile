@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= ./data
 
-.PHONY: setup setup-spark run demo test test-fast test-k8s lint bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
+.PHONY: setup setup-spark run demo test test-fast test-k8s lint docs bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,10 @@ test-k8s: setup
 lint: setup-spark
 	$(BIN)/ruff check $(wildcard libs tests e2e bench services operator)
 	$(BIN)/mypy
+
+## The reference tables of docs/ written from the code's tables (tests/test_docs.py checks them).
+docs: setup
+	$(BIN)/python -m timerwheel.docs
 
 bench: setup-spark
 	$(BIN)/python -m bench

@@ -41,7 +41,7 @@ def test_env_errors_name_the_variable() -> None:
 def test_an_unknown_tw_variable_is_refused_with_a_suggestion() -> None:
     with pytest.raises(ConfigError, match=r"^TW_SHARD: unknown variable \(did you mean TW_SHARDS\?\)"):
         TimerConfig.from_env({"TW_SHARD": "4"})
-    with pytest.raises(ConfigError, match=r"^TW_NOTHING_LIKE_IT: unknown variable; the README"):
+    with pytest.raises(ConfigError, match=r"^TW_NOTHING_LIKE_IT: unknown variable; docs/configuration.md"):
         TimerConfig.from_env({"TW_NOTHING_LIKE_IT": "1"})
     # The project's own tooling variables and other prefixes are not the service's business.
     cfg = TimerConfig.from_env({"TW_KEEP_SERVERS": "1", "TW_BENCH_MESSAGES": "5", "TWX": "1", "PATH": "/bin"})

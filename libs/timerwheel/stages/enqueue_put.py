@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from timerwheel import telemetry
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext, Unopenable, decoded, get_by
@@ -51,7 +50,7 @@ from timerwheel.store import (
     Shard,
     shard_dir,
 )
-from timerwheel.store.format import RecordArray, records_array, records_from_array, valid_mask
+from timerwheel.store.format import RECORD_SIZE, RecordArray, records_array, records_from_array, valid_mask
 from timerwheel.store.layout import recovery_command
 from timerwheel.store.shard import recovery_needed
 from timerwheel.transports.base import WorkQueue
