@@ -10,6 +10,7 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from timerwheel import wire
@@ -58,14 +59,19 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "make test" in _text("README.md") and "\nmake test\n" in ci
 
 
-def test_the_python_quick_start_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_python_quick_start_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     blocks = re.findall(r"```python\n(.*?)```", _text("README.md"), flags=re.S)
     assert blocks, "README has no Python example"
-    monkeypatch.chdir(tmp_path)  # it writes ./data
-    scope: dict[str, object] = {}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()  # `make run`'s, with other settings: the example must not touch it
+    scope: dict[str, Any] = {}
     exec(compile(blocks[0], "README.md (Python quick start)", "exec"), scope)  # noqa: S102 - our own README
-    assert scope["delivered"] == [], "the example cancels its one message: nothing is delivered"
-    assert (tmp_path / "data").is_dir()
+    delivered = scope["delivered"]
+    assert [(r.key, r.value) for r in delivered] == [(b"k", b"hello")], "the example shows one delivery"
+    assert delivered[0].header("tw-id") == scope["ticket"].message_id.encode()
+    assert f"b'k' b'hello' b'{scope['ticket'].message_id}'" in capsys.readouterr().out
+    assert not list((tmp_path / "data").iterdir()), "the example wrote into make run's ./data"
 
 
 # -- variables ---------------------------------------------------------------------------------

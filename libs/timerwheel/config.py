@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,15 +38,30 @@ KAFKA_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 #: URL schemes redis-py understands; ``rediss`` is Redis over TLS.
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
-_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": DAY_MS}
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": DAY_MS, "w": 7 * DAY_MS}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?|\.\d+)(ms|s|m|h|d|w)")
+#: What a duration may look like, for error messages.
+DURATION_FORMS = "5000 (ms), 250ms, 5s, 1.5s, 10m, 1h30m, 2d, 2w (units ms s m h d w)"
 
 
 def parse_duration_ms(text: str) -> int:
-    """``"1s"`` -> 1000, ``"2h"`` -> 7200000, ``"250ms"`` -> 250, ``"1500"`` -> 1500."""
-    match = re.fullmatch(r"\s*(\d+)\s*(ms|s|m|h|d)?\s*", text)
-    if not match:
-        raise ValueError(f"not a duration: {text!r}")
-    return int(match.group(1)) * _UNITS_MS[match.group(2) or "ms"]
+    """A duration in whole milliseconds: ``"1500"`` (a bare number is milliseconds), ``"250ms"``,
+    ``"1.5s"``, ``"1h30m"``, ``"2w"``. Raises ValueError listing the accepted forms (a negative
+    one is refused as such)."""
+    t = text.strip()
+    body = t[1:] if t.startswith("-") else t
+    if body.isdigit():
+        total = Decimal(body)
+    else:
+        parts = _DURATION_PART.findall(body)
+        if not parts or "".join(n + u for n, u in parts) != body:
+            raise ValueError(f"expected a duration such as {DURATION_FORMS}, got {text!r}")
+        total = sum((Decimal(n) * _UNITS_MS[u] for n, u in parts), Decimal(0))
+    if body is not t:
+        raise ValueError(f"a duration cannot be negative, got {text!r}")
+    if total != int(total):
+        raise ValueError(f"a duration is whole milliseconds, got {text!r} ({total} ms)")
+    return int(total)
 
 
 def parse_delay_levels(text: str) -> tuple[int, ...]:
@@ -446,6 +462,10 @@ OTHER_ENV_VARS = {
     "TW_SPARK_JARS": "Spark jobs: a directory of Spark's Kafka connector jars (default: scripts/spark.sh's cache)",
     "TW_SPARK_DRIVER_MEMORY": "Spark jobs: the driver's memory on local[*] (default 1g)",
     "TW_SPARK_SHUFFLE_PARTITIONS": "Spark jobs: spark.sql.shuffle.partitions (default 8)",
+    "TW_CONSOLE_METRICS": "timerwheel console / top: the stages' /metrics endpoints, host:port,...",
+    "TW_CONSOLE_ACTION_TOKEN_FILE": "timerwheel console: file holding the action token (none: read-only)",
+    "TW_CONSOLE_HOST": "timerwheel console: address to listen on (default 127.0.0.1)",
+    "TW_CONSOLE_PORT": "timerwheel console: port to listen on (default 8090)",
 }
 
 #: Variables of the project's own scripts, tests and benchmarks (docs/development.md);
@@ -466,6 +486,8 @@ TOOLING_ENV_VARS = {
     "TW_REDIS_TLS": "scripts/redis.sh: the server requires TLS and a password (rediss://)",
     "TW_CACHE_DIR": "scripts/k8s.sh, helm.sh, image.py, spark.sh: build cache (default ~/.cache/timerwheel)",
     "TW_HELM_VERSION": "scripts/helm.sh: the helm version to build (default v3.22.0)",
+    "TW_PROMETHEUS_VERSION": "scripts/prometheus.sh: the Prometheus Go module version to build (default v0.316.0)",
+    "TW_PROMETHEUS_OPERATOR_VERSION": "scripts/prometheus.sh crds: the Prometheus Operator whose CRDs to use (default v0.85.0)",
     "TW_LISTEN_HOST": "scripts/kafka.sh, redis.sh: an address of this machine to listen on too",
     "TW_KAFKA_EXTERNAL_BOOTSTRAP": "scripts/kafka.sh env: the listener on TW_LISTEN_HOST",
     "TW_REDIS_EXTERNAL_URL": "scripts/redis.sh env: the server on TW_LISTEN_HOST",

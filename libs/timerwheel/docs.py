@@ -32,7 +32,7 @@ KIND_FORMATS = {
     "int": "integer",
     "float": "number",
     "bool": "`true` or `false` (also 1/0, yes/no, on/off)",
-    "duration": "ms, or with a unit: `500ms`, `5s`, `10m`, `2h`, `2d`",
+    "duration": "ms, or with units: `500ms`, `1.5s`, `10m`, `1h30m`, `2d`, `2w`",
     "levels": "durations separated by spaces",
     "ints": "comma-separated integers",
     "regexes": "comma-separated regular expressions",

@@ -24,6 +24,8 @@ __all__ = ["Topics"]
 
 _TOPIC_EXISTS = 36
 _UNKNOWN_TOPIC = 3  # UNKNOWN_TOPIC_OR_PARTITION
+#: The topic id a broker without topic ids reports.
+_NO_TOPIC_ID = "00000000-0000-0000-0000-000000000000"
 
 
 class Topics:
@@ -56,6 +58,23 @@ class Topics:
             if t["name"] == topic and t["error_code"] == 0:
                 return t
         return None
+
+    def cluster_id(self) -> str | None:
+        """The cluster's id; None from a broker too old to tell, or one whose ACLs do not let this
+        client describe the cluster."""
+        with self._lock, kafka_call("describe the cluster"):
+            try:
+                found: dict[str, Any] = self._client().describe_cluster()
+            except kafka_errors.ClusterAuthorizationFailedError:
+                return None  # a client the ACLs do not let describe the cluster: the topic id still tells
+        return found.get("cluster_id") or None
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of this incarnation of ``topic`` (a topic deleted and made again gets a new
+        one); None if it does not exist, or the broker predates topic ids (Kafka 2.8)."""
+        existing = self.describe(topic)
+        raw = existing.get("topic_id") if existing is not None else None
+        return None if raw is None or str(raw) == _NO_TOPIC_ID else str(raw)
 
     def existing(self, topics: Sequence[str]) -> set[str]:
         """Of ``topics``, those the broker knows (a new one may have no leader yet)."""

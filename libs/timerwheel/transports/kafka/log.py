@@ -109,6 +109,14 @@ class KafkaCommitLog:
         start when this is under roll window x 1.5."""
         return self.topics.retention_ms(topic)
 
+    # -- identity: which cluster, which incarnation of a topic (the deployment file records both) --
+
+    def cluster_id(self) -> str | None:
+        return self.topics.cluster_id()
+
+    def topic_id(self, topic: str) -> str | None:
+        return self.topics.topic_id(topic)
+
     def end_offsets(self, topic: str) -> dict[int, int]:
         found = self.reader.list_offsets(self.topics.topic_partitions(topic), beginning=False)
         return {tp.partition: o for tp, o in found.items()}

@@ -220,9 +220,8 @@ class Appender:
 
     def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
         """Append ``records`` in one Kafka transaction; a failed transaction is aborted and raises
-        ``KafkaLogError`` (nothing was written)."""
-        if not records:
-            return []
+        ``KafkaLogError`` (nothing was written). An empty call only connects the transactional
+        producer (its first ``init_transactions`` takes a while)."""
         with self._lock:
             producer = self._tx_producer
             if producer is None:
@@ -232,6 +231,8 @@ class Appender:
                 with kafka_call("connect the transactional producer"):
                     producer.init_transactions()
                 self._tx_producer = producer
+            if not records:
+                return []
             try:
                 producer.begin_transaction()
                 futures = [producer.send(r.topic, value=r.value if r.value is not None or r.key is not None else b"",

@@ -2,8 +2,10 @@
 
 Layout on disk::
 
-    <directory>/.lock                          flock held while a topic is created
-    <directory>/<topic>/topic.json             {"format": 1, "partitions": n}, written once, atomically
+    <directory>/.lock                          flock held while a topic or an id is made
+    <directory>/@log.json                      {"id": uuid}: this log's own id (``cluster_id``), made when first asked
+    <directory>/<topic>/topic.json             {"format": 1, "partitions": n, "id": uuid}, written once,
+                                               atomically (a topic made before ids gets its "id" when first asked)
     <directory>/<topic>/<p>/                   partition p: its segments and lock (``segments``)
     <directory>/@groups/<group>.json           a consumer group's committed offsets (``consumers``)
     <directory>/@groups/<group>.lock           flock held by the group's one member
@@ -21,10 +23,12 @@ from pathlib import Path
 from timerwheel.errors import TimerwheelError
 from timerwheel.store.layout import holds_shards
 
-__all__ = ["FORMAT_VERSION", "GROUPS_DIR", "InvalidTopicError", "check_name", "commit_log_dir"]
+__all__ = ["FORMAT_VERSION", "GROUPS_DIR", "LOG_ID_FILE", "InvalidTopicError", "check_name", "commit_log_dir"]
 
 #: The version of topic.json and of a group's offsets file.
 FORMAT_VERSION = 1
+#: The log's own id, beside the topics: ``@`` is in no topic name.
+LOG_ID_FILE = "@log.json"
 #: Consumer groups' offsets, beside the topics.
 GROUPS_DIR = "@groups"
 #: Kafka's rule for topic names.
@@ -35,9 +39,14 @@ class InvalidTopicError(TimerwheelError, ValueError):
     """A topic name the local log cannot hold (Kafka's rule: 1..249 of ``[A-Za-z0-9._-]``)."""
 
 
+def valid_name(name: str) -> bool:
+    """Whether ``name`` follows Kafka's rule for topic and group names."""
+    return bool(_NAME.fullmatch(name)) and name not in (".", "..")
+
+
 def check_name(kind: str, name: str) -> None:
     """Raise ``InvalidTopicError`` unless ``name`` (of a ``kind``: topic, group) follows Kafka's rule."""
-    if not _NAME.fullmatch(name) or name in (".", ".."):
+    if not valid_name(name):
         raise InvalidTopicError(f"invalid {kind} name {name!r}: the local log allows 1..249 of [A-Za-z0-9._-]")
 
 

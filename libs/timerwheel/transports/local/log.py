@@ -12,26 +12,46 @@ Assumes one machine (flock, a shared page cache); not for network file systems.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import json
 import os
 import threading
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
+from pathlib import Path
 
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.errors import TimerwheelError
-from timerwheel.files import FILE_MODE, fsync_dir
+from timerwheel.files import FILE_MODE, atomic_write, fsync_dir
 from timerwheel.records import OutRecord, Record
 from timerwheel.transports.local.consumers import LocalConsumer, LocalGroupConsumer
 from timerwheel.transports.local.frames import encode_bodies
-from timerwheel.transports.local.layout import FORMAT_VERSION, check_name, commit_log_dir
+from timerwheel.transports.local.layout import (
+    FORMAT_VERSION,
+    LOG_ID_FILE,
+    check_name,
+    commit_log_dir,
+    valid_name,
+)
 from timerwheel.transports.local.partitioner import kafka_partitions
 from timerwheel.transports.local.segments import DEFAULT_SEGMENT_BYTES, PartitionLog
 from timerwheel.transports.readcache import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, ReadCache
 
 __all__ = ["LocalCommitLog"]
+
+
+def _json_object(path: Path) -> dict[str, object] | None:
+    """The JSON object in ``path``, or None if there is no such file."""
+    try:
+        body = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    if not isinstance(body, dict):
+        raise TimerwheelError(f"{path}: not a JSON object")
+    return body
 
 
 class LocalCommitLog:
@@ -98,10 +118,18 @@ class LocalCommitLog:
                 self._counts[topic] = int(json.loads(meta.read_text())["partitions"])
             return self._counts[topic]
 
-    def _create_topic(self, topic: str, partitions: int) -> None:
+    @contextlib.contextmanager
+    def _directory_locked(self) -> Iterator[None]:
+        """The log directory's ``.lock``, held while a topic or an id is made (any process)."""
         fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _create_topic(self, topic: str, partitions: int) -> None:
+        with self._directory_locked():
             topic_dir = self.directory / topic
             meta = topic_dir / "topic.json"
             if meta.exists():  # another process created it first
@@ -110,14 +138,43 @@ class LocalCommitLog:
                 (topic_dir / str(p)).mkdir(parents=True, exist_ok=True)
             tmp = topic_dir / f"topic.json.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                json.dump({"format": FORMAT_VERSION, "partitions": partitions}, f)
+                json.dump({"format": FORMAT_VERSION, "partitions": partitions, "id": str(uuid.uuid4())}, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, meta)
             fsync_dir(topic_dir)
             fsync_dir(self.directory)
-        finally:
-            os.close(fd)
+
+    # -- identity: which log, which incarnation of a topic (the deployment file records both) --
+
+    def cluster_id(self) -> str:
+        """This log's id, made when first asked: a log directory deleted or replaced has another,
+        as a Kafka cluster made again has."""
+        found = self._id_in(self.directory / LOG_ID_FILE, create=True)
+        assert found is not None
+        return found
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of this incarnation of ``topic`` (None if it does not exist): a topic directory
+        deleted and made again has another."""
+        if not valid_name(topic):
+            return None
+        return self._id_in(self.directory / topic / "topic.json", create=False)
+
+    def _id_in(self, path: Path, *, create: bool) -> str | None:
+        """The ``id`` of the JSON object in ``path``, given one (atomically, under the directory's
+        lock) if it has none; a missing file is made only with ``create``, else None."""
+        body = _json_object(path)
+        if body is not None and isinstance(body.get("id"), str):
+            return str(body["id"])
+        if body is None and not create:
+            return None
+        with self._directory_locked():  # another process may have given it one meanwhile
+            body = _json_object(path) or {}
+            if not isinstance(body.get("id"), str):
+                body["id"] = str(uuid.uuid4())
+                atomic_write(str(path), json.dumps(body).encode(), self.fsync)
+        return str(body["id"])
 
     def partition_log(self, topic: str, partition: int) -> PartitionLog:
         """The segments of ``topic``'s partition ``partition`` (opened on first use)."""
