@@ -51,7 +51,7 @@ class EnqueueGet:
     ) -> None:
         """``checkpoint_offsets(shard)`` returns the shard's next source offset per partition."""
         self.ctx = ctx
-        self.log = commit_log
+        self.commit_log = commit_log
         self.queue = put_queue
         self.partitions = list(partitions)
         self.checkpoint_offsets = checkpoint_offsets
@@ -75,7 +75,7 @@ class EnqueueGet:
         return partition % self.ctx.config.shards
 
     def resume_offsets(self) -> dict[int, int]:
-        starts = self.log.start_offsets(self.ctx.config.timer_topic)
+        starts = self.commit_log.start_offsets(self.ctx.config.timer_topic)
         out: dict[int, int] = {}
         for p in self.partitions:
             ckpt = self.checkpoint_offsets(self.shard_of(p)).get(p, 0)
@@ -157,7 +157,7 @@ class EnqueueGet:
                 batch[3].append((len(rows), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
             rows.append(row)
         if dead:
-            append_until_written(ctx, self.log, dead, self.logger)
+            append_until_written(ctx, self.commit_log, dead, self.logger)
             ctx.metrics.inc_many("dead_lettered", "topic", reasons)
             self.logger.info("dead-lettered", records=len(dead))
         by_shard: dict[int, list[bytes]] = {}
@@ -185,7 +185,7 @@ class EnqueueGet:
 
     def _missing(self, topic: str) -> bool:
         """The destination does not exist (the commit log caches the answer)."""
-        return self.log.partition_count(topic) is None
+        return self.commit_log.partition_count(topic) is None
 
     def _topic_hash(self, topic: str) -> int:
         """The destination's hash in the TimerLog (0 for a cancel), cached: destinations are few."""
@@ -246,7 +246,7 @@ class EnqueueGet:
         self._suspects = suspects
 
     def caught_up(self) -> bool:
-        ends = self.log.end_offsets(self.ctx.config.timer_topic)
+        ends = self.commit_log.end_offsets(self.ctx.config.timer_topic)
         return all(self.consumer.position(p) >= ends.get(p, 0) for p in self.partitions)
 
     def close(self) -> None:

@@ -136,7 +136,7 @@ class InputWatermark:
         self._failed_at = -1e18
         #: Requests failed in a row (one warning a streak, one line when they work again).
         self._failures = 0
-        self._wanted = threading.Event()
+        self._asked = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if background:
@@ -148,7 +148,7 @@ class InputWatermark:
         (``interval_s`` of real time, or taken at this very clock time); None if Kafka did not
         answer. In the background: the newest answer, None before the first."""
         if self._thread is not None:
-            self._wanted.set()
+            self._asked.set()
             last = self._last
             return None if last is None else (last[1], last[2])
         mono, now = time.monotonic(), self.ctx.clock.now_ms()
@@ -183,16 +183,16 @@ class InputWatermark:
         """The background requests: one at most every ``interval_s``, each once ``observe``
         asked for it (an idle W that needs nothing costs no request)."""
         while not self._stop.is_set():
-            if not self._wanted.wait(0.5) or self._stop.is_set():
+            if not self._asked.wait(0.5) or self._stop.is_set():
                 continue
-            self._wanted.clear()
+            self._asked.clear()
             started = time.monotonic()
             self._request()
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def close(self) -> None:
         self._stop.set()
-        self._wanted.set()
+        self._asked.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -386,22 +386,22 @@ class EnqueuePut:
                                     0 if got else block).items():
             got[shard_id] = got.get(shard_id, []) + fresh
         self._idle = not got
-        done = 0
+        progress = 0
         for st in list(self.owned.values()):
             entries = got.get(st.shard_id)
             try:
                 if entries:
                     self.write(st, entries)
-                    done += len(entries)
+                    progress += len(entries)
                 elif self._idle_advance(st):
                     owner.ownership.check(st.shard_id)
                     self._publish(st)
-                    done += 1  # a new W is progress too: dequeue-get may now read more
+                    progress += 1  # a new W is progress too: dequeue-get may now read more
             except FencedError as exc:
                 owner.lose(st.shard_id, str(exc))
-        if not done and not wait:
+        if not progress and not wait:
             self.ctx.idle_wait(STAGE, timeout_s)
-        return done
+        return progress
 
     def _idle_advance(self, st: PutShard) -> bool:
         """``_advance_w`` for a shard with no new entry. With ``ctx.wait_on_inputs``, W stays
