@@ -3,7 +3,7 @@
 Owns shards. From its cursor on, for each non-empty slot ``s`` with ``s + tick <= W``
 (invariant 2: a slot is read only once every record in it is written and flushed — ``W``
 and the flushed TimerLog position come from ``enqueue.ckpt``, the only thing a reader
-trusts), walks the slot's chain:
+trusts), reads the slot (``Shard.read_slot``: its records column-wise, a bounded piece at a time):
 
 * DELETE markers (not ROLL) are collected first; a message whose id hash matches one is
   sent with a reference to the marker so dequeue-getmsg can confirm on the full id (a hash
@@ -16,9 +16,9 @@ trusts), walks the slot's chain:
 
 ``R`` (``dequeue.ckpt``) advances past a slot only when dequeue-put has reported every
 message of it done (invariant 3), so after a crash the slots from ``R`` on are read again:
-delivery is at-least-once: what was delivered from slots at or after ``R`` is delivered again. Empty slots are
-skipped in bulk (``TimerWheel.next_nonempty``), so catching up after a long outage is fast
-and never skips a slot (PITFALLS: RocketMQ's 7-day catch-up cap).
+delivery is at-least-once: what was delivered from slots at or after ``R`` is delivered again.
+Empty slots are skipped in bulk (``TimerWheel.next_nonempty``), so catching up after a long
+outage is fast and never skips a slot (PITFALLS: RocketMQ's 7-day catch-up cap).
 
 A slot whose messages stop coming back (their work-queue entries lost, e.g. Redis flushed)
 is re-sent after ``STALL_S`` under a new generation; reports of an older generation are
