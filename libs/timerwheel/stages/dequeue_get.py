@@ -45,7 +45,7 @@ from timerwheel.stages.owner import OwnedShard, ShardOwner
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
 from timerwheel.store.format import RecordArray
-from timerwheel.store.shard import recovery_needed
+from timerwheel.store.shard import SlotPiece, recovery_needed
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "dequeue-get"
@@ -88,12 +88,18 @@ class SlotReader:
 
 def open_slot(shard: Shard, slot_time: int, limit_pos: int) -> SlotReader:
     """The slot's reader: its cancel markers collected first, then its other records streamed as
-    fetch items. A slot of at most SMALL_SLOT records is read once and held; a larger one is read
-    twice, markers first, then its records a piece at a time: memory stays bounded whatever its size."""
+    fetch items. The slot is read once and held while it has at most SMALL_SLOT records; a larger
+    one is read again for its items, a piece at a time: memory stays bounded whatever its size."""
     reader = SlotReader(slot_time, {}, iter(()))
-    held = list(shard.read_slot(slot_time, limit_pos)) if shard.slot(slot_time).num <= SMALL_SLOT else None
-    for _positions, records in held if held is not None else shard.read_slot(slot_time, limit_pos):
-        markers_of(records, reader.markers)
+    held: list[SlotPiece] | None = []
+    count = 0
+    for piece in shard.read_slot(slot_time, limit_pos):
+        markers_of(piece[1], reader.markers)
+        count += len(piece[0])
+        if held is not None and count <= SMALL_SLOT:
+            held.append(piece)
+        else:
+            held = None
     pieces = held if held is not None else shard.read_slot(slot_time, limit_pos)
     reader.items = itertools.chain.from_iterable(
         fetch_items(positions[k:k + ITEMS_AT_ONCE], records[k:k + ITEMS_AT_ONCE], reader)
@@ -116,7 +122,10 @@ def fetch_items(positions: npt.NDArray[np.int64], records: RecordArray, reader: 
     for dequeue-getmsg to confirm on the full id. Their sizes go to ``reader.sizes``."""
     all_flags = records["magic"] & 0xFF
     keep = (all_flags & (_DELETE | _ROLL)) != _DELETE
-    msgs, flags = records[keep], all_flags[keep]
+    if keep.all():  # no cancel marker among them (most pieces): no copy
+        msgs, flags, msg_positions = records, all_flags, positions
+    else:
+        msgs, flags, msg_positions = records[keep], all_flags[keep], positions[keep]
     reader.sizes.extend(msgs["src_size"].tolist())
     n = len(msgs)
     cancel_partition, cancel_offset = [-1] * n, [-1] * n
@@ -130,7 +139,7 @@ def fetch_items(positions: npt.NDArray[np.int64], records: RecordArray, reader: 
             reader.matched.add(h)
     # FetchItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop
     return list(map(tuple.__new__, itertools.repeat(FetchItem), zip(
-        positions[keep].tolist(), flags.tolist(), msgs["src_partition"].tolist(), msgs["src_offset"].tolist(),
+        msg_positions.tolist(), flags.tolist(), msgs["src_partition"].tolist(), msgs["src_offset"].tolist(),
         msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(), cancel_partition, cancel_offset, strict=True,
     )))
 
