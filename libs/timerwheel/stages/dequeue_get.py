@@ -84,6 +84,8 @@ class SlotReader:
     matched: set[int] = field(default_factory=set)
     #: The source records' sizes (``src_size``), aligned with what ``items`` has yet to yield.
     sizes: deque[int] = field(default_factory=deque)
+    #: The markers' id hashes as an array, once they are all collected (``fetch_items`` matches on it).
+    marker_hashes: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
 
 
 def open_slot(shard: Shard, slot_time: int, limit_pos: int) -> SlotReader:
@@ -100,6 +102,7 @@ def open_slot(shard: Shard, slot_time: int, limit_pos: int) -> SlotReader:
             held.append(piece)
         else:
             held = None
+    reader.marker_hashes = np.fromiter(reader.markers, dtype=np.uint64, count=len(reader.markers))
     pieces = held if held is not None else shard.read_slot(slot_time, limit_pos)
     reader.items = itertools.chain.from_iterable(
         fetch_items(positions[k:k + ITEMS_AT_ONCE], records[k:k + ITEMS_AT_ONCE], reader)
@@ -132,7 +135,7 @@ def fetch_items(positions: npt.NDArray[np.int64], records: RecordArray, reader: 
     markers = reader.markers
     if markers:
         id_hashes = msgs["id_hash"]
-        may_match = np.isin(id_hashes, np.array(list(markers), dtype=np.uint64)) & (flags & _ROLL == 0)
+        may_match = np.isin(id_hashes, reader.marker_hashes) & (flags & _ROLL == 0)
         for k in np.flatnonzero(may_match).tolist():
             h = int(id_hashes[k])
             cancel_partition[k], cancel_offset[k] = markers[h]
