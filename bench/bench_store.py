@@ -243,9 +243,8 @@ def _build_data_dir(data: str, total: int) -> None:
 def _rebuild_child(data: str, step: str) -> None:
     """Child process: one step of REBUILD_STEPS on shard 0 of ``data``, as ``timerwheel
     rebuild-wheel`` runs it (fsync on); figures as JSON. The tool's imports come before the clock."""
-    import timerwheel.embedded  # noqa: F401  (the data directory's lock: imported by the tool, not timed)
-    from timerwheel import repair
     from timerwheel.config import TimerConfig
+    from timerwheel.store import repair
 
     config = TimerConfig(data_dir=data, segment_bytes=SEGMENT_BYTES, **REBUILD_STEPS[step])
     started = time.perf_counter()

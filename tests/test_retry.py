@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 from timerwheel import ConfigError, Delivery, RetryConsumer, SimulatedClock, TimerwheelError
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import Headers, OutRecord
 from timerwheel.retry import BatchResult
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 from timerwheel.transports.local import LocalCommitLog
 
 START = 1_700_000_000_000

@@ -14,7 +14,7 @@ __all__ = ["Clock", "ConfigError", "Delivery", "EmbeddedTimerwheel", "KafkaCommi
 def __getattr__(name: str) -> object:
     # Lazy, so that `import timerwheel` stays light for clients that only produce.
     if name == "EmbeddedTimerwheel":
-        from timerwheel.embedded import EmbeddedTimerwheel
+        from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
         return EmbeddedTimerwheel
     if name == "LocalCommitLog":

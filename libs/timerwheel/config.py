@@ -19,7 +19,6 @@ from urllib.parse import urlsplit
 from timerwheel.errors import ConfigError
 
 ALLOWED_TICKS_MS = (10, 100, 200, 500, 1000)
-RECORD_SIZE = 64
 DAY_MS = 86_400_000
 
 #: RocketMQ 4.x delay levels 1..18.
@@ -155,6 +154,8 @@ class TimerConfig:
             "wheel_span_ms",
             f"must be a multiple of tick_ms and at least twice roll_window_ms ({2 * self.roll_window_ms}), got {span}",
         )
+        from timerwheel.store.format import RECORD_SIZE  # the storage format's (not at import: a cycle)
+
         need(
             self.segment_bytes >= RECORD_SIZE and self.segment_bytes % RECORD_SIZE == 0,
             "segment_bytes",

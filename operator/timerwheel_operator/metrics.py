@@ -1,4 +1,4 @@
-"""Read the stages' own ``/metrics`` (Prometheus text, ``timerwheel.metrics.render_prometheus``)
+"""Read the stages' own ``/metrics`` (Prometheus text, ``timerwheel.exposition.render``)
 into per-shard status.
 
 The shard-owning stages export, per shard: enqueue-put ``timerwheel_write_ms`` (W),

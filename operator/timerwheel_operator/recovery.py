@@ -40,7 +40,7 @@ from timerwheel_operator.metrics import ShardStatus
 
 #: The ``shard_open_failed`` error class that ``timerwheel recover`` repairs.
 RECOVERY_NEEDED = "RecoveryNeeded"
-#: Exit codes of ``timerwheel recover`` (timerwheel.repair).
+#: Exit codes of ``timerwheel recover`` (timerwheel.store.repair, timerwheel.cli).
 EXIT_MEANING = {0: "Repaired", 1: "RepairFailed", 2: "BadArgument", 3: "ShardInUse"}
 BACKOFF_S = 15
 SETTLE_S = 30

@@ -44,7 +44,7 @@ from timerwheel_operator.spec import in_spec_words
 
 #: The component label of the window Jobs and their pods.
 COMPONENT = "window"
-#: Job exit code of a shard still owned by a live process (timerwheel.repair.EXIT_IN_USE): tried again.
+#: Job exit code of a shard still owned by a live process (timerwheel.cli.EXIT_IN_USE): tried again.
 EXIT_IN_USE = 3
 #: Job exit code when ``rebuild-wheel --change-window --check`` refused a shard (exit 2, e.g. a span
 #: too small for the records ahead): every shard is checked before any is changed, so the old

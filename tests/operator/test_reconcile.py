@@ -10,6 +10,7 @@ from typing import Any
 import kopf
 import pytest
 from k8s_helpers import wheel_body
+from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
 from timerwheel_operator import reconcile as rec
 from timerwheel_operator import runtime
@@ -70,7 +71,7 @@ def owner_metrics(stage: str, epoch: int) -> str:
     m = Metrics()
     m.set("owner_epoch", epoch, shard=0, stage=stage)
     m.set("write_ms" if stage == "enqueue-put" else "read_ms", 1_700_000_000_000, shard=0)
-    return m.render_prometheus()
+    return render(m)
 
 
 def test_ensure_applies_everything_and_again_changes_nothing() -> None:
@@ -184,13 +185,13 @@ def _reader_with_load(peak_60: float, epoch: int = 2) -> str:
     m.set("read_ms", 1_700_000_000_000, shard=0)
     m.set("due_peak_per_s", peak_60, shard=0, ahead_s=60)
     m.set("due_peak_per_s", 0, shard=0, ahead_s=300)
-    return m.render_prometheus()
+    return render(m)
 
 
 def _queue(queue: str, depth: int) -> str:
     m = Metrics()
     m.set("queue_depth", depth, queue=queue, partition=0)
-    return m.render_prometheus()
+    return render(m)
 
 
 AUTO = {"enabled": True, "minReplicas": 1, "maxReplicas": 5, "messagesPerSecondPerReplica": 1000,

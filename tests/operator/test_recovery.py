@@ -9,6 +9,7 @@ from typing import Any
 
 from k8s_helpers import wheel_body
 from test_reconcile import SETTINGS, FakeCluster
+from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
 from timerwheel_operator import manifests
 from timerwheel_operator import reconcile as rec
@@ -233,7 +234,7 @@ def serving(shard_errors: Mapping[int, str] | None = None, write_ms: int = NOW, 
             m.set("pending", 3, shard=shard)
         for shard, error in (shard_errors or {}).items():
             m.set("shard_open_failed", 1, shard=shard, stage=stage, error=error)
-        out[ip] = m.render_prometheus()
+        out[ip] = render(m)
     return out
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from k8s_helpers import wheel_body
 from test_reconcile import SETTINGS, FakeCluster
+from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
 from timerwheel_operator import reconcile as rec
 from timerwheel_operator import window as win
@@ -69,7 +70,7 @@ def owners(stage: str) -> str:
     for shard in (0, 1):
         m.set("owner_epoch", 1, shard=shard, stage=stage)
         m.set("write_ms" if stage == "enqueue-put" else "read_ms", NOW, shard=shard)
-    return m.render_prometheus()
+    return render(m)
 
 
 class Admin:

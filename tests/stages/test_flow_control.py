@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 
 from timerwheel import SimulatedClock, Timer
-from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
 N = 1_000_000
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.client import TimerClient
-from timerwheel.embedded import local_transports
 from timerwheel.records import OutRecord
+from timerwheel.runtime.wiring import local_transports
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership

@@ -38,7 +38,6 @@ import numpy as np
 import numpy.typing as npt
 
 from timerwheel import telemetry
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
 from timerwheel.log import stage_logger
 from timerwheel.stages.base import StageContext, decoded, get_by
@@ -53,7 +52,7 @@ from timerwheel.store import (
     Shard,
     shard_dir,
 )
-from timerwheel.store.format import RecordArray, records_array, records_from_array, valid_mask
+from timerwheel.store.format import RECORD_SIZE, RecordArray, records_array, records_from_array, valid_mask
 from timerwheel.store.layout import recovery_command
 from timerwheel.store.shard import recovery_needed
 from timerwheel.transports.base import WorkQueue

@@ -13,7 +13,7 @@ A data directory made before this file existed is adopted: the first start write
 settings, unless a ``shard-NNNN`` directory at or beyond the requested shard count shows the data
 was made with more shards. The shard count is never changed in place; tick, span and roll window
 change only through ``timerwheel rebuild-wheel --change-window`` (the operator's procedure), which
-rebuilds every shard's wheel and then rewrites this file (``change_window``).
+rebuilds every shard's wheel and then rewrites this file (``store_window``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import errno
 import json
 import os
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,6 +81,16 @@ def load_settings(data_dir: str | os.PathLike[str]) -> DeploymentSettings | None
         return DeploymentSettings(**fields)
     except (KeyError, TypeError) as exc:
         raise TimerwheelError(f"deployment file {path} is unreadable: {exc}") from None
+
+
+def shards_to_show(data_dir: str | os.PathLike[str], count: int | None = None) -> list[int]:
+    """The shards of ``data_dir`` a tool reads (``inspect``, ``pending``): those found among
+    0..count-1, by default the stored shard count, or without a deployment file every shard found."""
+    found = found_shards(data_dir)
+    if count is None:
+        stored = load_settings(data_dir)
+        count = stored.shards if stored is not None else None
+    return found if count is None else [s for s in range(count) if s in found]
 
 
 def _refuse(data_dir: str | os.PathLike[str], stored: DeploymentSettings, wanted: DeploymentSettings) -> None:
@@ -145,11 +156,11 @@ def _write_once(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, fs
     return stored
 
 
-#: The settings ``change_window`` may change; the others (shard count, timer topic) never change.
+#: The settings ``store_window`` may change; the others (shard count, timer topic) never change.
 WINDOW_FIELDS = ("tick_ms", "wheel_span_ms", "roll_window_ms")
 
 
-def change_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, *,
+def store_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, *,
                   fsync: bool = True) -> DeploymentSettings | None:
     """Store ``wanted``'s tick, wheel span and roll window in the deployment file (atomically
     replaced); the settings stored before, or None if there was no file (it is written then).
@@ -166,3 +177,23 @@ def change_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, 
         atomic_write(settings_path(data_dir), json.dumps(asdict(wanted), indent=1, sort_keys=True).encode() + b"\n",
                      fsync)
     return stored
+
+
+def refuse_other_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, asked: Collection[str],
+                        named: Mapping[str, str]) -> None:
+    """Refuse (FormatMismatchError, as a start refuses it) a tick, roll window or wheel span that was
+    asked for (``asked``: field names) and differs from the stored one, pointing to
+    ``--change-window``; the span is compared too when the roll window is asked (a span of 0
+    follows it). ``named``: how the message names each of the three fields. Nothing stored: no
+    refusal (the first start stores what it is given)."""
+    stored = load_settings(data_dir)
+    if stored is None or not asked:
+        return
+    wrong = [f"{named[n]}: stored {getattr(stored, n)}, requested {getattr(wanted, n)}"
+             for n in ("tick_ms", "roll_window_ms", "wheel_span_ms")
+             if (n in asked or (n == "wheel_span_ms" and "roll_window_ms" in asked))
+             and getattr(stored, n) != getattr(wanted, n)]
+    if wrong:
+        raise FormatMismatchError(f"data directory {os.fspath(data_dir)} was made with other settings "
+                                  f"({'; '.join(wrong)}; see {SETTINGS_FILE}): add --change-window to rebuild every "
+                                  "shard's wheel with the new values (stages stopped), or give the stored ones")

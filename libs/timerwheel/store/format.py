@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import CorruptRecordError
 
 FORMAT_VERSION = 1
+#: Bytes per TimerLog record (FORMAT.md, "TimerLog record"); a position is a multiple of it.
+RECORD_SIZE = 64
 
 #: High 24 bits of a record's magic for this format version; the low 8 bits are the flags.
 MAGIC_BASE = (0x5457 << 16) | (FORMAT_VERSION << 8)

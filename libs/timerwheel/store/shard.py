@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import (
     ConfigError,
     CorruptRecordError,
@@ -56,6 +55,7 @@ from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.format import (
     FORMAT_VERSION,
     RECORD_DTYPE,
+    RECORD_SIZE,
     RecordArray,
     TimerRecord,
     check_link,
@@ -66,7 +66,7 @@ from timerwheel.store.format import (
 )
 from timerwheel.store.fresh import is_shared
 from timerwheel.store.layout import recovery_command
-from timerwheel.store.recovery import RecoveryReport, recover
+from timerwheel.store.recovery import CrashRecoveryReport, recover_from_crash
 from timerwheel.store.tail import TailIndex
 from timerwheel.store.timerlog import CHUNK_RECORDS, SEGMENT_SUFFIX, TimerLog
 from timerwheel.store.wheel import SLOT_MAGIC, Slot, TimerWheel
@@ -137,6 +137,29 @@ def stored_settings(directory: str | os.PathLike[str]) -> tuple[int, int, int]:
         raise TimerwheelError(f"shard {os.fspath(directory)}: {META_FILE} is unreadable: {exc}") from None
 
 
+def change_geometry(directory: str | os.PathLike[str], *, tick_ms: int, slots: int, fsync: bool) -> None:
+    """Store another tick and slot count in the shard's meta.json, its other fields as they are.
+    Only for ``repair.change_window``, which re-linked the TimerLog for them and deleted the wheel."""
+    path = os.path.join(os.fspath(directory), META_FILE)
+    with open(path, "rb") as f:
+        meta = json.load(f)
+    meta.update(tick_ms=tick_ms, slots=slots)
+    atomic_write(path, json.dumps(meta, indent=1).encode() + b"\n", fsync)
+
+
+def lock_writer(directory: str | os.PathLike[str]) -> int:
+    """Take the shard's writer lock (``writer.lock``, flock; FencedError if another process holds
+    it): its descriptor, held until closed."""
+    directory = os.fspath(directory)
+    lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        raise FencedError(f"shard {directory} is already open for writing (lock {LOCK_FILE} is held)") from None
+    return lock_fd
+
+
 def _has_data(directory: str) -> bool:
     log_dir = os.path.join(directory, LOG_DIR)
     segments = os.listdir(log_dir) if os.path.isdir(log_dir) else []
@@ -182,8 +205,6 @@ class Shard:
         lock_fd: int,
     ) -> None:
         self.directory = directory
-        #: This view's own checkpoint saves, so that the next save's epoch check needs no read.
-        self._saved: checkpoint.SaveMemo = {}
         #: Where this view last found each checkpoint (spares a directory listing per load).
         self._found: checkpoint.LoadMemo = {}
         self.log = timer_log
@@ -193,7 +214,8 @@ class Shard:
         self.writer = writer
         self.fsync = fsync
         self.wheel_sync_records = wheel_sync_records
-        self.recovery: RecoveryReport | None = None
+        #: What crash recovery found and did when this writer opened the shard (None for a reader).
+        self.recovery: CrashRecoveryReport | None = None
         #: Corrupt records read_slot met (each logged with its position) and skipped.
         self.corrupt_seen = 0
         #: Slots with at least this many records may be read by a scan (see read_slot).
@@ -248,12 +270,7 @@ class Shard:
             )
 
         os.makedirs(directory, exist_ok=True)
-        lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise FencedError(f"shard {directory} is already open for writing (lock {LOCK_FILE} is held)") from None
+        lock_fd = lock_writer(directory)
         timer_log: TimerLog | None = None
         wheel: TimerWheel | None = None
         try:
@@ -273,7 +290,7 @@ class Shard:
                 writer=True, fsync=fsync, wheel_sync_records=wheel_sync_records, lock_fd=lock_fd,
             )
             ckpt = shard.load_enqueue_checkpoint()
-            shard.recovery = recover(timer_log, wheel, ckpt.flushed_pos if ckpt else None)
+            shard.recovery = recover_from_crash(timer_log, wheel, ckpt.flushed_pos if ckpt else None)
             return shard
         except BaseException:
             if wheel is not None:
@@ -533,7 +550,7 @@ class Shard:
 
     def save_enqueue_checkpoint(self, ckpt: EnqueueCheckpoint) -> None:
         """Atomically replace enqueue.ckpt (FencedError if it holds a newer epoch)."""
-        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync, self._saved)
+        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync)
 
     def load_enqueue_checkpoint(self) -> EnqueueCheckpoint | None:
         """The published enqueue checkpoint as it is now on the volume, or None (a newer owner's file is
@@ -542,7 +559,7 @@ class Shard:
 
     def save_dequeue_checkpoint(self, ckpt: DequeueCheckpoint) -> None:
         """Atomically replace dequeue.ckpt (FencedError if it holds a newer epoch)."""
-        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync, self._saved)
+        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync)
 
     def load_dequeue_checkpoint(self) -> DequeueCheckpoint | None:
         """The published dequeue checkpoint as it is now on the volume, or None (see above)."""

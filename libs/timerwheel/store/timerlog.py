@@ -31,11 +31,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import ConfigError, CorruptRecordError, FormatMismatchError, TimerwheelError
 from timerwheel.files import FILE_MODE, fsync_dir, pwrite_all
 from timerwheel.store.format import (
     RECORD_DTYPE,
+    RECORD_SIZE,
     RecordArray,
     TimerRecord,
     pack_records,
@@ -408,6 +408,32 @@ class TimerLog:
                     raise IndexError(f"TimerLog {self.directory} ends at {lo + got}, before {hi}")
                 yield lo, np.frombuffer(buf, dtype=RECORD_DTYPE, count=(hi - lo) // RECORD_SIZE)
                 hi = lo
+
+    def read_segment(self, base: int, buf: bytearray) -> tuple[RecordArray, memoryview]:
+        """The segment that starts at ``base``, whole, as its file holds it now, read into ``buf``
+        (at least ``segment_bytes`` long; the results are views of it, valid until it is reused):
+        its whole records as a writable RECORD_DTYPE array, unchecked, and its bytes as read, a
+        partial record at its end included, with what is changed through the records.
+
+        For a tool that reads a stopped shard's log one segment at a time (``repair.change_window``);
+        the file is opened afresh, so a segment replaced since the last read is read as it is now."""
+        self._check_pos(base)
+        if base % self.segment_bytes:
+            raise ValueError(f"TimerLog position {base} is not a segment's base (segments of {self.segment_bytes} bytes)")
+        if len(buf) < self.segment_bytes:
+            raise ValueError(f"a buffer of {len(buf)} bytes cannot hold a segment of {self.segment_bytes}")
+        view = memoryview(buf)[: self.segment_bytes]
+        fd = os.open(self._path(base), os.O_RDONLY)
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], got)
+                if n == 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        return np.frombuffer(buf, dtype=RECORD_DTYPE, count=got // RECORD_SIZE), view[:got]
 
     def iter_range(self, start: int, end: int) -> Iterator[tuple[int, TimerRecord]]:
         """(position, record) for [start, end), oldest first; CorruptRecordError at a bad record."""

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from timerwheel import SimulatedClock, Timer
 from timerwheel.config import TimerConfig
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.errors import FormatMismatchError, ShardNeedsRecoveryError
-from timerwheel.repair import change_window, rebuild_wheel
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 from timerwheel.store import Shard, records_array
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.layout import shard_dir
+from timerwheel.store.repair import change_window, rebuild_wheel
 
 ENV = {**os.environ, "TW_LOG_LEVEL": "WARNING"}
 ENV.pop("TW_REDIS_URL", None)  # the lease check is not what these tests are about

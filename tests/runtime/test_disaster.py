@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 from timerwheel.config import TimerConfig
-from timerwheel.disaster import PendingSet, RecoveryRefused, recover_from_kafka, recovered_record
 from timerwheel.records import OutRecord, Record
+from timerwheel.runtime.disaster import KafkaRecoveryRefused, Outcomes, recover_from_kafka, recovered_record
 from timerwheel.store.layout import open_shard
 from timerwheel.transports.kafka import KafkaCommitLog
 from timerwheel.wire import TimerRules, default_id
@@ -42,7 +42,7 @@ def delivered(topic: str, mid: str) -> Record:
 
 
 def test_each_id_is_judged_by_its_latest_record_and_what_the_topics_say() -> None:
-    found = PendingSet(TimerRules(CFG), "dlq", "tt")
+    found = Outcomes(TimerRules(CFG), "dlq", "tt")
     for r in [
         timer(0, 0, "done"), timer(0, 1, "waiting"), timer(0, 2, "called-off"), cancel(0, 3, "called-off"),
         timer(1, 0, "rolled"), timer(1, 5, "rolled", extra=(("tw-roll", b"1"),)),  # a hop: the latest
@@ -62,14 +62,14 @@ def test_each_id_is_judged_by_its_latest_record_and_what_the_topics_say() -> Non
         "done": "delivered", "waiting": "rescheduled", "called-off": "cancelled", "rolled": "rescheduled",
         "bad": "dead_lettered", "dead": "dead_lettered", default_id(1, 3): "rescheduled",
         "late-cancelled-but-delivered": "delivered"}
-    assert [(mid, e.partition, e.offset) for mid, e in found.pending()] == [
+    assert [(mid, e.partition, e.offset) for mid, e in found.to_reschedule()] == [
         ("waiting", 0, 1), (default_id(1, 3), 1, 3), ("rolled", 1, 5)]
     assert found.counts() == {"delivered": 2, "cancelled": 1, "dead_lettered": 2, "rescheduled": 3}
     assert found.destinations() == ["orders"]  # not for invalid or cancelled ids
 
 
 def test_a_dead_letter_without_id_names_its_timer_record_by_source() -> None:
-    found = PendingSet(TimerRules(CFG), "dlq", "tt")
+    found = Outcomes(TimerRules(CFG), "dlq", "tt")
     found.add_timer_record(timer(2, 7, None))
     found.add_dead_letter(Record("dlq", 0, 0, T0, None, b"", (("tw-source", b"tt/2/7"),)))
     assert found.outcome(default_id(2, 7)) == "dead_lettered"
@@ -147,7 +147,7 @@ def test_recovery_reschedules_the_pending_after_the_end_into_fresh_shards(
         assert (enq.write_ms, enq.flushed_pos, deq.read_ms) == (T0, 0, T0)
         shard.close()
 
-    with pytest.raises(RecoveryRefused, match="holds shards"):
+    with pytest.raises(KafkaRecoveryRefused, match="holds shards"):
         recover_from_kafka(cfg, log, client)
 
 

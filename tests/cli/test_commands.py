@@ -111,7 +111,7 @@ def test_demo_reports_lateness(tmp_path: Path) -> None:
 def test_a_start_with_another_shard_count_exits_2_naming_stored_and_requested(tmp_path: Path) -> None:
     """Data made with one shard, started with two: refused before anything is written or read
     (the timer partitions would move between shards and old messages be delivered again)."""
-    from timerwheel.embedded import EmbeddedTimerwheel
+    from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
     data = tmp_path / "data"
     with EmbeddedTimerwheel(data, shards=1, tick_ms=100, roll_window_ms=60_000, fsync=False):
@@ -130,7 +130,7 @@ def test_a_start_with_another_shard_count_exits_2_naming_stored_and_requested(tm
 
 
 def test_inspect_shows_the_stored_shard_count_not_the_directories_found(tmp_path: Path) -> None:
-    from timerwheel.embedded import EmbeddedTimerwheel
+    from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
     data = tmp_path / "data"
     with EmbeddedTimerwheel(data, shards=2, tick_ms=100, roll_window_ms=60_000, fsync=False):

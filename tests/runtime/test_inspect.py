@@ -7,7 +7,7 @@ from pathlib import Path
 
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.metrics import Metrics
-from timerwheel.runtime import due_peak_per_s, sample_gauges
+from timerwheel.runtime.inspect import due_peak_per_s, sample_gauges
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import PutEntry, PutRequest
 from timerwheel.stages.enqueue_put import EnqueuePut
@@ -33,9 +33,12 @@ def test_the_busiest_ten_seconds_ahead_per_horizon(tmp_path: Path) -> None:
         assert due_peak_per_s(shard, NOW, 60) == 5.0  # 50 in one stretch of 10 s
         assert due_peak_per_s(shard, NOW, 300) == 12.0  # the 120 at +200 s; the 999 lie beyond
         metrics = Metrics()
-        sample_gauges(metrics, config, {}, {0: shard}, pending=False, now_ms=NOW)
+        sample_gauges(metrics, {}, {0: shard}, count_wheel=False, now_ms=NOW)
         assert metrics.gauge("due_peak_per_s", shard=0, ahead_s=60) == 5.0
         assert metrics.gauge("due_peak_per_s", shard=0, ahead_s=300) == 12.0
+        assert metrics.gauge("pending", shard=0) is None, "the wheel is counted only when asked"
+        sample_gauges(metrics, {}, {0: shard})
+        assert metrics.gauge("pending", shard=0) == len(due), "every record from R over the wheel's span"
         clock.set(NOW + 300_000)
         assert due_peak_per_s(shard, NOW + 300_000, 60) == 0.0
     finally:

@@ -1,8 +1,12 @@
 """Disaster recovery: rebuild the shards of a lost volume from Kafka (``timerwheel recover-from-kafka``).
 
+Not the store's crash recovery (``store/recovery.py``, every writer's open) nor the repair of one
+damaged shard (``store/repair.py``, ``timerwheel recover``): here every shard is made again.
+
 The shared volume holds the TimerLogs, wheels and checkpoints; Kafka holds everything they were
 built from. When the volume is lost (all of it, or it cannot be trusted any more), the pending
-set is computed from Kafka alone and scheduled again into fresh, empty shards:
+set is computed from Kafka alone (``Outcomes``: each message id's outcome) and scheduled again
+into fresh, empty shards:
 
 * **The timer topic**, every partition from its start to its end ``E`` (taken when the scan
   starts): for each message id, its latest record — the producer's original or a roll hop that
@@ -53,7 +57,9 @@ from timerwheel.config import TimerConfig
 from timerwheel.errors import InvalidTimerMessage, TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
+from timerwheel.runtime.wiring import QUEUES
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store.layout import found_shards, open_shard
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_CANCEL,
@@ -82,13 +88,13 @@ STALL_S = 60.0
 _REPLACED = frozenset({H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ID})
 
 
-class RecoveryRefused(TimerwheelError):
+class KafkaRecoveryRefused(TimerwheelError):
     """A precondition of disaster recovery does not hold (stages running, shards present)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Latest:
-    """An id's latest timer record: where it is, its destination (index into ``PendingSet.topics``)
+    """An id's latest timer record: where it is, its destination (index into ``Outcomes.topics``)
     and whether it passes the service's checks."""
 
     partition: int
@@ -99,8 +105,9 @@ class Latest:
 
 
 @dataclass
-class PendingSet:
-    """The pending set of a timer topic, fed record by record (no I/O: tests feed it directly)."""
+class Outcomes:
+    """The outcome of each message id of a timer topic (delivered, dead-lettered, cancelled, or to
+    be rescheduled: the pending set), fed record by record (no I/O: tests feed it directly)."""
 
     rules: TimerRules
     dlq_topic: str
@@ -173,7 +180,7 @@ class PendingSet:
             return "cancelled"
         return "rescheduled"
 
-    def pending(self) -> list[tuple[str, Latest]]:
+    def to_reschedule(self) -> list[tuple[str, Latest]]:
         """The ids to reschedule and their latest records, in (partition, offset) order."""
         out = [(mid, e) for mid, e in self.latest.items() if self.outcome(mid) == "rescheduled"]
         out.sort(key=lambda x: (x[1].partition, x[1].offset))
@@ -197,7 +204,7 @@ def recovered_record(record: Record, message_id: str, deliver_ms: int) -> OutRec
 
 
 @dataclass(frozen=True)
-class RecoveryReport:
+class KafkaRecoveryReport:
     scanned: int
     delivered: int
     cancelled: int
@@ -252,11 +259,11 @@ def scan(commit_log: CommitLog, topic: str, ends: Mapping[int, int], on_record: 
     return n
 
 
-def compute_pending(config: TimerConfig, commit_log: CommitLog) -> tuple[PendingSet, dict[int, int]]:
+def read_outcomes(config: TimerConfig, commit_log: CommitLog) -> tuple[Outcomes, dict[int, int]]:
     """Scan the timer topic, the DLQ and the destinations; returns the set and the timer topic's
     end offsets the scan stopped at."""
     ends = commit_log.end_offsets(config.timer_topic)
-    found = PendingSet(TimerRules(config), config.dlq_topic, config.timer_topic)
+    found = Outcomes(TimerRules(config), config.dlq_topic, config.timer_topic)
     scan(commit_log, config.timer_topic, ends, found.add_timer_record)
     log.info("timer topic read", records=found.scanned, ids=len(found.latest), cancels=len(found.cancels))
     if commit_log.partition_count(config.dlq_topic):
@@ -270,13 +277,13 @@ def compute_pending(config: TimerConfig, commit_log: CommitLog) -> tuple[Pending
     return found, ends
 
 
-def write_copies(config: TimerConfig, commit_log: CommitLog, found: PendingSet) -> int:
+def write_copies(config: TimerConfig, commit_log: CommitLog, found: Outcomes) -> int:
     """Write the pending messages' copies to the timer topic; returns how many."""
     rules = found.rules
-    pending = found.pending()
+    todo = found.to_reschedule()
     written = 0
-    for i in range(0, len(pending), WRITE_BATCH):
-        chunk = pending[i:i + WRITE_BATCH]
+    for i in range(0, len(todo), WRITE_BATCH):
+        chunk = todo[i:i + WRITE_BATCH]
         records = commit_log.read(config.timer_topic, [(e.partition, e.offset) for _mid, e in chunk])
         copies = []
         for (mid, entry), rec in zip(chunk, records, strict=True):
@@ -291,8 +298,6 @@ def write_copies(config: TimerConfig, commit_log: CommitLog, found: PendingSet) 
 
 def make_shards(config: TimerConfig, ends: Mapping[int, int], now_ms: int) -> None:
     """Fresh shards whose enqueue checkpoints start at ``ends`` (partition p -> shard p % shards)."""
-    from timerwheel.store.layout import open_shard
-
     for shard_id in range(config.shards):
         offsets = {p: o for p, o in ends.items() if p % config.shards == shard_id}
         shard = open_shard(config, shard_id, writer=True)
@@ -308,34 +313,31 @@ def check_stopped(running: Iterable[str]) -> None:
     names = list(running)
     if names:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        raise RecoveryRefused(f"stages are still running ({', '.join(names[:3])}{more}): stop every stage first "
+        raise KafkaRecoveryRefused(f"stages are still running ({', '.join(names[:3])}{more}): stop every stage first "
                               f"(a killed one counts until its heartbeat and leases lapse, seconds)")
 
 
 def check_empty(config: TimerConfig) -> None:
-    from timerwheel.store.layout import found_shards
-
     shards = found_shards(config.data_dir)
     if shards:
-        raise RecoveryRefused(f"--data-dir {config.data_dir} holds shards {shards[:5]}: recover-from-kafka "
+        raise KafkaRecoveryRefused(f"--data-dir {config.data_dir} holds shards {shards[:5]}: recover-from-kafka "
                               f"rebuilds into a data directory without shards; move them away first")
 
 
 def recover_from_kafka(config: TimerConfig, commit_log: CommitLog, redis_client: Any, *, dry_run: bool = False,
-                       clock: Callable[[], int] | None = None) -> RecoveryReport:
+                       clock: Callable[[], int] | None = None) -> KafkaRecoveryReport:
     """Rebuild the shards of ``config.data_dir`` from Kafka (see the module docstring)."""
-    from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
     from timerwheel.transports.redisq import RedisWorkQueue, running_processes
 
     t0 = time.monotonic()
     check_stopped(running_processes(redis_client))
     check_empty(config)
-    found, ends = compute_pending(config, commit_log)
+    found, ends = read_outcomes(config, commit_log)
     counts = found.counts()
     if not dry_run:
         check_stopped(running_processes(redis_client))  # nobody started while we read
         cleared = 0
-        for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE):
+        for name in QUEUES:
             queue = RedisWorkQueue(redis_client, name, config.shards, config.queue_bound)
             cleared += sum(queue.clear(p) for p in range(config.shards))
         written = write_copies(config, commit_log, found)
@@ -345,6 +347,6 @@ def recover_from_kafka(config: TimerConfig, commit_log: CommitLog, redis_client:
         make_shards(config, ends, now)
         log.info("shards rebuilt", shards=config.shards, rescheduled=written, queue_entries_cleared=cleared,
                  start_offsets={str(p): o for p, o in sorted(ends.items())})
-    return RecoveryReport(found.scanned, counts["delivered"], counts["cancelled"], counts["dead_lettered"],
+    return KafkaRecoveryReport(found.scanned, counts["delivered"], counts["cancelled"], counts["dead_lettered"],
                           counts["rescheduled"], len(found.latest), dict(ends), found.destinations(), config.shards,
                           dry_run, round(time.monotonic() - t0, 3))

@@ -1,4 +1,4 @@
-"""Running stages: each in a loop that never dies on an error and stops promptly.
+"""Running a stage: a loop that never dies on an error and stops promptly.
 
 ``StageRunner`` calls ``stage.step()`` until told to stop; an exception is logged (one line,
 with the stage) and retried after a short backoff — nothing crashes a stage. The counters
@@ -7,6 +7,8 @@ with the stage) and retried after a short backoff — nothing crashes a stage. T
 An idle step waits: embedded, up to ``idle_s`` or until another stage of the process wakes it
 (``StageContext.wake``); a stage in a process of its own (production) on blocking reads of its
 inputs (``StageContext.wait_on_inputs``), so that an idle installation costs almost no CPU.
+``Heartbeat`` tells the shared work queues that the process is alive; ``tune_interpreter`` sets
+what a process of busy stage threads needs.
 """
 
 from __future__ import annotations
@@ -15,17 +17,12 @@ import gc
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from timerwheel.log import stage_logger
-from timerwheel.metrics import Metrics
 from timerwheel.stages.base import HEARTBEAT_EVERY_S, HEARTBEAT_TTL_MS, StageContext, Stopped
-
-if TYPE_CHECKING:
-    from timerwheel.config import TimerConfig
-    from timerwheel.store import Shard
-    from timerwheel.transports.base import WorkQueue
+from timerwheel.transports.base import WorkQueue
 
 #: Cyclic-GC thresholds while stages run; CPython's default is (700, 10, 10). Stages allocate
 #: tuples by the million (records, headers, rows) and keep many alive for a while (the read
@@ -41,8 +38,9 @@ WAIT_ON_INPUTS_S = 1.0
 
 #: How often a runner samples its gauges (queue depths) ...
 SAMPLE_EVERY_S = 1.0
-#: ... and the pending messages, which scans the wheel (110 MB for a 2-day window at 100 ms).
-PENDING_EVERY_S = 15.0
+#: ... and the wheel count from R (the ``pending`` gauge), which scans the wheel (110 MB for a
+#: 2-day window at 100 ms).
+WHEEL_COUNT_EVERY_S = 15.0
 
 
 def tune_interpreter() -> None:
@@ -197,37 +195,3 @@ class Every:
             return False
         self._last = now
         return True
-
-
-#: ``due_peak_per_s``: the busiest stretch of this length ahead, over each of these horizons
-#: (the operator's autoscaling reads them, ``timerwheel_operator.autoscale``).
-LOAD_BUCKET_MS = 10_000
-LOAD_HORIZONS_S = (60, 300)
-
-
-def due_peak_per_s(shard: Shard, now_ms: int, horizon_s: int) -> float:
-    """Messages per second of the busiest LOAD_BUCKET_MS in [now, now + horizon): the rate the
-    dequeue stages must sustain when it comes due (rolled hops and cancel markers included)."""
-    counts = [shard.count_range(t, t + LOAD_BUCKET_MS) for t in range(now_ms, now_ms + horizon_s * 1000, LOAD_BUCKET_MS)]
-    return max(counts, default=0) * 1000 / LOAD_BUCKET_MS
-
-
-def sample_gauges(metrics: Metrics, config: TimerConfig, queues: Mapping[str, WorkQueue],
-                  shards: Mapping[int, Shard], pending: bool = True, now_ms: int | None = None) -> None:
-    """``queue_depth`` per queue and partition; with ``now_ms``, ``due_peak_per_s`` per shard and
-    horizon (``ahead_s``); with ``pending``, ``pending`` per shard: the wheel's messages in the
-    slots from R to R + the wheel's span."""
-    for name, q in queues.items():
-        for p in range(q.partitions):
-            metrics.set("queue_depth", q.depth(p), queue=name, partition=p)
-    if now_ms is not None:
-        for shard_id, shard in shards.items():
-            for horizon in LOAD_HORIZONS_S:
-                metrics.set("due_peak_per_s", due_peak_per_s(shard, now_ms, horizon), shard=shard_id, ahead_s=horizon)
-    if not pending:
-        return
-    span = config.wheel_slots * config.tick_ms
-    for shard_id, shard in shards.items():
-        deq = shard.load_dequeue_checkpoint()
-        if deq is not None:
-            metrics.set("pending", shard.count_range(deq.read_ms, deq.read_ms + span), shard=shard_id)

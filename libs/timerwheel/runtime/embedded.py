@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,39 +30,17 @@ from timerwheel.log import stage_logger
 from timerwheel.metrics import registry_for
 from timerwheel.pending import PendingTimers, pending_timers
 from timerwheel.records import Headers, Record
-from timerwheel.runtime import PENDING_EVERY_S, Every, Heartbeat, StageRunner, sample_gauges, tune_interpreter
-from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
-from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
-from timerwheel.stages.ownership import Ownership
-from timerwheel.store import Shard
+from timerwheel.runtime.inspect import inspect_shards, sample_gauges
+from timerwheel.runtime.runner import WHEEL_COUNT_EVERY_S, Every, Heartbeat, StageRunner, tune_interpreter
+from timerwheel.runtime.wiring import Stage, Transports, build_stage, ensure_topics, local_transports
+from timerwheel.stages import STAGE_NAMES, StageContext
+from timerwheel.stages.codec import Q_DELIVER
 from timerwheel.store.deployment import DeploymentSettings, check_settings
-from timerwheel.store.layout import DataDirLock, open_reader_if_exists, open_shard
-from timerwheel.transports.base import CommitLog, LeaseStore, WorkQueue
-from timerwheel.transports.local import LocalCommitLog
-from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
+from timerwheel.store.layout import DataDirLock, open_shard
 from timerwheel.wire import MAX_EPOCH_MS, Ticket
 
 #: How often the embedded runtime applies the local commit log's retention (seconds).
 RETENTION_EVERY_S = 60.0
-
-
-@dataclass
-class Transports:
-    commit_log: CommitLog
-    queues: dict[str, WorkQueue]
-    leases: LeaseStore
-
-
-def local_transports(config: TimerConfig, clock: Clock) -> Transports:
-    """The embedded default: a LocalCommitLog in the data directory, in-process queues, file leases."""
-    log = LocalCommitLog(Path(config.data_dir) / "log", default_partitions=1, fsync=config.fsync, clock=clock)
-    queues: dict[str, WorkQueue] = {
-        name: MemoryWorkQueue(name, config.shards, config.queue_bound, max_bytes=config.queue_bytes)
-        for name in (Q_PUT, Q_FETCH, Q_DELIVER, Q_DONE)
-    }
-    # The process holds the data directory's lock (see DataDirLock), so shard leases only need
-    # to live in this process; checkpoint epochs keep them growing across restarts.
-    return Transports(log, queues, MemoryLeaseStore(SystemClock()))
 
 
 class EmbeddedTimerwheel:
@@ -81,7 +58,7 @@ class EmbeddedTimerwheel:
         self.config = base.replace(**settings) if settings else base
         self.clock = clock or SystemClock()
         self.metrics = registry_for(self.config)
-        self._pending_every = Every(PENDING_EVERY_S)
+        self._wheel_count_every = Every(WHEEL_COUNT_EVERY_S)
         self._retention_every = Every(RETENTION_EVERY_S)
         self.log = stage_logger("embedded")
         self.runners: list[StageRunner] = []
@@ -106,19 +83,15 @@ class EmbeddedTimerwheel:
         tune_interpreter()  # five busy threads: the switch interval and the GC thresholds
         self._lock = None if self._transports else DataDirLock(cfg.data_dir)
         transports = self._transports or local_transports(cfg, self.clock)
-        self.commit_log, self.queues, leases = transports.commit_log, transports.queues, transports.leases
-        partitions = self.commit_log.ensure_topic(cfg.timer_topic, cfg.timer_partitions)
-        self.commit_log.ensure_topic(cfg.dlq_topic, 1)
+        self.commit_log, self.queues = transports.commit_log, transports.queues
+        partitions = ensure_topics(cfg, self.commit_log)
         self.client = TimerClient(self.commit_log, cfg, self.clock)
-        shard_ids = range(cfg.shards)
         owner = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.ctx = StageContext(cfg, self.clock, self.metrics, consumer=owner)
         ctx = self.ctx
         if isinstance(self.clock, SimulatedClock):
             self.clock.on_change(lambda: ctx.wake("enqueue-put"))
-        self.enqueue_put = EnqueuePut(ctx, shard_ids, lambda s: open_shard(cfg, s, writer=True), self.queues[Q_PUT],
-                                      Ownership(leases, "enqueue-put", owner, cfg.lease_ttl_ms),
-                                      input_ends=lambda: self.commit_log.end_offsets(cfg.timer_topic))
+        self.enqueue_put = build_stage("enqueue-put", cfg, ctx, transports, sole=True)
         if len(self.enqueue_put.owned) != cfg.shards:
             refused = dict(self.enqueue_put.refused)
             self.enqueue_put.close()
@@ -126,24 +99,15 @@ class EmbeddedTimerwheel:
             if refused:
                 raise ShardNeedsRecoveryError("; ".join(f"shard {s}: {why}" for s, why in sorted(refused.items())))
             raise TimerwheelError(f"shards of {cfg.data_dir} are owned by another timerwheel process")
-        self.readers = {s: open_shard(cfg, s, writer=False) for s in shard_ids}
-
-        def checkpoint_offsets(shard: int) -> dict[int, int]:
-            ckpt = self.readers[shard].load_enqueue_checkpoint()
-            return dict(ckpt.next_offsets) if ckpt else {}
-
-        self.enqueue_get = EnqueueGet(ctx, self.commit_log, self.queues[Q_PUT], range(partitions), checkpoint_offsets)
-        self.dequeue_get = DequeueGet(ctx, shard_ids, lambda s: open_reader_if_exists(cfg, s), self.queues[Q_FETCH],
-                                      self.queues[Q_DONE], Ownership(leases, "dequeue-get", owner, cfg.lease_ttl_ms))
-        self.dequeue_getmsg = DequeueGetMsg(ctx, self.commit_log, self.queues[Q_FETCH], self.queues[Q_DELIVER], shard_ids)
-        self.dequeue_put = DequeuePut(ctx, self.commit_log, self.queues[Q_DELIVER], self.queues[Q_DONE], shard_ids)
-        self.runners = [
-            StageRunner("enqueue-get", self.enqueue_get, ctx),
-            StageRunner("enqueue-put", self.enqueue_put, ctx),
-            StageRunner("dequeue-get", self.dequeue_get, ctx, sample=self._sample),
-            StageRunner("dequeue-getmsg", self.dequeue_getmsg, ctx),
-            StageRunner("dequeue-put", self.dequeue_put, ctx),
-        ]
+        self.readers = {s: open_shard(cfg, s, writer=False) for s in range(cfg.shards)}
+        self.enqueue_get = build_stage("enqueue-get", cfg, ctx, transports, sole=True)
+        self.dequeue_get = build_stage("dequeue-get", cfg, ctx, transports, sole=True)
+        self.dequeue_getmsg = build_stage("dequeue-getmsg", cfg, ctx, transports, sole=True)
+        self.dequeue_put = build_stage("dequeue-put", cfg, ctx, transports, sole=True)
+        stages: dict[str, Stage] = {"enqueue-get": self.enqueue_get, "enqueue-put": self.enqueue_put, "dequeue-get": self.dequeue_get,
+                  "dequeue-getmsg": self.dequeue_getmsg, "dequeue-put": self.dequeue_put}
+        self.runners = [StageRunner(name, stages[name], ctx, sample=self._sample if name == "dequeue-get" else None)
+                        for name in STAGE_NAMES]
         if not all(getattr(q, "in_process", False) for q in self.queues.values()):
             Heartbeat(self.queues[Q_DELIVER], owner, ctx.stop).start()  # shared queues (run --redis)
         for r in self.runners:
@@ -237,7 +201,7 @@ class EmbeddedTimerwheel:
 
     def _sample(self) -> None:
         """Every second, from the gauge thread: gauges, and now and then the local log's retention."""
-        self.sample_gauges(self._pending_every.due())
+        self.sample_gauges(self._wheel_count_every.due())
         if self._retention_every.due():
             self.enforce_retention()
 
@@ -252,10 +216,10 @@ class EmbeddedTimerwheel:
                           retention_ms=self.config.effective_log_retention_ms)
         return deleted
 
-    def sample_gauges(self, pending: bool = True) -> None:
-        """Set the queue-depth gauges and (with ``pending``) the pending messages. dequeue-get's
-        gauge thread calls this every second, with ``pending`` every PENDING_EVERY_S."""
-        sample_gauges(self.metrics, self.config, self.queues, self.readers, pending)
+    def sample_gauges(self, count_wheel: bool = True) -> None:
+        """Set the queue-depth gauges and (with ``count_wheel``) the ``pending`` gauges: dequeue-get's
+        gauge thread calls this every second, counting the wheel every WHEEL_COUNT_EVERY_S."""
+        sample_gauges(self.metrics, self.queues, self.readers, count_wheel=count_wheel)
 
     def pending(self, from_ms: int = 0, to_ms: int = MAX_EPOCH_MS, *, topic: str | None = None,
                 message_id: str | None = None, limit: int = 100) -> PendingTimers:
@@ -275,35 +239,3 @@ class EmbeddedTimerwheel:
         return inspect_shards(self.config, self.readers, self.clock.now_ms(),
                               {name: [q.depth(p) for p in range(q.partitions)] for name, q in self.queues.items()})
 
-
-def inspect_shards(config: TimerConfig, shards: dict[int, Shard], now_ms: int,
-                   queue_depths: dict[str, list[int]] | None = None) -> dict[str, Any]:
-    """Per shard: W, R, their lag behind now, pending messages, TimerLog size, load ahead."""
-    out: dict[str, Any] = {"now_ms": now_ms, "tick_ms": config.tick_ms, "shards": []}
-    for shard_id, shard in sorted(shards.items()):
-        out["tick_ms"] = shard.tick_ms  # the shard's own, as written
-        enq = shard.load_enqueue_checkpoint()
-        deq = shard.load_dequeue_checkpoint()
-        if enq is not None:
-            shard.refresh(enq)  # a reader on another node: what the volume holds, not its cache
-        w = enq.write_ms if enq else None
-        r = deq.read_ms if deq else None
-        span_end = (r or now_ms) + shard.wheel.slots * shard.tick_ms
-        info: dict[str, Any] = {
-            "shard": shard_id,
-            "W": w,
-            "R": r,
-            "W_lag_ms": None if w is None else now_ms - w,
-            "R_lag_ms": None if r is None else now_ms - r,
-            "pending": shard.count_range(r, span_end) if r is not None else 0,
-            "timerlog_bytes": (enq.flushed_pos - shard.log.start_pos) if enq else 0,
-            "flushed_pos": enq.flushed_pos if enq else 0,
-            "load_ahead": {
-                label: shard.count_range(now_ms, now_ms + ms)
-                for label, ms in (("1s", 1000), ("1m", 60_000), ("1h", 3_600_000))
-            },
-        }
-        out["shards"].append(info)
-    if queue_depths is not None:
-        out["queues"] = queue_depths
-    return out

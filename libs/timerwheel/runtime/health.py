@@ -2,7 +2,7 @@
 
 ``/healthz`` answers 200 while the process loop runs; ``/readyz`` 200 once the stage has
 started and its last step did not fail: able to take work (not "owns a shard": ownership is
-the ``owned_shards`` gauge, see ``production.run_stage``);
+the ``owned_shards`` gauge, see ``process.run_stage``);
 ``/metrics`` is the registry in Prometheus' text format.
 """
 
@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
 
 
@@ -30,7 +31,7 @@ class HealthServer:
                     ok = outer.ready()
                     self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
                 elif path == "/metrics":
-                    self._send(200, outer.metrics.render_prometheus().encode(), "text/plain; version=0.0.4")
+                    self._send(200, render(outer.metrics).encode(), "text/plain; version=0.0.4")
                 else:
                     self._send(404, b"not found\n")
 

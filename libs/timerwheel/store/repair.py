@@ -1,7 +1,11 @@
-"""The shard repair tools: ``timerwheel recover`` and ``timerwheel rebuild-wheel``.
+"""The shard repair tools: ``timerwheel recover`` (``repair_shard``) and ``timerwheel rebuild-wheel``
+(``rebuild_wheel``, ``change_window``).
 
-Both act on one stopped shard and print one JSON report; the operator's recovery Job calls them,
-so the report's keys and the exit codes are stable (README, "Recovering a shard"):
+Not to be confused with the store's crash recovery (``recovery.py``: every writer's open, by
+itself) or with rebuilding lost shards from Kafka (``runtime/disaster.py``). These act on one
+stopped shard, by hand or from the operator's recovery Job, and each returns one JSON report
+that the command prints; the report's keys and the exit codes are stable (README, "Recovering a
+shard"; the codes are the CLI's, ``cli.EXIT_*``):
 
     0  the shard is consistent now (the report says what was changed)
     1  it could not be repaired or read (the error line says why)
@@ -9,7 +13,7 @@ so the report's keys and the exit codes are stable (README, "Recovering a shard"
     3  refused: a live process owns the shard (the data directory's lock, the shard's writer
        lock, or a lease in Redis when TW_REDIS_URL is set), named in the error line
 
-``recover`` (ARCHITECTURE §4.4 and §7):
+``recover`` (``repair_shard``, ARCHITECTURE §4.4 and §7):
 
 1. refuses while the shard is owned (above), and holds the data directory's lock meanwhile;
 2. moves an unreadable checkpoint aside (``<file>.corrupt``: kept for inspection, never read);
@@ -58,8 +62,6 @@ records touch (BENCHMARKS.md, "Rebuilding a wheel").
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -67,30 +69,28 @@ from typing import Any
 
 import numpy as np
 
-from timerwheel.config import RECORD_SIZE, TimerConfig
+from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError, FencedError, ShardInUseError, TimerwheelError
-from timerwheel.files import FILE_MODE, atomic_write
+from timerwheel.files import atomic_write
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
-from timerwheel.store.deployment import DeploymentSettings, load_settings
-from timerwheel.store.deployment import change_window as store_window
-from timerwheel.store.format import RECORD_DTYPE, Flag, as_bytes, crc32_rows, valid_mask
+from timerwheel.store.deployment import DeploymentSettings, load_settings, store_window
+from timerwheel.store.format import RECORD_SIZE, Flag, as_bytes, crc32_rows, valid_mask
 from timerwheel.store.layout import DataDirLock, recovery_command, shard_dir
-from timerwheel.store.recovery import RecoveryReport
+from timerwheel.store.recovery import CrashRecoveryReport
 from timerwheel.store.shard import (
     DEQUEUE_CKPT,
     ENQUEUE_CKPT,
     LOCK_FILE,
     LOG_DIR,
-    META_FILE,
     WHEEL_FILE,
     Shard,
+    change_geometry,
+    lock_writer,
     stored_settings,
 )
+from timerwheel.store.timerlog import TimerLog
 from timerwheel.store.wheel import group_order
-
-#: Exit codes of the repair commands (stable: the operator's Job reads them).
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_IN_USE = 0, 1, 2, 3
 
 _DELETE, _ROLL = int(Flag.DELETE), int(Flag.ROLL)
 #: The roles that own a shard through a lease (stages.ownership).
@@ -154,16 +154,6 @@ def _set_aside_unreadable(directory: str, name: str, kind: str) -> list[str]:
             moved.append(os.path.basename(bad))
 
 
-def _highest_epoch(directory: str) -> int:
-    """The highest owner epoch any checkpoint file of the shard is named by (set aside ones too)."""
-    best = 0
-    for name in os.listdir(directory):
-        parts = name.split(".")
-        if len(parts) >= 3 and parts[0] in ("enqueue", "dequeue") and parts[1].isdigit() and parts[2] == "ckpt":
-            best = max(best, int(parts[1]))
-    return best
-
-
 def _scan(shard: Shard) -> tuple[int, int | None, dict[int, int]]:
     """Valid records retained, the earliest slot one fires in, the newest source offset per partition."""
     count, earliest = 0, None
@@ -193,7 +183,7 @@ def _fired_between(shard: Shard, lo_ms: int, hi_ms: int) -> int:
     return total
 
 
-def recover_shard(config: TimerConfig, shard_id: int, now_ms: int | None = None) -> dict[str, Any]:
+def repair_shard(config: TimerConfig, shard_id: int, now_ms: int | None = None) -> dict[str, Any]:
     """Validate and repair one stopped shard (see the module header); the JSON report."""
     started = time.perf_counter()
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
@@ -206,7 +196,7 @@ def recover_shard(config: TimerConfig, shard_id: int, now_ms: int | None = None)
             assert found is not None  # the writer's open always runs recovery
             enq, deq = shard.load_enqueue_checkpoint(), shard.load_dequeue_checkpoint()
             records, earliest, newest = _scan(shard)
-            epoch = _highest_epoch(directory)
+            epoch = checkpoint.highest_epoch(directory)
             w_slot = shard.slot_time(enq.write_ms) if enq else None
             if deq is None:
                 candidates = [t for t in (earliest, w_slot) if t is not None]
@@ -272,17 +262,14 @@ def rebuild_wheel(config: TimerConfig, shard_id: int) -> dict[str, Any]:
 
 def _writer_lock(directory: str) -> int:
     """The shard's writer lock, held (never delete a live writer's wheel); its fd."""
-    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        return lock_writer(directory)
+    except FencedError:
         raise ShardInUseError(f"shard {directory} is open for writing (lock {LOCK_FILE} is held); "
                               "stop its owner first") from None
-    return fd
 
 
-def _relink(directory: str, fsync: bool) -> tuple[RecoveryReport, int, int]:
+def _relink(directory: str, fsync: bool) -> tuple[CrashRecoveryReport, int, int]:
     """Open the shard (its wheel deleted) as a writer, which re-links every retained TimerLog
     record into a new wheel; its recovery report, slots and tick."""
     try:
@@ -297,46 +284,12 @@ def _relink(directory: str, fsync: bool) -> tuple[RecoveryReport, int, int]:
         shard.close()
 
 
-def _segments(directory: str) -> list[tuple[int, str]]:
-    """(base position, path) of the shard's TimerLog segments, oldest first."""
+def _timer_log(directory: str, segment_bytes: int) -> TimerLog:
+    """The shard's TimerLog, read only: a writer's open would cut a torn tail and pad a short
+    segment, and pass 1 changes nothing (the store's recovery does that when it re-links)."""
     log_dir = os.path.join(directory, LOG_DIR)
-    names = sorted(n for n in os.listdir(log_dir) if n.endswith(".tlog") and n[:-5].isdigit()) \
-        if os.path.isdir(log_dir) else []
-    return [(int(n[:-5]), os.path.join(log_dir, n)) for n in names]
-
-
-class _Segment:
-    """TimerLog segments read whole, one after the other, into one reused buffer (no copies): the
-    whole records as a writable RECORD_DTYPE view of it, and ``data``, the bytes as read, a torn
-    tail included (a rewrite keeps it), with the changes made through the records."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self.size = 0
-
-    def read(self, path: str) -> Any:
-        """The whole records of the segment at ``path`` (valid until the next read)."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            if len(self._buf) < size:
-                self._buf = bytearray(size)  # a new buffer: views of the old one stay valid
-            view = memoryview(self._buf)
-            got = 0
-            while got < size:
-                n = os.preadv(fd, [view[got:size]], got)
-                if n == 0:
-                    break
-                got += n
-        finally:
-            os.close(fd)
-        self.size = got
-        return np.frombuffer(self._buf, dtype=RECORD_DTYPE, count=got // RECORD_SIZE)
-
-    @property
-    def data(self) -> memoryview:
-        """The segment's bytes as read, with the changes made through the records ``read`` returned."""
-        return memoryview(self._buf)[: self.size]
+    os.makedirs(log_dir, exist_ok=True)  # a shard whose writer died before its first segment
+    return TimerLog(log_dir, segment_bytes, readonly=True)
 
 
 class _Links:
@@ -413,10 +366,10 @@ def change_window(config: TimerConfig, shard_id: int, check_only: bool = False) 
                 deq = checkpoint.load_dequeue(path)
             except CorruptCheckpointError as exc:
                 raise TimerwheelError(f"{exc}: run `{recovery_command(directory)}` first") from None
-            segments = _segments(directory)
+            timer_log = _timer_log(directory, segment_bytes)
             read_ms = deq.read_ms if deq is not None else None
             new_read = None if read_ms is None else read_ms - read_ms % tick
-            invalid, records, latest, twice = _scan_segments(segments, tick, read_ms, new_read, shard_id, directory)
+            invalid, records, latest, twice = _scan_segments(timer_log, tick, read_ms, new_read, shard_id, directory)
             if latest is not None and new_read is not None and latest - new_read >= slots * tick:
                 raise ConfigError("TW_WHEEL_SPAN_MS", f"a span of {slots * tick} ms cannot hold shard {shard_id}: "
                                   f"its records fire from R={new_read} to {latest}, so the span must exceed "
@@ -428,13 +381,10 @@ def change_window(config: TimerConfig, shard_id: int, check_only: bool = False) 
             if deq is not None and new_read is not None and new_read != deq.read_ms:
                 checkpoint.save_dequeue(path, DequeueCheckpoint(read_ms=new_read, epoch=deq.epoch), config.fsync)
             # Pass 2: the links of the new slots; a segment whose links change is rewritten whole.
-            rechained, rewritten = _rewrite_links(segments, invalid, tick, slots, config.fsync)
+            rechained, rewritten = _rewrite_links(timer_log, invalid, tick, slots, config.fsync)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, WHEEL_FILE))
-            meta = {"format_version": _format_version(directory), "record_size": RECORD_SIZE, "tick_ms": tick,
-                    "slots": slots, "segment_bytes": segment_bytes}
-            atomic_write(os.path.join(directory, META_FILE), json.dumps(meta, indent=1).encode() + b"\n",
-                         config.fsync)
+            change_geometry(directory, tick_ms=tick, slots=slots, fsync=config.fsync)
         finally:
             os.close(fd)
         found, _slots, _tick = _relink(directory, config.fsync)
@@ -451,17 +401,17 @@ def change_window(config: TimerConfig, shard_id: int, check_only: bool = False) 
     }
 
 
-def _scan_segments(segments: list[tuple[int, str]], tick: int, read_ms: int | None, new_read: int | None,
+def _scan_segments(timer_log: TimerLog, tick: int, read_ms: int | None, new_read: int | None,
                    shard_id: int, directory: str) -> tuple[list[Any], int, int | None, int]:
     """change_window's pass 1, read only: each segment's invalid records (their indexes: every
     record's CRC is checked here, once), the valid records, the latest slot one fires in at or
     after the new R (``new_read``), and the messages of the old slots between the two R."""
-    segment = _Segment()
+    buf = bytearray(timer_log.segment_bytes)
     invalid: list[Any] = []
     records = twice = 0
     latest = None
-    for _base, seg in segments:
-        arr = segment.read(seg)
+    for base in timer_log.segment_bases():
+        arr, _data = timer_log.read_segment(base, buf)
         ok = valid_mask(arr)
         bad = np.flatnonzero(~ok)
         invalid.append(bad)
@@ -483,18 +433,18 @@ def _scan_segments(segments: list[tuple[int, str]], tick: int, read_ms: int | No
     return invalid, records, latest, twice
 
 
-def _rewrite_links(segments: list[tuple[int, str]], invalid: list[Any], tick: int, slots: int,
+def _rewrite_links(timer_log: TimerLog, invalid: list[Any], tick: int, slots: int,
                    fsync: bool) -> tuple[int, int]:
     """change_window's pass 2: each record's prev_pos in the new slots (the links of a segment
     follow from those before it), and each segment whose links change rewritten whole (a temp
     file renamed over it): its relinked records with new CRCs, the rest (the invalid records pass 1
     found, ``invalid``, and a torn tail) byte for byte. The records relinked and the segments
     rewritten."""
-    segment = _Segment()
+    buf = bytearray(timer_log.segment_bytes)
     links = _Links(tick, slots)
     rechained = rewritten = 0
-    for (base, seg), bad in zip(segments, invalid, strict=True):
-        arr = segment.read(seg)
+    for base, bad in zip(timer_log.segment_bases(), invalid, strict=True):
+        arr, data = timer_log.read_segment(base, buf)
         at = np.delete(np.arange(len(arr), dtype=np.int64), bad)  # the valid records
         deliver = arr["deliver_ms"][at].astype(np.int64)
         prev = links.prev(deliver - deliver % tick, base + RECORD_SIZE * at)
@@ -504,12 +454,7 @@ def _rewrite_links(segments: list[tuple[int, str]], invalid: list[Any], tick: in
         rows = at[changed]
         arr["prev_pos"][rows] = prev[changed]
         arr["crc32"][rows] = crc32_rows(as_bytes(arr[rows]))  # only the records relinked
-        atomic_write(seg, segment.data, fsync)
+        atomic_write(timer_log.segment_path(base), data, fsync)
         rechained += int(changed.size)
         rewritten += 1
     return rechained, rewritten
-
-
-def _format_version(directory: str) -> int:
-    with open(os.path.join(directory, META_FILE), "rb") as f:
-        return int(json.load(f).get("format_version", 1))
