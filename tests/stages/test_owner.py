@@ -12,7 +12,7 @@ from timerwheel.log import stage_logger
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.owner import OwnedShard, ShardOwner
 from timerwheel.stages.ownership import Ownership, assignment
-from timerwheel.transports.memory import MemoryLeaseStore
+from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
 START = 1_700_000_000_000
 SHARDS = range(4)
@@ -124,3 +124,16 @@ def test_a_lease_kept_for_a_shard_not_started_is_let_go_once_another_replica_ran
     assert a.owner.balance() == []
     assert kept not in a.owner.ownership.epochs
     assert b.owner.ownership.acquire(kept) == epoch + 1  # free at once, not when the lease lapses
+
+
+def test_a_new_owner_takes_over_the_entries_its_predecessor_took_and_never_acknowledged() -> None:
+    clock = SimulatedClock(START)
+    ctx = StageContext(TimerConfig(fsync=False), clock, consumer="new-owner")
+    queue = MemoryWorkQueue("put", 4, 64)
+    queue.put(2, [b"a", b"b", b"c"], 1.0)
+    taken = queue.get(2, "dead-owner", 2, 0)  # taken by the owner that died, never acked
+    state = OwnedShard(2, cast(Any, None), stage_logger(ROLE, 2), 1)
+    claimed = state.take_over_pending(queue, ctx)
+    assert claimed == taken
+    assert queue.pending(2) == {eid: "new-owner" for eid, _ in taken}
+    assert state.take_over_pending(queue, ctx) == []  # once: later entries come through the stage's reads

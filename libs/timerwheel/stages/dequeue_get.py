@@ -168,8 +168,6 @@ class GetShard(OwnedShard):
     enqueue_ckpt_read_at: float = 0.0
     #: The shard view shows every record below ``enqueue_ckpt``'s flushed position (Shard.refresh).
     visible: bool = False
-    #: Done entries a previous owner took and never acked are still to be claimed (e2e fix).
-    reclaim: bool = True
     #: Being handed over (monotonic time it began): no new slot is opened, the shard is
     #: released once what was sent came back done (or after DRAIN_S).
     draining: float | None = None
@@ -389,12 +387,8 @@ class DequeueGet:
 
     def _drain_done(self, st: GetShard, entries: list[tuple[str, bytes]]) -> int:
         """Count the done entries ``entries`` (taken by ``step`` for every shard at once)."""
-        if st.reclaim:
-            # e2e fix: a previous owner that died leaves the done entries it had taken pending for
-            # good; they count against the queue bound until dequeue-put blocks. Claim and ack them
-            # (their generation is old, so they are ignored below).
-            st.reclaim = False
-            claimed = self.done_q.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
+        claimed = st.take_over_pending(self.done_q, self.ctx)
+        if claimed:  # acked below; their generation is old, so they are ignored
             ids = {eid for eid, _ in claimed}  # idle 0 claims what step just took too
             entries = claimed + [e for e in entries if e[0] not in ids]
         if not entries:

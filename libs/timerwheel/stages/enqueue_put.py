@@ -209,8 +209,6 @@ class PutShard(OwnedShard):
     published_at: float = 0.0
     #: R as last read from dequeue.ckpt (a lower bound of the real R).
     read_ms: int = -(2**62)
-    #: Entries a previous owner took and never acked are still to be claimed (e2e fix).
-    reclaim: bool = True
     #: The shard's input is complete up to here (``InputWatermark``); W never passes it.
     input_ms: int = 0
     #: Observations (t0, end offset per partition of this shard) the input has not reached yet, oldest first.
@@ -372,14 +370,11 @@ class EnqueuePut:
         block, on_time = self._idle_wait_s(timeout_s) if wait and self._idle else (0.0, False)
         got: dict[int, list[tuple[str, bytes]]] = {}
         for st in self.owned.values():
-            if st.reclaim:
-                # e2e fix: a previous owner that died leaves the entries it had taken pending for
-                # good (only the shard's owner reads its partition), the queue never drains, and
-                # every later entry looks like a gap. Take them over first; offsets skip the rest.
-                st.reclaim = False
-                stale = self.queue.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
-                if stale:
-                    got[st.shard_id] = stale
+            # Left pending by a previous owner, every later entry would look like a gap: taken
+            # over first (offsets skip what the shard holds already).
+            stale = st.take_over_pending(self.queue, self.ctx)
+            if stale:
+                got[st.shard_id] = stale
         take = get_by if on_time else _get_many
         for shard_id, fresh in take(self.ctx, self.queue, list(self.owned), self.ctx.config.queue_bound,
                                     0 if got else block).items():

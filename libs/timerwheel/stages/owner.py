@@ -29,13 +29,14 @@ lease, its ``stop`` closes it, and its queue partitions are the keys of ``owned`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext, Unopenable
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import Shard
+from timerwheel.transports.base import WorkQueue
 
 
 @dataclass
@@ -47,6 +48,18 @@ class OwnedShard:
     logger: StageLogger
     #: The lease's epoch when the shard was taken: its checkpoints carry it.
     epoch: int
+    #: The entries a previous owner took from the shard's queue partition are still to be claimed.
+    reclaim: bool = field(default=True, kw_only=True)
+
+    def take_over_pending(self, queue: WorkQueue, ctx: StageContext) -> list[tuple[str, bytes]]:
+        """Once, at the shard's first step with us: the entries of its partition of ``queue`` that
+        a previous owner took and never acknowledged, claimed now (idle 0; also those this owner
+        took already). Only the shard's owner reads its partition, so entries left pending by an
+        owner that died stay pending for good otherwise, counting against the queue's bound (e2e fix)."""
+        if not self.reclaim:
+            return []
+        self.reclaim = False
+        return queue.claim_stale(self.shard_id, ctx.consumer, 0, 4 * ctx.config.queue_bound)
 
 
 S = TypeVar("S", bound=OwnedShard)
