@@ -1,5 +1,5 @@
 """Run every benchmark in turn: ``python -m bench [name ...]`` (names: store, embedded, production,
-peers, spark). Each prints how long it took."""
+peers, spark, console). Each prints how long it took."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import sys
 import time
 
-ALL = ("store", "embedded", "production", "peers", "spark")
+ALL = ("store", "embedded", "production", "peers", "spark", "console")
 
 
 def main() -> None:

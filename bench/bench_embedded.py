@@ -13,6 +13,12 @@
   log's record timestamp, the receive time of a consumer thread polling the destination),
   p50 / p99 / max and early of each. Each run in a process of its own; with
   ``TW_BENCH_BASELINE`` the baseline revision's runs alternate with the current code's.
+* ``embedded.idle``: ``timerwheel run --embedded`` (the default settings, as ``make run``) with no
+  traffic for ``TW_BENCH_IDLE_SECONDS`` (30): its CPU time from ``/proc`` (psutil, as
+  ``production.idle``), in % of one core; with ``TW_BENCH_BASELINE`` alternately with the
+  baseline's.
+
+``TW_BENCH_EMBEDDED_ONLY`` (a comma list of throughput, burst, lateness, idle) runs some of them.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from timerwheel.records import OutRecord
 from timerwheel.runtime.embedded import EmbeddedTimerwheel
 from timerwheel.transports.local import LocalCommitLog
 
-from bench.baseline import codes
+from bench.baseline import Code, codes
 from bench.common import emit, peak_rss_mb, say
 from bench.lateness import DELAYS_MS, DUE_MODES, Arrival, counts, describe, due_time, rounded, three_way
 
@@ -228,6 +234,32 @@ def lateness(rate: int, seconds: int, due_mode: str, code_name: str = "current",
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def idle(seconds: float, code: Code) -> float:
+    """CPU of an idle ``timerwheel run --embedded`` of ``code``, in % of one core; emits
+    ``embedded.idle.cpu``."""
+    import psutil
+
+    tmp = Path(tempfile.mkdtemp(prefix="tw-idle-"))
+    proc = subprocess.Popen([sys.executable, "-m", "timerwheel.cli", "run", "--embedded", "--data-dir", str(tmp)],
+                            env={**code.env(), "TW_LOG_LEVEL": "WARNING"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(5)  # settle: the shards made, the first checkpoints written
+        process = psutil.Process(proc.pid)
+        times = process.cpu_times()
+        before, started = times.user + times.system, time.monotonic()
+        time.sleep(seconds)  # the measured window: nothing is sent
+        times = process.cpu_times()
+        cpu = round(100 * (times.user + times.system - before) / (time.monotonic() - started), 2)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"idle CPU of timerwheel run --embedded over {seconds:.0f} s: {cpu} % of a core")
+    emit("embedded.idle.cpu", cpu, "% of a core", seconds=round(seconds), tick_ms=100, shards=1, code=code.name)
+    return cpu
+
+
 def lateness_runs(rate: int, seconds: int, modes: list[str]) -> None:
     """Each due mode, each code (current, then the baseline's: alternately), each in a process of
     its own whose PYTHONPATH says which timerwheel it imports (``bench.baseline``)."""
@@ -240,14 +272,21 @@ def lateness_runs(rate: int, seconds: int, modes: list[str]) -> None:
 
 
 def main() -> None:
-    throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")), int(os.environ.get("TW_BENCH_ROUNDS", "3")))
-    n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
-    say(f"burst of {n:,} messages due in one tick (child process, for its own peak RSS)")
-    subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],
-                   check=True, cwd=Path(__file__).resolve().parent.parent)
-    modes = [x.strip() for x in os.environ.get("TW_BENCH_DUE", "").split(",") if x.strip()] or list(DUE_MODES)
-    lateness_runs(int(os.environ.get("TW_BENCH_EMBEDDED_RATE", "1000")), int(os.environ.get("TW_BENCH_SECONDS", "60")),
-                  modes)
+    only = set(os.environ.get("TW_BENCH_EMBEDDED_ONLY", "throughput,burst,lateness,idle").split(","))
+    if "throughput" in only:
+        throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")), int(os.environ.get("TW_BENCH_ROUNDS", "3")))
+    if "burst" in only:
+        n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
+        say(f"burst of {n:,} messages due in one tick (child process, for its own peak RSS)")
+        subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],
+                       check=True, cwd=Path(__file__).resolve().parent.parent)
+    if "lateness" in only:
+        modes = [x.strip() for x in os.environ.get("TW_BENCH_DUE", "").split(",") if x.strip()] or list(DUE_MODES)
+        lateness_runs(int(os.environ.get("TW_BENCH_EMBEDDED_RATE", "1000")),
+                      int(os.environ.get("TW_BENCH_SECONDS", "60")), modes)
+    if "idle" in only:
+        for code in codes():
+            idle(float(os.environ.get("TW_BENCH_IDLE_SECONDS", "30")), code)
 
 
 if __name__ == "__main__":

@@ -386,7 +386,7 @@ def test_the_api_server_refuses_a_bad_timerwheel_naming_the_field(release: Relea
 
 
 def test_lateness_through_the_pods_at_200_per_second(release: Release) -> None:
-    """A figure for the README (printed, not asserted): 200 msg/s for 60 s, delays 1-5 s. That
+    """A figure for BENCHMARKS.md (printed, not asserted): 200 msg/s for 60 s, delays 1-5 s. That
     nothing is lost or early is asserted."""
     pipe = release.pipe
     dest = pipe.new_dest("lateness", 4)

@@ -58,6 +58,21 @@ FIND_TIMEOUT_S = 60.0
 _DEFAULT_ID = re.compile(r"(\d+)-(\d+)")
 
 
+class RefusedTimer(InvalidTimerMessage):
+    """A timer ``TimerClient(validate=True)`` refuses: the service would dead-letter it (``reason``,
+    the service's own). ``index``: its place in the batch; ``message_id``: the id it was given,
+    if any (a generated one is never shown: nobody has seen it)."""
+
+    def __init__(self, reason: str, index: int, batch: int, message_id: str | None) -> None:
+        super().__init__(reason)
+        self.index = index
+        self.message_id = message_id
+        self._which = f"{message_id}: " if message_id else f"timer {index} of {batch}: " if batch > 1 else ""
+
+    def __str__(self) -> str:
+        return f"{self._which}refused, the service would dead-letter it: {self.reason}"
+
+
 @dataclass(frozen=True, slots=True)
 class Timer:
     """One message to schedule: give exactly one of delay_ms, deliver_at_ms, delay_level."""
@@ -138,7 +153,7 @@ class TimerClient:
                 try:
                     self.rules.parse(check, now)
                 except InvalidTimerMessage as exc:
-                    raise InvalidTimerMessage(f"{message_id}: refused, the service would dead-letter it: {exc}") from None
+                    raise RefusedTimer(exc.reason, len(records), len(timers), t.message_id) from None
             if spans is not None:
                 sent = telemetry.send_span(self.config.timer_topic, message_id, timer_partition, t.topic)
                 if sent is not None:
@@ -213,18 +228,22 @@ class TimerClient:
         return None
 
     def reschedule(self, ticket: Ticket | str, *, delay_ms: int | None = None, deliver_at_ms: int | None = None,
-                   delay_level: int | None = None, message_id: str | None = None) -> Ticket:
+                   delay_level: int | None = None, message_id: str | None = None,
+                   original: Record | None = None) -> Ticket:
         """Cancel the ticket's message and schedule it again (same destination, key, value and
         headers) at the new time; returns the new ticket (a new message id unless ``message_id``).
         The cancel and the new record are appended together (see the module header). Refused
-        once the old delivery time has passed (the message would be delivered twice)."""
+        once the old delivery time has passed (the message would be delivered twice).
+        ``original``: the message's newest timer record when the caller has it already (the
+        console reads it from the position the TimerLog names), instead of ``find``ing it."""
         ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
         now = self.clock.now_ms()
         if ticket.deliver_at_ms <= now:
             # Its cancel could no longer take effect: the message would be delivered twice.
             raise TimerwheelError(f"reschedule: the delivery time of {ticket.message_id!r} passed "
                                   f"{now - ticket.deliver_at_ms} ms ago; the message was most likely delivered")
-        original = self.find(ticket)
+        if original is None:
+            original = self.find(ticket)
         if original is None:
             raise TimerwheelError(f"reschedule: no timer record of {ticket.message_id!r} in partition "
                                   f"{ticket.partition} of {self.config.timer_topic!r}")

@@ -28,7 +28,7 @@ from timerwheel.config import TimerConfig
 from timerwheel.errors import AccessError
 
 __all__ = ["check_kafka_access", "check_redis_access", "kafka_client_options", "kafka_java_properties",
-           "redis_client", "spark_kafka_options"]
+           "kafka_unreachable", "redis_client", "spark_kafka_options"]
 
 
 def kafka_client_options(cfg: TimerConfig) -> dict[str, Any]:
@@ -163,14 +163,12 @@ def check_kafka_access(cfg: TimerConfig, bootstrap: str | None = None, timeout_s
     protocol = cfg.kafka_security_protocol
     if protocol == "PLAINTEXT":
         return
-    for server in (bootstrap or cfg.kafka_bootstrap).split(","):
-        host, _, port = server.strip().rpartition(":")
-        host = host.strip("[]")
+    for server, host, port in _servers(bootstrap or cfg.kafka_bootstrap):
         try:
-            raw = socket.create_connection((host, int(port)), timeout=timeout_s)
-        except (OSError, ValueError):
+            raw = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError:
             continue
-        where = f"Kafka at {server.strip()}"
+        where = f"Kafka at {server}"
         with raw:
             sock: socket.socket = raw
             if protocol in ("SSL", "SASL_SSL"):
@@ -193,6 +191,28 @@ def check_kafka_access(cfg: TimerConfig, bootstrap: str | None = None, timeout_s
                 raise AccessError(exc.setting, f"{where} refused SASL {cfg.kafka_sasl_mechanism} for user "
                                                f"{cfg.kafka_sasl_username!r}: {exc}") from None
         return
+
+
+def kafka_unreachable(bootstrap: str, timeout_s: float = 3.0) -> str | None:
+    """Why no bootstrap server of ``bootstrap`` accepts a connection (``host:port: Connection
+    refused; ...``), or None when one does. kafka-python tells only after its bootstrap timeout
+    (30 s): a process says at once that it waits for a Kafka it cannot reach."""
+    why = []
+    for server, host, port in _servers(bootstrap):
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            return None
+        except OSError as exc:
+            why.append(f"{server}: {exc.strerror or exc}")
+    return "; ".join(why) or f"no server in {bootstrap!r}"
+
+
+def _servers(bootstrap: str) -> Iterator[tuple[str, str, int]]:
+    """(``host:port`` as given, host, port) of each bootstrap server that names a port."""
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        if port.isdigit():
+            yield server.strip(), host.strip("[]"), int(port)
 
 
 class _Refused(Exception):

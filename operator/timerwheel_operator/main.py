@@ -12,6 +12,7 @@ kopf's liveness probe answers on port 8081, ``/healthz``.
 
 ``timerwheel-operator crd`` prints the CustomResourceDefinition as YAML instead, and
 ``timerwheel-operator values-schema`` the chart's ``values.schema.json``.
+``timerwheel-operator dashboards DIR`` writes the chart's Grafana dashboards (``monitoring``).
 """
 
 from __future__ import annotations
@@ -100,8 +101,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return print_crd()
     if args[:1] == ["values-schema"]:
         return print_values_schema()
+    if args[:1] == ["dashboards"] and len(args) == 2:
+        from pathlib import Path
+
+        from timerwheel_operator.monitoring import write_dashboards
+
+        for path in write_dashboards(Path(args[1])):
+            sys.stdout.write(f"{path}\n")
+        return 0
     if args:
-        sys.stderr.write("usage: timerwheel-operator [crd | values-schema]\n")
+        sys.stderr.write("usage: timerwheel-operator [crd | values-schema | dashboards DIR]\n")
         return 2
     try:
         settings_from_env(os.environ)

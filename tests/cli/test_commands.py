@@ -27,7 +27,7 @@ def tw(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         (["run", "--embedded", "--tick-ms", "7"], "--tick-ms"),
         (["run", "--embedded", "--shards", "x"], "--shards"),
         (["run", "--embedded", "--roll-window", "soon"], "--roll-window"),
-        (["schedule", "--topic", "t"], "--delay-ms"),
+        (["schedule", "--topic", "t"], "--delay"),
         (["schedule", "--topic", "t", "--delay-ms", "5", "--header", "novalue"], "--header"),
         (["cancel", "not-a-ticket"], "ticket"),
         (["demo", "--count", "0"], "--count"),
@@ -63,7 +63,8 @@ def test_schedule_in_one_process_reaches_run_in_another(tmp_path: Path) -> None:
         kept = tw("schedule", "--data-dir", data, "--topic", "orders", "--delay-ms", "300ms", "--value", "hello",
                   "--key", "k1", "--header", "trace=abc")
         assert kept.returncode == 0, kept.stderr
-        dropped = tw("schedule", "--data-dir", data, "--topic", "orders", "--delay-ms", "3s", "--value", "bye")
+        # 8 s: two CLI processes start before the cancel is written (1.7 s each on a loaded machine)
+        dropped = tw("schedule", "--data-dir", data, "--topic", "orders", "--delay-ms", "8s", "--value", "bye")
         cancel = tw("cancel", "--data-dir", data, dropped.stdout.strip())
         assert cancel.returncode == 0, cancel.stderr
         records: list[dict[str, object]] = []
@@ -122,10 +123,10 @@ def test_a_start_with_another_shard_count_exits_2_naming_stored_and_requested(tm
     stage = subprocess.run([sys.executable, "-m", "timerwheel.cli", "stage", "enqueue-put"], capture_output=True,
                            text=True, timeout=60, env={**ENV, "TW_DATA_DIR": str(data), "TW_SHARDS": "2",
                                                        "TW_TICK_MS": "100", "TW_ROLL_WINDOW_MS": "60000"})
-    for result in (embedded, stage):
+    for result, named in ((embedded, "--shards"), (stage, "TW_SHARDS")):
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and "TW_SHARDS: stored 1, requested 2" in lines[0], result.stderr
+        assert len(lines) == 1 and f"{named}: stored 1, requested 2" in lines[0], result.stderr
     assert sorted(p.name for p in data.iterdir()) == before, "a refused start created files"
 
 

@@ -65,9 +65,17 @@ def test_run_prints_commands_that_work_as_printed_in_a_new_terminal(server: Serv
     assert len(commands) == 3, server.printed
     env = {**ENV, "PATH": NEW_TERMINAL_PATH}
     for command in commands:
-        if "--follow" in command:
-            command = command.replace(" --follow", "")  # the same command, returning at the end
         # Another terminal: another working directory, no venv on PATH.
+        if "--follow" in command:  # it prints the message scheduled above when it is delivered, and waits on
+            follow = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+            try:
+                assert follow.stdout is not None
+                assert json.loads(follow.stdout.readline())["value"] == "hello", command
+            finally:
+                follow.terminate()
+                follow.wait(30)
+            continue
         done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 0, (command, done.stderr)
@@ -139,21 +147,26 @@ def test_cancel_after_the_delivery_time_says_it_can_no_longer_take_effect(server
 @pytest.mark.parametrize(
     ("args", "env", "reason"),
     [
-        (["--topic", "no spaces!", "--delay-ms", "5s"], {}, "invalid destination topic name"),
-        (["--topic", "__timer", "--delay-ms", "5s"], {}, "destination is the timer topic"),
-        (["--topic", "other", "--delay-ms", "5s"], {"TW_ALLOW_TOPICS": r"orders\..*"}, "not allowed by allow_topics"),
-        (["--topic", "orders", "--delay-ms", "401d"], {}, "exceeds max_delay_ms"),
-        (["--topic", "orders", "--deliver-at", "253402300800000"], {}, "out of range"),
+        (["--topic", "no spaces!", "--delay", "5s"], {}, "--topic: refused, the service would dead-letter it: "
+         "invalid destination topic name"),
+        (["--topic", "__timer", "--delay", "5s"], {}, "--topic: refused, the service would dead-letter it: "
+         "destination is the timer topic"),
+        (["--topic", "other", "--delay", "5s"], {"TW_ALLOW_TOPICS": r"orders\..*"}, "not allowed by TW_ALLOW_TOPICS"),
+        (["--topic", "orders", "--delay", "401d"], {}, "--delay: refused, the service would dead-letter it: delay "
+         "of 34646400000 ms exceeds TW_MAX_DELAY_MS 34560000000"),
+        (["--topic", "orders", "--deliver-at", "253402300800000"], {}, "--deliver-at: refused, the service would "
+         "dead-letter it: --deliver-at out of range"),
         (["--topic", "orders", "--delay-ms", "99999999999999999"], {"TW_MAX_DELAY_MS": str(2**62)}, "out of range"),
     ],
 )
 def test_schedule_refuses_what_the_service_would_dead_letter(tmp_path: Path, args: list[str], env: dict[str, str],
                                                               reason: str) -> None:
-    result = tw("schedule", "--data-dir", str(tmp_path), *args, env={**ENV, **env})
+    result = tw("schedule", "--data-dir", str(tmp_path), "--create-data-dir", *args, env={**ENV, **env})
     assert result.returncode == 2, result
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("timerwheel: error:") and reason in lines[0], result.stderr
-    timer_topic = tw("consume", "--data-dir", str(tmp_path), "--topic", "__timer")
+    assert "tw-" not in lines[0] and "max_delay_ms" not in lines[0], "the error names the wire, not the flag"
+    timer_topic = tw("consume", "--data-dir", str(tmp_path), "--create-data-dir", "--topic", "__timer")
     assert timer_topic.returncode == 0 and timer_topic.stdout == "", "a refused timer was written"
 
 
@@ -187,7 +200,10 @@ def test_client_commands_refuse_a_data_dir_that_does_not_exist(tmp_path: Path, a
     assert str(missing) in result.stderr and "does not exist" in result.stderr
     assert not missing.exists(), "the command created the directory"
     created = tw(*args, "--data-dir", str(missing), "--create-data-dir")
-    assert created.returncode in (0, 1), created.stderr  # cancel of a past ticket exits 1
+    if args[0] == "consume":  # a topic nothing made yet
+        assert created.returncode == 2 and "topic 't' does not exist" in created.stderr, created.stderr
+    else:
+        assert created.returncode in (0, 1), created.stderr  # cancel of a past ticket exits 1
     assert (missing / "log").is_dir()
 
 

@@ -16,6 +16,7 @@ import redis
 from timerwheel.config import TimerConfig
 from timerwheel.records import OutRecord, Record
 from timerwheel.runtime.disaster import KafkaRecoveryRefused, Outcomes, recover_from_kafka, recovered_record
+from timerwheel.store.deployment import Source, load_source
 from timerwheel.store.layout import open_shard
 from timerwheel.transports.kafka import KafkaCommitLog
 from timerwheel.wire import TimerRules, default_id
@@ -146,6 +147,8 @@ def test_recovery_reschedules_the_pending_after_the_end_into_fresh_shards(
         assert enq.next_offsets == {p: o for p, o in ends_before.items() if p % 2 == shard_id}
         assert (enq.write_ms, enq.flushed_pos, deq.read_ms) == (T0, 0, T0)
         shard.close()
+    # the fresh shards' offsets are this topic's: a start on another incarnation is refused
+    assert load_source(cfg.data_dir) == Source(log.cluster_id(), log.topic_id(cfg.timer_topic))
 
     with pytest.raises(KafkaRecoveryRefused, match="holds shards"):
         recover_from_kafka(cfg, log, client)

@@ -113,7 +113,7 @@ def test_a_batch_that_cannot_be_decoded_sets_only_its_partition_aside(
         later = poll_all(consumer, {1: 11}, timeout_s=30)
         assert [r.value for r in later] == [b"later"]
         assert list(consumer.undecodable) == [0]  # type: ignore[attr-defined]
-        # The README's way out for a batch corrupt everywhere: move the partition's start past it.
+        # docs/operations.md's way out for a batch corrupt everywhere: move the partition's start past it.
         producer.produce(topic, value=b"after", partition=0)
         producer.flush(30)
         admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)

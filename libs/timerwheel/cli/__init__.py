@@ -3,24 +3,30 @@
     timerwheel run --embedded --data-dir D      serve until SIGINT / SIGTERM          service.py
     timerwheel stage NAME                       one stage, production mode            service.py
     timerwheel demo                                                                   service.py
-    timerwheel schedule --data-dir D --topic T --delay-ms 5000 --value hello          messages.py
+    timerwheel schedule --data-dir D --topic T --delay 5s --value hello              messages.py
     timerwheel cancel --data-dir D TICKET                                             messages.py
-    timerwheel reschedule --data-dir D TICKET --delay-ms 10s                          messages.py
+    timerwheel reschedule --data-dir D TICKET --delay 10s                             messages.py
     timerwheel consume --data-dir D --topic T [--follow]                              messages.py
     timerwheel inspect --data-dir D                                                   inspect.py
     timerwheel pending --data-dir D [--from T1] [--to T2] [--topic X] [--id ID] [--limit N]
     timerwheel recover --shard N --data-dir D   repair a stopped shard (JSON report)  repair.py
     timerwheel rebuild-wheel --shard N --data-dir D                                   repair.py
     timerwheel recover-from-kafka                                                     repair.py
+    timerwheel rebase --data-dir D              fresh shards on the timer topic now read  repair.py
     timerwheel audit | bulk-schedule | forecast  the Spark jobs                       spark.py
+    timerwheel console --data-dir D --metrics HOST:PORT,...   the web console       timerwheel.console.command
+    timerwheel top --data-dir D --metrics HOST:PORT,...       its overview, live     timerwheel.console.command
 
-A command is two functions in its module: ``add_<command>(sub)`` adds its parser and sets its
+A command is two functions in its module: ``add_<command>(sub)`` adds its parser (with
+``common.described``: a description and examples, which ``--help`` shows) and sets its
 ``handler``, ``cmd_<command>(args)`` runs it and returns the exit code. It checks its flags and
 calls the domain (``store``, ``runtime``, ``client``, ...), never re-implements a rule of it. A new
 command goes into the module of its group (or a new module) and into ``make_parser``'s list.
 
-A bad argument or configuration value exits with status 2 and one line naming it; every error
-line starts ``timerwheel: error:``. Client commands (schedule, cancel, reschedule, consume,
+A bad argument or configuration value exits with status 2 and one line naming it (the flag the
+user typed, never a wire header); every error line starts ``timerwheel: error:``. A flag has one
+spelling across commands, named for what it is (``--delay``, ``--roll-window``: durations and
+times take units); a renamed one stays accepted as a hidden alias (``common.hidden_alias``). Client commands (schedule, cancel, reschedule, consume,
 inspect, pending) take only their own flags; the service's settings come from the same ``TW_*``
 variables the service reads (``schedule`` checks a timer with the service's rules).
 """
@@ -33,7 +39,8 @@ from collections.abc import Sequence
 
 from timerwheel import telemetry
 from timerwheel.cli import inspect, messages, repair, service, spark
-from timerwheel.cli.common import CliError, Parser
+from timerwheel.cli.common import CliError, Parser, join_dash_values
+from timerwheel.console import command as console_command
 from timerwheel.errors import ConfigError, FormatMismatchError, ShardInUseError, TimerwheelError
 from timerwheel.log import configure_logging, stage_logger
 
@@ -60,7 +67,8 @@ def make_parser() -> Parser:
     for add in (service.add_run, messages.add_schedule, messages.add_cancel, messages.add_reschedule,
                 messages.add_consume, inspect.add_inspect, inspect.add_pending, repair.add_recover,
                 repair.add_rebuild_wheel, service.add_demo, service.add_stage, repair.add_recover_from_kafka,
-                spark.add_audit, spark.add_bulk_schedule, spark.add_forecast):
+                repair.add_rebase, spark.add_audit, spark.add_bulk_schedule, spark.add_forecast,
+                console_command.add_parsers):
         add(sub)
     return parser
 
@@ -72,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         sys.stderr.write(f"timerwheel: error: TW_LOG_LEVEL: must be DEBUG, INFO, WARNING or ERROR, got {level!r}\n")
         return EXIT_USAGE
-    args = make_parser().parse_args(argv)
+    args = make_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
     stage = args.name if args.command == "stage" else None
     telemetry.configure_from_env(stage=stage)
     try:

@@ -11,40 +11,57 @@ from dataclasses import asdict
 from typing import Any
 
 from timerwheel.cli.common import (
+    TIME_FORMS,
     CliError,
     build_config,
     client_args,
     commit_log,
     data_dir,
     data_dir_arg,
+    described,
     epoch_ms,
+    iso,
 )
 from timerwheel.clock import SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.store import Shard
 from timerwheel.store.layout import found_shards, open_found_shards
-from timerwheel.wire import MAX_EPOCH_MS
+from timerwheel.wire import MAX_EPOCH_MS, Ticket
 
 
 def add_inspect(sub: Any) -> None:
-    p = sub.add_parser("inspect", help="per-shard W, R, pending, TimerLog size, load ahead (JSON)")
+    p = sub.add_parser("inspect", help="per-shard W, R, pending, TimerLog size, load ahead (JSON)",
+                       **described(
+                           "Per shard: W (written up to) and R (read up to) and their lag behind now, the records in "
+                           "the wheel from R (pending: cancel markers and roll hops included), the TimerLog's size, "
+                           "the records due in the next second, minute and hour; and the data directory's stored "
+                           "settings and source. Read-only: safe while the service runs.",
+                           "timerwheel inspect --data-dir ./data",
+                           "timerwheel inspect --data-dir ./data-prod --iso"))
     data_dir_arg(p)
     p.add_argument("--shards", type=int, help="show shards 0..N-1 (default: the count in the data directory's "
                    "timerwheel.json, else every shard-NNNN directory found)")
+    p.add_argument("--iso", action="store_true", help="times as ISO 8601 (UTC) instead of epoch ms")
     p.set_defaults(handler=cmd_inspect)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from timerwheel.runtime.inspect import inspect_shards
-    from timerwheel.store.deployment import load_settings
+    from timerwheel.store.deployment import load_settings, load_source
 
     cfg = build_config(args)
     shards = _open_shards(cfg, args.shards)
     try:
         report = inspect_shards(cfg, shards, SystemClock().now_ms())
-        stored = load_settings(cfg.data_dir)
+        stored, source = load_settings(cfg.data_dir), load_source(cfg.data_dir)
         if stored is not None:
             report["settings"] = asdict(stored)
+        if source is not None:
+            report["source"] = asdict(source)
+        if args.iso:
+            report["now"] = iso(report.pop("now_ms"))
+            for shard in report["shards"]:
+                shard.update({k: None if shard[k] is None else iso(shard[k]) for k in ("W", "R")})
         print(json.dumps(report, indent=2))
     finally:
         for shard in shards.values():
@@ -54,9 +71,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def add_pending(sub: Any) -> None:
     p = sub.add_parser("pending", help="list scheduled, not yet delivered messages of a time range (JSON)",
-                       description="List the scheduled, not yet delivered messages due in [--from, --to): id, "
-                       "topic, delivery time, roll count, read from the shards' TimerLog slots; the count of "
-                       "all, the first --limit by delivery time. Times: epoch ms, now, now+5m, +1h, or ISO 8601.")
+                       **described(
+                           "List the scheduled, not yet delivered messages due in [--from, --to): id, ticket (what "
+                           "cancel and reschedule take), topic, delivery time, roll count, read from the shards' "
+                           f"TimerLog slots; the count of all, the first --limit by delivery time. Times: {TIME_FORMS}.",
+                           "timerwheel pending --data-dir ./data --from now --to now+1h",
+                           "timerwheel pending --data-dir ./data --id order-42 --iso"))
     client_args(p)
     p.add_argument("--shards", type=int, help="read shards 0..N-1 (default: the count in the data directory's "
                    "timerwheel.json, else every shard-NNNN directory found)")
@@ -65,6 +85,7 @@ def add_pending(sub: Any) -> None:
     p.add_argument("--topic", help="only messages for this destination topic")
     p.add_argument("--id", dest="message_id", help="only the message with this id")
     p.add_argument("--limit", type=int, default=100, help="list at most N (default 100; the count covers all)")
+    p.add_argument("--iso", action="store_true", help="delivery times as ISO 8601 (UTC) instead of epoch ms")
     p.set_defaults(handler=cmd_pending)
 
 
@@ -85,8 +106,10 @@ def cmd_pending(args: argparse.Namespace) -> int:
         log.close()
         for shard in shards.values():
             shard.close()
+    when = "deliver_at" if args.iso else "deliver_at_ms"
     print(json.dumps({"count": found.count, "shown": len(found.timers), "timers": [
-        {"id": t.message_id, "topic": t.topic, "deliver_at_ms": t.deliver_at_ms, "roll": t.roll, "shard": t.shard}
+        {"id": t.message_id, "ticket": str(Ticket(t.partition, t.deliver_at_ms, t.message_id)), "topic": t.topic,
+         when: iso(t.deliver_at_ms) if args.iso else t.deliver_at_ms, "roll": t.roll, "shard": t.shard}
         for t in found.timers]}, indent=2))
     return 0
 

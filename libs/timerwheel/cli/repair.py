@@ -1,6 +1,7 @@
 """The commands that repair or rebuild shards, every stage that owns them stopped: ``recover`` and
-``rebuild-wheel`` (one shard, ``store.repair``) and ``recover-from-kafka`` (every shard of a lost
-volume, ``runtime.disaster``). Each prints one JSON report; the exit codes are the CLI's."""
+``rebuild-wheel`` (one shard, ``store.repair``), ``recover-from-kafka`` (every shard of a lost
+volume, ``runtime.disaster``) and ``rebase`` (fresh shards on the timer topic now read,
+``runtime.rebase``). Each prints one JSON report; the exit codes are the CLI's."""
 
 from __future__ import annotations
 
@@ -10,14 +11,28 @@ import os
 from pathlib import Path
 from typing import Any
 
-from timerwheel.cli.common import CliError, build_config, commit_log, config_args, data_dir_arg, duration
+from timerwheel.cli.common import (
+    DEFAULTS,
+    CliError,
+    build_config,
+    commit_log,
+    config_args,
+    data_dir_arg,
+    described,
+    duration,
+    hidden_alias,
+    with_stored_settings,
+)
 from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError
 
-#: rebuild-wheel's window flags -> (TimerConfig field, TW_* variable, what it sets).
+#: rebuild-wheel's window flags -> (TimerConfig field, TW_* variable, what it sets). A duration's
+#: flag carries no unit (``--roll-window 2d``); the former spellings ``--roll-window-ms`` and
+#: ``--wheel-span-ms`` are still accepted (``WINDOW_ALIASES``).
 WINDOW_FLAGS = {"--tick-ms": ("tick_ms", "TW_TICK_MS", "tick (ms)"),
-                "--roll-window-ms": ("roll_window_ms", "TW_ROLL_WINDOW_MS", "roll window (ms or 2d, 12h)"),
-                "--wheel-span-ms": ("wheel_span_ms", "TW_WHEEL_SPAN_MS", "wheel span (ms or 4d; 0: twice the roll window)")}
+                "--roll-window": ("roll_window_ms", "TW_ROLL_WINDOW_MS", "roll window (2d, 12h, ms)"),
+                "--wheel-span": ("wheel_span_ms", "TW_WHEEL_SPAN_MS", "wheel span (4d, ms; 0: twice the roll window)")}
+WINDOW_ALIASES = {"--roll-window-ms": "--roll-window", "--wheel-span-ms": "--wheel-span"}
 
 
 def _shard_args(p: argparse.ArgumentParser) -> None:
@@ -27,10 +42,12 @@ def _shard_args(p: argparse.ArgumentParser) -> None:
 
 def add_recover(sub: Any) -> None:
     p = sub.add_parser("recover", help="repair a stopped shard; JSON report",
-                       description="Validate and repair a stopped shard: cut a torn TimerLog tail, re-link the wheel, "
-                       "rebuild a lost or unreadable checkpoint (choosing R so that nothing is lost); prints a JSON "
-                       "report with may_deliver_twice. Exit 0 repaired or fine, 1 failed, 2 bad argument, 3 the "
-                       "shard is owned by a live process.")
+                       **described(
+                           "Validate and repair a stopped shard: cut a torn TimerLog tail, re-link the wheel, rebuild "
+                           "a lost or unreadable checkpoint (choosing R so that nothing is lost); prints a JSON report "
+                           "with may_deliver_twice. Exit 0 repaired or fine, 1 failed, 2 bad argument, 3 the shard is "
+                           "owned by a live process.",
+                           "timerwheel recover --shard 0 --data-dir ./data"))
     _shard_args(p)
     p.set_defaults(handler=cmd_recover)
 
@@ -46,8 +63,12 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 def add_rebuild_wheel(sub: Any) -> None:
     p = sub.add_parser("rebuild-wheel", help="rebuild a stopped shard's wheel from its TimerLog; JSON report",
-                       description="Rebuild a stopped shard's wheel file from its TimerLog; prints a JSON report. "
-                       "Exit codes as for recover.")
+                       **described(
+                           "Rebuild a stopped shard's wheel file from its TimerLog; prints a JSON report. With "
+                           "--change-window, with another tick, roll window or wheel span (every shard, stages "
+                           "stopped). Exit codes as for recover.",
+                           "timerwheel rebuild-wheel --shard 0 --data-dir ./data",
+                           "timerwheel rebuild-wheel --shard 0 --data-dir ./data --change-window --roll-window 4d"))
     _shard_args(p)
     p.add_argument("--change-window", action="store_true",
                    help="rebuild with the tick, roll window and wheel span given here (or by TW_TICK_MS, "
@@ -60,6 +81,8 @@ def add_rebuild_wheel(sub: Any) -> None:
                         "operator checks every shard before it rebuilds any")
     for flag, (_field, _var, what) in WINDOW_FLAGS.items():
         p.add_argument(flag, type=duration, help=f"new {what} (with --change-window)")
+    for old, flag in WINDOW_ALIASES.items():
+        hidden_alias(p, old, dest=flag[2:].replace("-", "_"), type=duration)
     p.set_defaults(handler=cmd_rebuild_wheel)
 
 
@@ -108,10 +131,13 @@ def _window_config(args: argparse.Namespace, window: dict[str, int]) -> TimerCon
 
 def add_recover_from_kafka(sub: Any) -> None:
     p = sub.add_parser("recover-from-kafka", help="rebuild the shards of a lost volume from Kafka (JSON report)",
-                       description="Disaster recovery: compute the pending set from the timer, dead-letter and "
-                                   "destination topics and schedule it again into fresh shards that start at the "
-                                   "timer topic's end. Every stage must be stopped; the data directory must hold "
-                                   "no shard. Prints scanned, delivered, cancelled, dead_lettered, rescheduled.")
+                       **described(
+                           "Disaster recovery: compute the pending set from the timer, dead-letter and destination "
+                           "topics and schedule it again into fresh shards that start at the timer topic's end. Every "
+                           "stage must be stopped; the data directory must hold no shard. Prints scanned, delivered, "
+                           "cancelled, dead_lettered, rescheduled.",
+                           "timerwheel recover-from-kafka --kafka localhost:9092 --redis redis://localhost:6379/0 "
+                           "--data-dir ./data-prod --dry-run"))
     p.add_argument("--kafka", metavar="BOOTSTRAP", help="Kafka bootstrap servers (default $TW_KAFKA_BOOTSTRAP)")
     p.add_argument("--redis", metavar="URL", help="Redis URL of the stages (default $TW_REDIS_URL): checked for "
                                                   "running stages, its work queues cleared")
@@ -140,4 +166,58 @@ def cmd_recover_from_kafka(args: argparse.Namespace) -> int:
         log.close()
         client.close()
     print(json.dumps(report.as_json()))
+    return 0
+
+
+def add_rebase(sub: Any) -> None:
+    p = sub.add_parser("rebase", help="start a data directory afresh on the timer topic it now reads (JSON report)",
+                       **described(
+                           "After a start refused shards written from another Kafka cluster, another incarnation of "
+                           "the timer topic (deleted and made again) or another local log: set the old shards aside "
+                           "(moved into set-aside-<time>/ in the data directory) and make fresh ones that read the "
+                           "timer topic from its start.\n\n"
+                           "The messages still pending in the old shards are NOT delivered (their timer records are "
+                           "not in this topic; pending_records counts them); every record this topic holds is "
+                           "scheduled, so one that another timerwheel already delivered from it is delivered again "
+                           "(to move to a mirrored cluster use recover-from-kafka, which skips what the destinations "
+                           "hold). Every stage must be stopped. The settings are the data directory's own.",
+                           "timerwheel rebase --data-dir ./data",
+                           "timerwheel rebase --data-dir ./data-prod --kafka localhost:9092 --redis "
+                           "redis://localhost:6379/0 --dry-run"))
+    data_dir_arg(p)
+    p.add_argument("--kafka", metavar="BOOTSTRAP", help="the stages' Kafka (else the data directory's local log: the "
+                                                        "embedded mode)")
+    p.add_argument("--redis", metavar="URL", help="with --kafka: the stages' Redis (default $TW_REDIS_URL), checked "
+                                                  "for running stages, its work queues cleared")
+    p.add_argument("--timer-topic", help=f"the timer topic (default: the data directory's, else $TW_TIMER_TOPIC or "
+                                         f"{DEFAULTS.timer_topic})")
+    p.add_argument("--dry-run", action="store_true", help="report what would be set aside; change nothing")
+    p.set_defaults(handler=cmd_rebase)
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    from timerwheel.runtime.rebase import NothingToRebase, rebase
+    from timerwheel.security import redis_client
+
+    servers = {"kafka_bootstrap": args.kafka} if args.kafka else {}
+    if args.redis:
+        servers["redis_url"] = args.redis
+    cfg = build_config(args, **servers)
+    if not Path(cfg.data_dir).is_dir():
+        raise CliError(f"--data-dir: {cfg.data_dir} is not a directory")
+    cfg = with_stored_settings(cfg, args)
+    if args.kafka and not cfg.redis_url:
+        raise CliError("--redis (or TW_REDIS_URL) must be set with --kafka: the stages must be stopped, and their "
+                       "work queues are cleared")
+    log = commit_log(cfg, args.kafka)
+    client = redis_client(cfg) if args.kafka else None
+    try:
+        report = rebase(cfg, log, client, dry_run=args.dry_run)
+    except NothingToRebase as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        log.close()
+        if client is not None:
+            client.close()
+    print(json.dumps(report.as_json(), indent=2))
     return 0

@@ -18,7 +18,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from timerwheel.cli.common import CliError, build_config, config_args
+from timerwheel.cli.common import (
+    CliError,
+    build_config,
+    config_args,
+    described,
+    duration,
+    hidden_alias,
+    with_stored_settings,
+)
 from timerwheel.client import Timer
 from timerwheel.config import TimerConfig
 from timerwheel.errors import ConfigError
@@ -31,8 +39,17 @@ STAGE_NAMES = ("enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "d
 
 
 def add_run(sub: Any) -> None:
-    p = sub.add_parser("run", help="run all five stages in one process", description="Run all five stages in "
-                       "one process until SIGINT / SIGTERM. TW_HTTP_PORT serves /healthz, /readyz, /metrics.")
+    p = sub.add_parser("run", help="run all five stages in one process",
+                       **described(
+                           "Run all five stages in one process until SIGINT / SIGTERM: embedded (the default) on the "
+                           "data directory's local commit log and in-process queues, or with --kafka and --redis on "
+                           "the production transports. TW_HTTP_PORT serves /healthz, /readyz, /metrics.\n\n"
+                           "A data directory that was run before keeps its stored settings (timerwheel.json: shard "
+                           "count, tick, roll window, timer topic): they are used unless a flag or TW_* variable asks "
+                           "for another value, which is refused.",
+                           "timerwheel run --embedded --data-dir ./data",
+                           "timerwheel run --data-dir ./data --shards 4 --tick-ms 10",
+                           "timerwheel run --kafka localhost:9092 --redis redis://localhost:6379/0 --data-dir ./data-prod"))
     p.add_argument("--embedded", action="store_true", help="local commit log and in-process queues (default)")
     p.add_argument("--kafka", metavar="BOOTSTRAP", help="Kafka bootstrap servers (production transports, with --redis)")
     p.add_argument("--redis", metavar="URL", help="Redis URL (production transports, with --kafka)")
@@ -46,17 +63,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.kafka or args.redis:
         if not (args.kafka and args.redis):
             raise CliError("--kafka and --redis go together")
-        return run_all_in_one(build_config(args, kafka_bootstrap=args.kafka, redis_url=args.redis), production=True)
+        cfg = with_stored_settings(build_config(args, kafka_bootstrap=args.kafka, redis_url=args.redis), args)
+        return run_all_in_one(cfg, production=True)
     cfg = build_config(args)
     data = Path(cfg.data_dir)
     if data.exists() and not data.is_dir():
         raise CliError(f"--data-dir: {data} is not a directory")
+    cfg = with_stored_settings(cfg, args)
 
     def started(server: HealthServer | None) -> None:
         tw_cmd, where = _self_command(), shlex.quote(str(data.absolute()))
         sys.stderr.write(
             f"timerwheel (embedded) is running with data in {where}. From another terminal:\n"
-            f"  {tw_cmd} schedule --data-dir {where} --topic orders --delay-ms 5s --value hello\n"
+            f"  {tw_cmd} schedule --data-dir {where} --topic orders --delay 5s --value hello\n"
             f"  {tw_cmd} consume  --data-dir {where} --topic orders --follow\n"
             f"  {tw_cmd} inspect  --data-dir {where}\n"
             + (f"Health and metrics: http://127.0.0.1:{server.port}/metrics (/healthz, /readyz).\n" if server else "")
@@ -78,7 +97,19 @@ def _self_command() -> str:
 
 def add_stage(sub: Any) -> None:
     p = sub.add_parser("stage", help="run one stage as its own process (production mode, see README)",
-                       description="Run one stage as its own process, configured by TW_* variables only.")
+                       **described(
+                           "Run one stage as its own process until SIGTERM, configured by TW_* variables only (the "
+                           "README lists them all).\n\n"
+                           "Needs: TW_KAFKA_BOOTSTRAP and TW_REDIS_URL; TW_DATA_DIR, the volume every stage of the "
+                           "deployment shares (the shards: enqueue-put writes them, dequeue-get reads them). The same "
+                           "on every stage of one deployment: TW_SHARDS, TW_TICK_MS, TW_ROLL_WINDOW_MS, "
+                           "TW_WHEEL_SPAN_MS, TW_TIMER_TOPIC, TW_DLQ_TOPIC (a start with other values than the data "
+                           "directory's stored ones is refused). Often set: TW_HTTP_PORT (/healthz, /readyz, "
+                           "/metrics), TW_KAFKA_SECURITY_PROTOCOL and the other TW_KAFKA_* / TW_REDIS_* access "
+                           "settings, TW_ALLOW_TOPICS, TW_OWN_SHARDS, TW_REPLICAS and TW_REPLICA_INDEX "
+                           "(enqueue-get replicas).",
+                           "TW_KAFKA_BOOTSTRAP=localhost:9092 TW_REDIS_URL=redis://localhost:6379/0 "
+                           "TW_DATA_DIR=./data-prod TW_SHARDS=2 timerwheel stage enqueue-get"))
     p.add_argument("name", choices=list(STAGE_NAMES), help="the stage to run")
     p.set_defaults(handler=cmd_stage)
 
@@ -94,34 +125,46 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def add_demo(sub: Any) -> None:
-    p = sub.add_parser("demo", help="schedule random timers in a temporary directory and watch them fire")
+    p = sub.add_parser("demo", help="schedule random timers in a temporary directory and watch them fire",
+                       **described(
+                           "An embedded timerwheel in a temporary directory (2 shards, 100 ms ticks) schedules "
+                           "--count timers due within --max-delay, cancels one in 20, shows the deliveries as they "
+                           "come, then prints how late they were (JSON).",
+                           "timerwheel demo", "timerwheel demo --count 10000 --max-delay 20s"))
     p.add_argument("--count", type=int, default=3000, help="timers to schedule (default 3000)")
-    p.add_argument("--max-delay-s", type=float, default=8.0, help="longest delay in seconds (default 8)")
+    p.add_argument("--max-delay", dest="max_delay_ms", type=duration, default=8_000, metavar="DURATION",
+                   help="longest delay (default 8s)")
+    hidden_alias(p, "--max-delay-s", type=float)
     p.set_defaults(handler=cmd_demo)
+
+
+#: ``demo`` cancels one timer in this many.
+CANCEL_ONE_IN = 20
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
+    max_delay_ms = args.max_delay_ms if args.max_delay_s is None else int(args.max_delay_s * 1000)
     if args.count < 1:
         raise CliError(f"--count: must be >= 1, got {args.count}")
-    if args.max_delay_s <= 0:
-        raise CliError(f"--max-delay-s: must be > 0, got {args.max_delay_s}")
+    if max_delay_ms <= 200:
+        raise CliError(f"--max-delay: must be over 200 ms (the shortest delay), got {max_delay_ms} ms")
     rng = random.Random()
     sys.stderr.write(
         f"demo: an embedded timerwheel in a temporary directory (2 shards, 100 ms ticks) schedules {args.count} "
-        f"timers due in 0.2-{args.max_delay_s:g} s, cancels one in 20, and counts the deliveries as they come; "
-        "then prints how late they were (JSON).\n")
+        f"timers due in 0.2-{max_delay_ms / 1000:g} s, cancels one in {CANCEL_ONE_IN}, and counts the deliveries as "
+        "they come; then prints how late they were (JSON).\n")
     sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="timerwheel-demo-") as tmp, \
             EmbeddedTimerwheel(tmp, tick_ms=100, roll_window_ms=60_000, shards=2, fsync=False) as tw:
         now = tw.clock.now_ms()
         timers = []
         for i in range(args.count):
-            due = now + int(rng.uniform(0.2, args.max_delay_s) * 1000)
+            due = now + int(rng.uniform(200, max_delay_ms))
             timers.append(Timer("demo", f"message {i}".encode(), key=str(i).encode(), deliver_at_ms=due))
         tickets = tw.schedule_many(timers)
-        cancelled = {t.message_id for t in tickets[:: max(1, args.count // 20)]}
+        cancelled = {t.message_id for t in tickets[::CANCEL_ONE_IN]}
         for t in tickets:
             if t.message_id in cancelled:
                 tw.cancel(t)
@@ -130,7 +173,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         late: list[int] = []
         seen: set[str] = set()
         consumer = tw.commit_log.consumer("demo", {p: 0 for p in range(tw.commit_log.partitions("demo"))})
-        deadline = time.monotonic() + args.max_delay_s + 30
+        deadline = time.monotonic() + max_delay_ms / 1000 + 30
         while len(seen) < expected and time.monotonic() < deadline:
             for r in consumer.poll(5000, 0.1):
                 mid = (r.header("tw-id") or b"").decode()

@@ -10,7 +10,16 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from timerwheel.cli.common import DEFAULTS, CliError, build_config, duration, epoch_ms
+from timerwheel.cli.common import (
+    DEFAULTS,
+    TIME_FORMS,
+    CliError,
+    build_config,
+    described,
+    duration,
+    epoch_ms,
+    hidden_alias,
+)
 from timerwheel.config import TimerConfig
 from timerwheel.errors import AccessError
 
@@ -22,14 +31,21 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_audit(sub: Any) -> None:
-    p = sub.add_parser("audit", help="Spark: join what was scheduled with what was delivered; summary.json and lists")
+    p = sub.add_parser("audit", help="Spark: join what was scheduled with what was delivered; summary.json and lists",
+                       **described(
+                           "Read the timer topic, the dead-letter topic and the destinations with Spark and write "
+                           "what was scheduled, delivered, lost, duplicated, cancelled yet delivered, and the "
+                           "lateness (DIR/summary.json, Parquet lists, DIR/lateness.png). Needs the .[spark] extra "
+                           "(make setup-spark) and Java 17.",
+                           "timerwheel audit --kafka localhost:9092 --out ./audit --grace 5m"))
     _common_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (summary.json, Parquet, PNG)")
     p.add_argument("--dlq-topic", help=f"the dead-letter topic (default $TW_DLQ_TOPIC or {DEFAULTS.dlq_topic})")
     p.add_argument("--topics", help="comma-separated destination topics (default: every one the timer topic names)")
-    p.add_argument("--grace-ms", type=duration, default=60_000, help="a message due longer ago than this and "
-                   "not delivered is lost, else pending (default 60000)")
-    p.add_argument("--now-ms", type=epoch_ms, help="the audit's now (default: the current time)")
+    p.add_argument("--grace", dest="grace_ms", type=duration, default=60_000, metavar="DURATION",
+                   help="a message due longer ago than this and not delivered is lost, else pending (default 1m)")
+    hidden_alias(p, "--grace-ms", dest="grace_ms", type=duration)
+    _now_arg(p, "the audit's now")
     p.set_defaults(handler=cmd_audit)
 
 
@@ -45,7 +61,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def add_bulk_schedule(sub: Any) -> None:
-    p = sub.add_parser("bulk-schedule", help="Spark: schedule the rows of a Parquet / CSV / JSON file")
+    p = sub.add_parser("bulk-schedule", help="Spark: schedule the rows of a Parquet / CSV / JSON file",
+                       **described(
+                           "Schedule every valid row of a file once (ids already on the timer topic are skipped, so "
+                           "a re-run schedules nothing twice); invalid rows go to --rejects with the reason. Needs "
+                           "the .[spark] extra (make setup-spark) and Java 17.",
+                           "timerwheel bulk-schedule --kafka localhost:9092 --input rows.parquet --rejects ./rejects"))
     _common_args(p)
     p.add_argument("--input", required=True, metavar="PATH", help="rows: id, topic, key, value, "
                    "deliver_at_ms | delay_ms [, partition, headers]")
@@ -64,12 +85,17 @@ def cmd_bulk_schedule(args: argparse.Namespace) -> int:
 
 
 def add_forecast(sub: Any) -> None:
-    p = sub.add_parser("forecast", help="Spark: messages due per minute ahead, per topic and shard")
+    p = sub.add_parser("forecast", help="Spark: messages due per minute ahead, per topic and shard",
+                       **described(
+                           "Count the messages scheduled, not cancelled and due in the next --hours per minute, "
+                           "destination topic and shard (DIR/minutes/ Parquet, DIR/forecast.png, DIR/peak.json). "
+                           "Needs the .[spark] extra (make setup-spark) and Java 17.",
+                           "timerwheel forecast --kafka localhost:9092 --out ./forecast --hours 48"))
     _common_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (Parquet, PNG, peak.json)")
     p.add_argument("--hours", type=int, default=24, help="hours ahead (default 24)")
     p.add_argument("--shards", type=int, help="shards (default $TW_SHARDS or 1)")
-    p.add_argument("--now-ms", type=epoch_ms, help="the forecast's now (default: the current time)")
+    _now_arg(p, "the forecast's now")
     p.set_defaults(handler=cmd_forecast)
 
 
@@ -81,6 +107,12 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     with _user_errors():
         print(json.dumps(forecast.main(args.out, cfg, args.hours, args.now_ms, args.master)))
     return 0
+
+
+def _now_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--now", dest="now_ms", type=epoch_ms, metavar="TIME", help=f"{what}: {TIME_FORMS} (default: "
+                   "the current time)")
+    hidden_alias(p, "--now-ms", dest="now_ms", type=epoch_ms)
 
 
 def _spark_config(args: argparse.Namespace, **extra: Any) -> TimerConfig:

@@ -35,8 +35,9 @@ Preconditions, each refused with one line: every stage is stopped (no heartbeat 
 lease in Redis: a stage still running would write into the new shards, or deliver what is being
 rescheduled), and the data directory holds no shard (rebuild into an empty one; a failed run is
 repeated after removing the shards it made: its copies are then the latest records of their ids).
-Order of the writes: queues cleared, copies written, shards made last, so a run that fails before
-the end left no shard behind and can simply be run again.
+Order of the writes: queues cleared, copies written, shards made last (then the deployment file
+records the timer topic's cluster and topic ids, ``store.deployment.Source``), so a run that fails
+before the end left no shard behind and can simply be run again.
 
 Memory: one entry per id of the timer topic (its latest partition and offset, its destination
 as an index into the few topic names, and a flag), plus the set of cancelled ids; delivered and
@@ -59,6 +60,7 @@ from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.runtime.wiring import QUEUES
 from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store.deployment import DeploymentSettings, Source, check_settings, store_source
 from timerwheel.store.layout import found_shards, open_shard
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
@@ -309,6 +311,18 @@ def make_shards(config: TimerConfig, ends: Mapping[int, int], now_ms: int) -> No
             shard.close()
 
 
+def clear_queues(config: TimerConfig, redis_client: Any) -> int:
+    """Empty the stages' work queues in Redis (their entries name positions of shards being made
+    again); how many entries there were."""
+    from timerwheel.transports.redisq import RedisWorkQueue
+
+    cleared = 0
+    for name in QUEUES:
+        queue = RedisWorkQueue(redis_client, name, config.shards, config.queue_bound)
+        cleared += sum(queue.clear(p) for p in range(config.shards))
+    return cleared
+
+
 def check_stopped(running: Iterable[str]) -> None:
     names = list(running)
     if names:
@@ -327,24 +341,26 @@ def check_empty(config: TimerConfig) -> None:
 def recover_from_kafka(config: TimerConfig, commit_log: CommitLog, redis_client: Any, *, dry_run: bool = False,
                        clock: Callable[[], int] | None = None) -> KafkaRecoveryReport:
     """Rebuild the shards of ``config.data_dir`` from Kafka (see the module docstring)."""
-    from timerwheel.transports.redisq import RedisWorkQueue, running_processes
+    from timerwheel.transports.redisq import running_processes
 
     t0 = time.monotonic()
     check_stopped(running_processes(redis_client))
     check_empty(config)
+    settings = DeploymentSettings.of(config)
+    check_settings(config.data_dir, settings, create=False)  # another deployment's directory: refused before the scan
     found, ends = read_outcomes(config, commit_log)
     counts = found.counts()
     if not dry_run:
         check_stopped(running_processes(redis_client))  # nobody started while we read
-        cleared = 0
-        for name in QUEUES:
-            queue = RedisWorkQueue(redis_client, name, config.shards, config.queue_bound)
-            cleared += sum(queue.clear(p) for p in range(config.shards))
+        cleared = clear_queues(config, redis_client)
         written = write_copies(config, commit_log, found)
         assert written == counts["rescheduled"], (written, counts)
         os.makedirs(config.data_dir, exist_ok=True)
         now = clock() if clock is not None else int(time.time() * 1000)
         make_shards(config, ends, now)
+        check_settings(config.data_dir, settings, fsync=config.fsync)
+        store_source(config.data_dir, Source(commit_log.cluster_id(), commit_log.topic_id(config.timer_topic)),
+                     fsync=config.fsync)
         log.info("shards rebuilt", shards=config.shards, rescheduled=written, queue_entries_cleared=cleared,
                  start_offsets={str(p): o for p, o in sorted(ends.items())})
     return KafkaRecoveryReport(found.scanned, counts["delivered"], counts["cancelled"], counts["dead_lettered"],

@@ -32,7 +32,14 @@ from timerwheel.pending import PendingTimers, pending_timers
 from timerwheel.records import Headers, Record
 from timerwheel.runtime.inspect import inspect_shards, sample_gauges
 from timerwheel.runtime.runner import WHEEL_COUNT_EVERY_S, Every, Heartbeat, StageRunner, tune_interpreter
-from timerwheel.runtime.wiring import Stage, Transports, build_stage, ensure_topics, local_transports
+from timerwheel.runtime.wiring import (
+    Stage,
+    Transports,
+    build_stage,
+    check_source,
+    ensure_topics,
+    local_transports,
+)
 from timerwheel.stages import STAGE_NAMES, StageContext
 from timerwheel.stages.codec import Q_DELIVER
 from timerwheel.store.deployment import DeploymentSettings, check_settings
@@ -41,6 +48,24 @@ from timerwheel.wire import MAX_EPOCH_MS, Ticket
 
 #: How often the embedded runtime applies the local commit log's retention (seconds).
 RETENTION_EVERY_S = 60.0
+#: How often an idle enqueue-get looks for timer records another process appended (``timerwheel
+#: schedule``, a ``TimerClient`` on the same data directory): what this process schedules wakes it
+#: at once. A look reads each timer partition's end (a few syscalls).
+EXTERNAL_POLL_S = 0.01
+#: How long any other idle stage waits for a wake at most: each is woken by what gives it work
+#: (a put into its queue, a new W, R moving), enqueue-put and dequeue-get wait less when
+#: something falls due (``StageContext.frugal``).
+WAKE_WAIT_S = 1.0
+#: The idle wait of every stage on a simulated clock (what the runtime did on any clock before
+#: issue 32: ~8 % of a core on an idle system clock, five threads waking 200 times a second).
+SIMULATED_IDLE_S = 0.005
+
+
+def idle_wait_s(stage: str, simulated: bool) -> float:
+    """How long the runner of ``stage`` lets an idle step wait (see the constants above)."""
+    if simulated:
+        return SIMULATED_IDLE_S
+    return EXTERNAL_POLL_S if stage == "enqueue-get" else WAKE_WAIT_S
 
 
 class EmbeddedTimerwheel:
@@ -85,9 +110,13 @@ class EmbeddedTimerwheel:
         transports = self._transports or local_transports(cfg, self.clock)
         self.commit_log, self.queues = transports.commit_log, transports.queues
         partitions = ensure_topics(cfg, self.commit_log)
+        check_source(cfg, self.commit_log, adopt=True, production=self._transports is not None)
         self.client = TimerClient(self.commit_log, cfg, self.clock)
         owner = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.ctx = StageContext(cfg, self.clock, self.metrics, consumer=owner)
+        # On the system clock the stages do only what is due (``StageContext.frugal``); on a
+        # simulated one time moves when a test says so, and every stage follows it at once.
+        simulated = isinstance(self.clock, SimulatedClock)
+        self.ctx = StageContext(cfg, self.clock, self.metrics, consumer=owner, frugal=not simulated)
         ctx = self.ctx
         if isinstance(self.clock, SimulatedClock):
             self.clock.on_change(lambda: ctx.wake("enqueue-put"))
@@ -106,7 +135,8 @@ class EmbeddedTimerwheel:
         self.dequeue_put = build_stage("dequeue-put", cfg, ctx, transports, sole=True)
         stages: dict[str, Stage] = {"enqueue-get": self.enqueue_get, "enqueue-put": self.enqueue_put, "dequeue-get": self.dequeue_get,
                   "dequeue-getmsg": self.dequeue_getmsg, "dequeue-put": self.dequeue_put}
-        self.runners = [StageRunner(name, stages[name], ctx, sample=self._sample if name == "dequeue-get" else None)
+        self.runners = [StageRunner(name, stages[name], ctx, idle_s=idle_wait_s(name, simulated),
+                                    sample=self._sample if name == "dequeue-get" else None)
                         for name in STAGE_NAMES]
         if not all(getattr(q, "in_process", False) for q in self.queues.values()):
             Heartbeat(self.queues[Q_DELIVER], owner, ctx.stop).start()  # shared queues (run --redis)

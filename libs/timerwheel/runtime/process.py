@@ -27,7 +27,7 @@ from typing import Any
 from timerwheel import heap, telemetry
 from timerwheel.clock import SystemClock
 from timerwheel.config import TimerConfig
-from timerwheel.errors import ConfigError
+from timerwheel.errors import ConfigError, TimerwheelError
 from timerwheel.log import stage_logger
 from timerwheel.metrics import Metrics, registry_for
 from timerwheel.runtime.embedded import EmbeddedTimerwheel
@@ -146,7 +146,7 @@ class _StopBeforeStart(BaseException):  # noqa: N818 - not an error: SIGTERM whi
 def _build_when_reachable(name: str, cfg: TimerConfig, ctx: StageContext) -> tuple[Transports, Stage] | None:
     """Transports and the stage, retried while Kafka or Redis is unreachable; None if stopped meanwhile.
     Refused credentials or an untrusted certificate are not retried: ``AccessError`` names the setting."""
-    from timerwheel.security import check_kafka_access, check_redis_access
+    from timerwheel.security import check_kafka_access, check_redis_access, kafka_unreachable
     from timerwheel.transports.kafka import KafkaLogError
     from timerwheel.transports.redisq import RedisTransportError
 
@@ -154,6 +154,14 @@ def _build_when_reachable(name: str, cfg: TimerConfig, ctx: StageContext) -> tup
     attempts = 0
     while not ctx.stop.is_set():
         require_servers(cfg)
+        unreachable = kafka_unreachable(cfg.kafka_bootstrap)
+        if unreachable is not None:  # said at once, not after kafka-python's 30 s bootstrap timeout
+            attempts += 1
+            if attempts in (1, 10) or attempts % 100 == 0:
+                log.warning("cannot reach Kafka, waiting for it", bootstrap=cfg.kafka_bootstrap, error=unreachable,
+                            attempt=attempts)
+            ctx.stop.wait(CONNECT_RETRY_S)
+            continue
         check_kafka_access(cfg)
         check_redis_access(cfg)
         transports = production_transports(cfg)
@@ -215,13 +223,17 @@ def run_all_in_one(cfg: TimerConfig, *, production: bool,
     directory's local commit log and in-process queues, or (``production``) on Kafka and Redis.
     ``started`` is called once they run, with the HTTP server (``TW_HTTP_PORT``) if there is one;
     a progress line is logged every PROGRESS_EVERY_S."""
-    from timerwheel.security import check_kafka_access, check_redis_access
+    from timerwheel.security import check_kafka_access, check_redis_access, kafka_unreachable
 
     stop = threading.Event()
     _stop_on_signals(stop)
     transports = None
     if production:
         require_servers(cfg)
+        unreachable = kafka_unreachable(cfg.kafka_bootstrap)
+        if unreachable is not None:
+            raise TimerwheelError(f"cannot reach Kafka at {cfg.kafka_bootstrap} ({unreachable}): is it running, and "
+                                   "is --kafka / TW_KAFKA_BOOTSTRAP its address?")
         check_kafka_access(cfg)
         check_redis_access(cfg)
         transports = production_transports(cfg)

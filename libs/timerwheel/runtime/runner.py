@@ -60,6 +60,10 @@ class Stage(Protocol):
     def close(self) -> None: ...
 
 
+#: How long a stopping runner waits for its gauge sampler's last sample (a wheel scan).
+SAMPLER_JOIN_S = 30.0
+
+
 class StageRunner:
     def __init__(self, name: str, stage: Stage, ctx: StageContext, idle_s: float = 0.005,
                  sample: Callable[[], None] | None = None) -> None:
@@ -77,13 +81,28 @@ class StageRunner:
         self.log = stage_logger(name)
 
     def run(self) -> None:
+        sampler = None
         if self.sample is not None:
-            threading.Thread(target=self._sample, name=f"tw-{self.name}-gauges", daemon=True).start()
+            sampler = threading.Thread(target=self._sample, name=f"tw-{self.name}-gauges", daemon=True)
+            sampler.start()
+        try:
+            self._loop()
+        finally:
+            # The sampler reads the shards the stage is about to close (close unmaps the wheel):
+            # it must have finished its last sample first, or it reads unmapped memory (SIGSEGV).
+            self.ctx.stop.set()
+            if sampler is not None:
+                sampler.join(SAMPLER_JOIN_S)
+                if sampler.is_alive():
+                    self.log.error("gauge sampler did not stop in time", timeout_s=SAMPLER_JOIN_S)
+
+    def _loop(self) -> None:
         backoff = 0.01
         failing: tuple[str, str] | None = None  # the error of the failing streak, logged in full once
         repeats = 0
         while not self.ctx.stop.is_set():
             try:
+                self.ctx.step_begins(self.name)
                 self.work += self.stage.step(self.idle_s)
                 backoff = 0.01
                 if failing is not None:

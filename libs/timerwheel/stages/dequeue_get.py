@@ -262,7 +262,7 @@ class DequeueGet:
                 owner.lose(st.shard_id, str(exc))
         self._idle = not work
         if not work and not wait:
-            self.ctx.idle_wait(STAGE, timeout_s)
+            self.ctx.idle_wait(STAGE, self._idle_wait_s(timeout_s) if self.ctx.frugal and self.owned else timeout_s)
         return work
 
     def _idle_wait_s(self, timeout_s: float) -> float:

@@ -14,7 +14,8 @@ Owns shards. For each batch of entries of a shard:
 Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
 unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
 that holds records: dequeue-get reads a due slot in its tick, while an empty wheel costs one
-checkpoint a second.
+checkpoint a second. The embedded runtime does the same on the system clock
+(``StageContext.frugal``), waiting in ``idle_wait`` instead (a put by enqueue-get wakes it).
 
 A crash anywhere leaves either the old checkpoint (the entries are redelivered or re-read
 and the duplicates skipped by offset) or the new one (the entries were durable).
@@ -62,9 +63,9 @@ _NORMAL, _ROLL, _DELETE = int(Flag.NORMAL), int(Flag.ROLL), int(Flag.DELETE)
 RETAIN_EVERY_S = 30.0
 #: A shard refused for want of ``timerwheel recover`` is looked at again this often.
 RECOVERY_RETRY_S = 2.0
-#: With ``ctx.wait_on_inputs`` (production), an idle shard's W is published at most this often
-#: (R and the lag then move in steps of this size), but at once when a slot that holds records
-#: becomes readable: a due message waits for its tick, never for this.
+#: With ``ctx.frugal`` (production; embedded on the system clock), an idle shard's W is
+#: published at most this often (R and the lag then move in steps of this size), but at once
+#: when a slot that holds records becomes readable: a due message waits for its tick, never for this.
 IDLE_PUBLISH_S = 1.0
 #: The shortest idle wait (W held back by R: nothing to publish however often we look).
 MIN_WAIT_S = 0.01
@@ -394,14 +395,14 @@ class EnqueuePut:
             except FencedError as exc:
                 owner.lose(st.shard_id, str(exc))
         if not progress and not wait:
-            self.ctx.idle_wait(STAGE, timeout_s)
+            self.ctx.idle_wait(STAGE, self._idle_wait_s(timeout_s)[0] if self.ctx.frugal and self.owned else timeout_s)
         return progress
 
     def _idle_advance(self, st: PutShard) -> bool:
-        """``_advance_w`` for a shard with no new entry. With ``ctx.wait_on_inputs``, W stays
-        where it was published for up to IDLE_PUBLISH_S, unless a slot holding records would
-        become readable (one between the published W and the new one)."""
-        if not self.ctx.wait_on_inputs or st.published_ms < 0:
+        """``_advance_w`` for a shard with no new entry. With ``ctx.frugal``, W stays where it
+        was published for up to IDLE_PUBLISH_S, unless a slot holding records would become
+        readable (one between the published W and the new one)."""
+        if not self.ctx.frugal or st.published_ms < 0:
             return self._advance_w(st)
         if time.monotonic() - st.published_at < IDLE_PUBLISH_S:
             slot = st.shard.slot_time(self._target_w(st))

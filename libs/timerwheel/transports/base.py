@@ -72,6 +72,17 @@ class CommitLog(Protocol):
         """Partition -> oldest offset still held."""
         ...
 
+    def cluster_id(self) -> str | None:
+        """The id of the cluster (of the local log: its directory's), None if it cannot tell; a
+        cluster or log made again has another."""
+        ...
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of this incarnation of ``topic``, None if it does not exist or the log cannot
+        tell; a topic deleted and made again has another. The offsets a data directory's shards
+        checkpointed belong to one incarnation (``store.deployment.Source``)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -77,6 +77,8 @@ __all__ = ["KafkaCommitLog", "KafkaConsumerAdapter", "KafkaGroupConsumer", "Kafk
 
 _TOPIC_EXISTS = 36
 _UNKNOWN_TOPIC = 3  # UNKNOWN_TOPIC_OR_PARTITION
+#: The topic id a broker without topic ids reports.
+_NO_TOPIC_ID = "00000000-0000-0000-0000-000000000000"
 
 # Random reads are bound by kafka-python decoding every record it walks past (~20 us each, more
 # without the crc32c package): a fetch starts at the batch holding the wanted offset, and the
@@ -625,6 +627,25 @@ class KafkaCommitLog:
         value = int(entry["value"])
         return None if value < 0 else value
 
+    # -- identity: which cluster, which incarnation of a topic (the deployment file records both) --
+
+    def cluster_id(self) -> str | None:
+        """The cluster's id; None from a broker too old to tell, or one whose ACLs do not let this
+        client describe the cluster."""
+        with self._admin_lock, self._kafka_call("describe the cluster"):
+            try:
+                found: dict[str, Any] = self._get_admin().describe_cluster()
+            except kafka_errors.ClusterAuthorizationFailedError:
+                return None  # a client the ACLs do not let describe the cluster: the topic id still tells
+        return found.get("cluster_id") or None
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of this incarnation of ``topic`` (a topic deleted and made again gets a new
+        one); None if it does not exist, or the broker predates topic ids (Kafka 2.8)."""
+        existing = self._describe(topic)
+        raw = existing.get("topic_id") if existing is not None else None
+        return None if raw is None or str(raw) == _NO_TOPIC_ID else str(raw)
+
     # -- offsets -----------------------------------------------------------------------------
 
     def _topic_partitions(self, topic: str) -> list[TopicPartition]:
@@ -837,9 +858,8 @@ class KafkaCommitLog:
     def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
         """Append ``records`` in one Kafka transaction: a ``read_committed`` reader (every stage)
         sees all of them or none. A transactional producer of its own is made on first use; a
-        failed transaction is aborted and raises ``KafkaLogError`` (nothing was written)."""
-        if not records:
-            return []
+        failed transaction is aborted and raises ``KafkaLogError`` (nothing was written). An empty
+        call only connects that producer (its first ``init_transactions`` takes a while)."""
         with self._producer_lock:
             producer = getattr(self, "_tx_producer", None)
             if producer is None:
@@ -853,6 +873,8 @@ class KafkaCommitLog:
                         **self._common())
                     producer.init_transactions()
                 self._tx_producer = producer
+            if not records:
+                return []
             try:
                 producer.begin_transaction()
                 futures = [producer.send(r.topic, value=r.value if r.value is not None or r.key is not None else b"",

@@ -2,8 +2,10 @@
 
 Layout on disk (every integer little endian)::
 
-    <directory>/.lock                          flock held while a topic is created
-    <directory>/<topic>/topic.json             {"format": 1, "partitions": n}, written once, atomically
+    <directory>/.lock                          flock held while a topic or an id is created
+    <directory>/@log.json                      {"id": uuid}: this log's own id (``cluster_id``), made when first asked
+    <directory>/<topic>/topic.json             {"format": 1, "partitions": n, "id": uuid}, written once,
+                                               atomically (a topic made before ids gets its "id" when first asked)
     <directory>/<topic>/<p>/lock               flock held by the appender of partition p (any process)
     <directory>/<topic>/<p>/<base:020d>.log    record frames, back to back
     <directory>/<topic>/<p>/<base:020d>.idx    one u64 per offset: END position of its frame in .log;
@@ -58,6 +60,7 @@ import re
 import struct
 import threading
 import time
+import uuid
 import weakref
 import zlib
 from collections import OrderedDict
@@ -74,6 +77,8 @@ from timerwheel.records import OutRecord, Record
 from timerwheel.store.layout import holds_shards
 
 FORMAT_VERSION = 1
+#: The log's own id, beside the topics: ``@`` is in no topic name.
+LOG_ID_FILE = "@log.json"
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 #: Kafka's rule for topic names; it also keeps a name from escaping the directory.
 TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -173,6 +178,17 @@ def kafka_partitions(keys: Sequence[bytes], partitions: int) -> list[int]:
 
 def _u64s(raw: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(raw) // 8}Q", raw)
+
+
+def _json_object(path: Path) -> dict[str, object] | None:
+    """The JSON object in ``path``, or None if there is no such file."""
+    try:
+        body = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    if not isinstance(body, dict):
+        raise TimerwheelError(f"{path}: not a JSON object")
+    return body
 
 
 def _pread_exact(fd: int, size: int, position: int) -> bytes:
@@ -691,10 +707,18 @@ class LocalCommitLog:
                 self._counts[topic] = int(json.loads(meta.read_text())["partitions"])
             return self._counts[topic]
 
-    def _create_topic(self, topic: str, partitions: int) -> None:
+    @contextlib.contextmanager
+    def _directory_locked(self) -> Iterator[None]:
+        """The log directory's ``.lock``, held while a topic or an id is made (any process)."""
         fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _create_topic(self, topic: str, partitions: int) -> None:
+        with self._directory_locked():
             topic_dir = self.directory / topic
             meta = topic_dir / "topic.json"
             if meta.exists():  # another process created it first
@@ -703,14 +727,43 @@ class LocalCommitLog:
                 (topic_dir / str(p)).mkdir(parents=True, exist_ok=True)
             tmp = topic_dir / f"topic.json.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                json.dump({"format": FORMAT_VERSION, "partitions": partitions}, f)
+                json.dump({"format": FORMAT_VERSION, "partitions": partitions, "id": str(uuid.uuid4())}, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, meta)
             fsync_dir(topic_dir)
             fsync_dir(self.directory)
-        finally:
-            os.close(fd)
+
+    # -- identity: which log, which incarnation of a topic (the deployment file records both) --
+
+    def cluster_id(self) -> str:
+        """This log's id, made when first asked: a log directory deleted or replaced has another,
+        as a Kafka cluster made again has."""
+        found = self._id_in(self.directory / LOG_ID_FILE, create=True)
+        assert found is not None
+        return found
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of this incarnation of ``topic`` (None if it does not exist): a topic directory
+        deleted and made again has another."""
+        if not TOPIC_NAME.fullmatch(topic) or topic in (".", ".."):
+            return None
+        return self._id_in(self.directory / topic / "topic.json", create=False)
+
+    def _id_in(self, path: Path, *, create: bool) -> str | None:
+        """The ``id`` of the JSON object in ``path``, given one (atomically, under the directory's
+        lock) if it has none; a missing file is made only with ``create``, else None."""
+        body = _json_object(path)
+        if body is not None and isinstance(body.get("id"), str):
+            return str(body["id"])
+        if body is None and not create:
+            return None
+        with self._directory_locked():  # another process may have given it one meanwhile
+            body = _json_object(path) or {}
+            if not isinstance(body.get("id"), str):
+                body["id"] = str(uuid.uuid4())
+                atomic_write(str(path), json.dumps(body).encode(), self.fsync)
+        return str(body["id"])
 
     def _partition(self, topic: str, partition: int) -> _Partition:
         part = self._partitions.get((topic, partition))
