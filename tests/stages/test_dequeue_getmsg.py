@@ -12,7 +12,7 @@ from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DeliverEntry, DeliverItem, FetchEntry, FetchItem
 from timerwheel.stages.dequeue_getmsg import DequeueGetMsg
 from timerwheel.store import Flag
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryWorkQueue
 
 START = 1_700_000_000_000

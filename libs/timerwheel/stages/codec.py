@@ -40,7 +40,7 @@ def wire(queue: WorkQueue, entry: Entry) -> bytes:
     """What to put into ``queue``: the entry's msgpack bytes, or, for an in-process queue
     (``in_process = True``), the entry object itself — no encoding, no copy. Every
     ``decode`` accepts both."""
-    if getattr(queue, "in_process", False):
+    if queue.in_process:
         return cast(bytes, entry)
     return entry.encode()
 

@@ -35,7 +35,7 @@ from timerwheel.stages.codec import (
     wire,
 )
 from timerwheel.store import Flag
-from timerwheel.transports.base import CommitLog, WorkQueue
+from timerwheel.transports.base import CommitLog, FollowingLog, WorkQueue
 from timerwheel.wire import H_CANCEL, message_id_of
 
 STAGE = "dequeue-getmsg"
@@ -62,9 +62,8 @@ class DequeueGetMsg(QueueStage):
         #: Mean bytes of a record in the last read (0: none yet), to cut reads at TW_BATCH_BYTES.
         self._record_bytes = 0
         # Kafka: read the timer topic ahead, so that short delays find their records in memory.
-        follow = getattr(commit_log, "follow", None)
-        if follow is not None:
-            follow(ctx.config.timer_topic)
+        if isinstance(commit_log, FollowingLog):
+            commit_log.follow(ctx.config.timer_topic)
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """The partitions' fetch entries served by one read of the commit log per TW_BATCH_BYTES

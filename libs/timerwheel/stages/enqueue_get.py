@@ -33,7 +33,7 @@ from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import StageContext, append_until_written, put_blocking
 from timerwheel.stages.codec import PutEntry, PutRow, wire
-from timerwheel.transports.base import CommitLog, Consumer, WorkQueue
+from timerwheel.transports.base import CommitLog, Consumer, ReportsUndecodable, WorkQueue
 from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
 
 STAGE = "enqueue-get"
@@ -198,8 +198,10 @@ class EnqueueGet:
 
     def _report_undecodable(self) -> None:
         """Metrics of partitions whose next batch cannot be decoded (the consumer logs each once)."""
-        found = getattr(self.consumer, "undecodable", None)
-        if found is None or (not found and not self._undecodable):
+        if not isinstance(self.consumer, ReportsUndecodable):
+            return
+        found = self.consumer.undecodable
+        if not found and not self._undecodable:
             return
         now = {p: u.offset for p, u in found.items()}
         if now == self._undecodable:
