@@ -37,7 +37,7 @@ from pathlib import Path
 from timerwheel import SimulatedClock, Timer, TimerClient, TimerConfig
 from timerwheel.records import OutRecord
 from timerwheel.runtime.embedded import EmbeddedTimerwheel
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 
 from bench.baseline import Code, codes
 from bench.common import emit, peak_rss_mb, say

@@ -493,7 +493,7 @@ def large_burst(kafka: str, redis_url: str, n: int, variant: str) -> None:
 
 def _slot_reads(kafka: str, rate: int, seconds: float, cache: int) -> dict[str, Any]:
     from timerwheel.records import OutRecord
-    from timerwheel.transports.kafka import KafkaCommitLog
+    from timerwheel.transports.kafka.log import KafkaCommitLog
 
     writer, reader = KafkaCommitLog(kafka, client_id="bench-w"), KafkaCommitLog(kafka, read_cache_records=cache)
     topic = f"bench-reads-{random.randrange(1 << 30):x}"

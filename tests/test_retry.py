@@ -11,7 +11,7 @@ from timerwheel import ConfigError, Delivery, RetryConsumer, SimulatedClock, Tim
 from timerwheel.records import Headers, OutRecord
 from timerwheel.retry import BatchResult
 from timerwheel.runtime.embedded import EmbeddedTimerwheel
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 
 START = 1_700_000_000_000
 TICK = 100

@@ -18,11 +18,11 @@ def __getattr__(name: str) -> object:
 
         return EmbeddedTimerwheel
     if name == "LocalCommitLog":
-        from timerwheel.transports.local import LocalCommitLog
+        from timerwheel.transports.local.log import LocalCommitLog
 
         return LocalCommitLog
     if name == "KafkaCommitLog":  # kafka-python is imported only by who uses it
-        from timerwheel.transports.kafka import KafkaCommitLog
+        from timerwheel.transports.kafka.log import KafkaCommitLog
 
         return KafkaCommitLog
     raise AttributeError(name)

@@ -37,7 +37,7 @@ from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import InvalidTimerMessage, TimerwheelError
 from timerwheel.records import Headers, OutRecord, Record
-from timerwheel.transports.base import CommitLog
+from timerwheel.transports.base import AtomicLog, CommitLog
 from timerwheel.wire import (
     H_CANCEL,
     H_DELAY_LEVEL,
@@ -254,8 +254,7 @@ class TimerClient:
                       int(raw_partition) if raw_partition and raw_partition.isdigit() else None)
         records, tickets, spans = self._timer_records([timer], timer_partition=ticket.partition)
         cancels, cancel_spans = self._cancel_records([ticket])
-        append_atomic = getattr(self.log, "append_atomic", None)
-        (append_atomic or self.log.append)([*cancels, *records])
+        (self.log.append_atomic if isinstance(self.log, AtomicLog) else self.log.append)([*cancels, *records])
         for span in [*cancel_spans, *(spans or ())]:
             span.end()
         return tickets[0]

@@ -94,7 +94,8 @@ class TimerConfig:
     #: Bytes of record payload a stage's batch stops at (a fetch entry, a read, a produce); a
     #: record larger than this is a batch of its own.
     batch_bytes: int = 4 * 1024 * 1024
-    #: Bytes of records dequeue-getmsg keeps read ahead (Kafka's read cache and follower); 0: off.
+    #: Memory dequeue-getmsg's Kafka read cache may take (records read ahead or in passing, each
+    #: counted as its bytes plus ``readcache.RECORD_OVERHEAD``); 0: off.
     read_cache_bytes: int = 32 * 1024 * 1024
     #: Messages a shard's dequeue-get may have sent but not yet seen delivered.
     max_in_flight: int = 20_000
@@ -388,7 +389,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                        "record bytes a batch stops at (fetch entries, dequeue-getmsg's reads, dequeue-put's "
                        "produce, enqueue-get's Kafka fetch); at least 65536"),
     "TW_READ_CACHE_BYTES": ("read_cache_bytes", "int",
-                            "record bytes dequeue-getmsg keeps read ahead from the timer topic (0: no read-ahead)"),
+                            "memory dequeue-getmsg's read cache of timer records may take on Kafka, each record "
+                            "counted as its bytes plus ~800 for the objects around it (0: no read-ahead; the "
+                            "embedded mode's local log keeps 64 MiB)"),
     "TW_MAX_IN_FLIGHT": ("max_in_flight", "int",
                          "messages per shard sent by dequeue-get but not yet reported delivered (flow control); "
                          "at least `TW_BATCH_SIZE`"),

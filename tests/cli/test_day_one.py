@@ -21,7 +21,7 @@ from timerwheel.cli.common import CliError, build_config, with_stored_settings
 from timerwheel.log import configure_logging
 from timerwheel.records import OutRecord
 from timerwheel.runtime.embedded import EmbeddedTimerwheel
-from timerwheel.transports.kafka import KafkaCommitLog
+from timerwheel.transports.kafka.log import KafkaCommitLog
 from timerwheel.wire import Ticket
 
 SETTINGS = {"tick_ms": 100, "roll_window_ms": 60_000, "shards": 2, "fsync": False}

@@ -92,7 +92,7 @@ def test_the_commit_logs_are_exported_from_the_package() -> None:
 
 def test_local_commit_log_of_the_data_dir_reaches_the_running_service(server: Server) -> None:
     from timerwheel import TimerClient
-    from timerwheel.transports.local import LocalCommitLog
+    from timerwheel.transports.local.log import LocalCommitLog
 
     tickets: list[object] = []
 
@@ -256,7 +256,7 @@ def test_consume_follow_on_kafka_waits_for_the_topic_the_first_delivery_makes(ka
     import uuid
 
     from timerwheel.records import OutRecord
-    from timerwheel.transports.kafka import KafkaCommitLog
+    from timerwheel.transports.kafka.log import KafkaCommitLog
 
     topic = f"tw-follow-{uuid.uuid4().hex[:8]}"
     proc = subprocess.Popen([sys.executable, "-m", "timerwheel.cli", "consume", "--kafka", kafka_bootstrap,

@@ -25,7 +25,7 @@ from timerwheel.console.top import run as top_run
 from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
 from timerwheel.records import OutRecord, Record
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.wire import H_CANCEL, H_DELIVER_AT, H_ERROR, H_ID, H_SOURCE, H_TOPIC
 
 START = 1_800_000_000_000

@@ -18,7 +18,7 @@ from timerwheel.records import OutRecord, Record
 from timerwheel.runtime.disaster import KafkaRecoveryRefused, Outcomes, recover_from_kafka, recovered_record
 from timerwheel.store.deployment import Source, load_source
 from timerwheel.store.layout import open_shard
-from timerwheel.transports.kafka import KafkaCommitLog
+from timerwheel.transports.kafka.log import KafkaCommitLog
 from timerwheel.wire import TimerRules, default_id
 
 T0 = 1_700_000_000_000

@@ -35,8 +35,8 @@ from timerwheel.store.deployment import (
     store_window,
 )
 from timerwheel.store.layout import found_shards, open_shard
-from timerwheel.transports.kafka import KafkaCommitLog
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.kafka.log import KafkaCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 
 T0 = 1_700_000_000_000
 

@@ -20,7 +20,7 @@ from timerwheel.runtime.wiring import (
 from timerwheel.stages import StageContext
 from timerwheel.store.checkpoint import EnqueueCheckpoint
 from timerwheel.store.layout import open_shard
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 
 NOW = 1_700_000_000_000
 

@@ -29,7 +29,7 @@ from timerwheel.stages import enqueue_put as enqueue_put_module
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store.layout import open_reader_if_exists, open_shard
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 
 START = 1_700_000_000_000

@@ -25,7 +25,7 @@ from scenario import by_id, step_through
 from timerwheel import SimulatedClock, Timer, TimerConfig
 from timerwheel.runtime.embedded import EmbeddedTimerwheel
 from timerwheel.store.layout import open_shard
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.wire import id_hash
 
 TICK = 100

@@ -249,8 +249,8 @@ def commit_log(cfg: TimerConfig, kafka: str | None, args: argparse.Namespace | N
     """Kafka at ``kafka`` (its access checked first), else the data directory's local commit log
     (with ``args``: the directory checked as a client command's, ``data_dir``)."""
     if kafka:
-        from timerwheel.security import check_kafka_access, kafka_unreachable
-        from timerwheel.transports.kafka import KafkaCommitLog
+        from timerwheel.transports.kafka.access import check_kafka_access, kafka_unreachable
+        from timerwheel.transports.kafka.log import KafkaCommitLog
 
         unreachable = kafka_unreachable(kafka)
         if unreachable is not None:  # said at once, not after kafka-python's 30 s bootstrap timeout
@@ -258,7 +258,7 @@ def commit_log(cfg: TimerConfig, kafka: str | None, args: argparse.Namespace | N
                                   "address?")
         check_kafka_access(cfg, kafka)
         return KafkaCommitLog.from_config(cfg, kafka)
-    from timerwheel.transports.local import LocalCommitLog
+    from timerwheel.transports.local.log import LocalCommitLog
 
     data = data_dir(cfg, args) if args is not None else Path(cfg.data_dir)
     return LocalCommitLog(data / "log", default_partitions=1, fsync=cfg.fsync)

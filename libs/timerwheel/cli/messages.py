@@ -393,7 +393,7 @@ def add_consume(sub: Any) -> None:
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
-    from timerwheel.transports.local import LocalCommitLog
+    from timerwheel.transports.local.log import LocalCommitLog
 
     cfg = build_config(args)
     log = commit_log(cfg, args.kafka, args)

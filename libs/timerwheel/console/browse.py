@@ -189,28 +189,17 @@ def _nonempty(shard: Shard, t: int, end: int) -> list[int]:
 def _slot_hits(shard_id: int, shard: Shard, t: int, flushed: int, r_slot: int, want: _Want,
                count: int) -> tuple[list[Hit], int]:
     """The first ``count`` messages of one slot that match (a cancel marker in the slot hides its
-    id's messages), and the records read: column-wise for a dense slot, else one by one."""
-    dense = shard.read_dense_slot(t, flushed)
-    if dense is not None:
-        positions, arr = dense
-        m, keys, markers = want.candidates(shard_id, positions, arr, r_slot)
-        if markers.size:
-            m &= ~np.isin(keys, markers)
-        idx = np.flatnonzero(m)
-        return _first(shard_id, positions[idx], arr[idx], count), len(arr)
-    records = sorted(shard.read_slot(t, flushed))  # checked records: read_slot skips the others
-    markers_set = {r.id_hash for _p, r in records if r.flags & _DELETE}
-    hits: list[Hit] = []
-    for pos, r in records:
-        key = (r.deliver_ms, shard_id, pos)
-        if (r.flags & _DELETE or r.id_hash in markers_set or not want.from_ms <= r.deliver_ms < want.to_ms
-                or (want.after is not None and key <= want.after)
-                or (want.topic is not None and r.topic_hash != want.topic)
-                or (want.message_id is not None and r.id_hash != want.message_id)):
-            continue
-        hits.append((key, r.src_partition, r.src_offset, bool(r.flags & _ROLL)))
-    hits.sort()
-    return hits[:count], len(records)
+    id's messages), and the records read: the slot's column-wise pieces, joined."""
+    pieces = list(shard.read_slot(t, flushed))  # checked records: read_slot skips the others
+    if not pieces:
+        return [], 0
+    positions = np.concatenate([p for p, _a in pieces])
+    arr = np.concatenate([a for _p, a in pieces])
+    m, keys, markers = want.candidates(shard_id, positions, arr, r_slot)
+    if markers.size:
+        m &= ~np.isin(keys, markers)
+    idx = np.flatnonzero(m)
+    return _first(shard_id, positions[idx], arr[idx], count), len(arr)
 
 
 def _walk_shard(shard_id: int, shard: Shard, want: _Want, count: int, budget: int) -> tuple[list[Hit], Key, int]:

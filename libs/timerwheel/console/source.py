@@ -156,11 +156,11 @@ class Installation:
         with self.lock:
             if self._commit_log is None:
                 if self.config.kafka_bootstrap:
-                    from timerwheel.transports.kafka import KafkaCommitLog
+                    from timerwheel.transports.kafka.log import KafkaCommitLog
 
                     self._commit_log = KafkaCommitLog.from_config(self.config)
                 else:
-                    from timerwheel.transports.local import LocalCommitLog
+                    from timerwheel.transports.local.log import LocalCommitLog
 
                     self._commit_log = LocalCommitLog(Path(self.config.data_dir) / "log", default_partitions=1,
                                                       fsync=self.config.fsync)

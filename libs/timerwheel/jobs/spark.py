@@ -22,7 +22,8 @@ from typing import Any
 
 from timerwheel.config import TimerConfig
 from timerwheel.errors import TimerwheelError
-from timerwheel.security import check_kafka_access, kafka_client_options, spark_kafka_options
+from timerwheel.security import kafka_client_options, spark_kafka_options
+from timerwheel.transports.kafka.access import check_kafka_access
 
 #: The connector's Maven coordinate, at the PySpark version (pyproject.toml pins it).
 CONNECTOR = "org.apache.spark:spark-sql-kafka-0-10_2.13"

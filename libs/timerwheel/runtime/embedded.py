@@ -44,6 +44,7 @@ from timerwheel.stages import STAGE_NAMES, StageContext
 from timerwheel.stages.codec import Q_DELIVER
 from timerwheel.store.deployment import DeploymentSettings, check_settings
 from timerwheel.store.layout import DataDirLock, open_shard
+from timerwheel.transports.base import ExpiringLog
 from timerwheel.wire import MAX_EPOCH_MS, Ticket
 
 #: How often the embedded runtime applies the local commit log's retention (seconds).
@@ -138,7 +139,7 @@ class EmbeddedTimerwheel:
         self.runners = [StageRunner(name, stages[name], ctx, idle_s=idle_wait_s(name, simulated),
                                     sample=self._sample if name == "dequeue-get" else None)
                         for name in STAGE_NAMES]
-        if not all(getattr(q, "in_process", False) for q in self.queues.values()):
+        if not all(q.in_process for q in self.queues.values()):
             Heartbeat(self.queues[Q_DELIVER], owner, ctx.stop).start()  # shared queues (run --redis)
         for r in self.runners:
             r.start()
@@ -237,10 +238,9 @@ class EmbeddedTimerwheel:
 
     def enforce_retention(self) -> int:
         """Delete the local commit log's segments past ``TW_LOG_RETENTION_MS``; returns how many."""
-        expire = getattr(self.commit_log, "expire", None)  # Kafka keeps its own retention
-        if expire is None:
+        if not isinstance(self.commit_log, ExpiringLog):  # Kafka keeps its own retention
             return 0
-        deleted = int(expire(self.clock.now_ms(), self.config.effective_log_retention_ms))
+        deleted = self.commit_log.expire(self.clock.now_ms(), self.config.effective_log_retention_ms)
         if deleted:
             self.log.info("log retention", segments_deleted=deleted,
                           retention_ms=self.config.effective_log_retention_ms)

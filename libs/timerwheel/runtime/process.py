@@ -146,8 +146,9 @@ class _StopBeforeStart(BaseException):  # noqa: N818 - not an error: SIGTERM whi
 def _build_when_reachable(name: str, cfg: TimerConfig, ctx: StageContext) -> tuple[Transports, Stage] | None:
     """Transports and the stage, retried while Kafka or Redis is unreachable; None if stopped meanwhile.
     Refused credentials or an untrusted certificate are not retried: ``AccessError`` names the setting."""
-    from timerwheel.security import check_kafka_access, check_redis_access, kafka_unreachable
-    from timerwheel.transports.kafka import KafkaLogError
+    from timerwheel.security import check_redis_access
+    from timerwheel.transports.kafka.access import check_kafka_access, kafka_unreachable
+    from timerwheel.transports.kafka.errors import KafkaLogError
     from timerwheel.transports.redisq import RedisTransportError
 
     log = stage_logger(name)
@@ -223,7 +224,8 @@ def run_all_in_one(cfg: TimerConfig, *, production: bool,
     directory's local commit log and in-process queues, or (``production``) on Kafka and Redis.
     ``started`` is called once they run, with the HTTP server (``TW_HTTP_PORT``) if there is one;
     a progress line is logged every PROGRESS_EVERY_S."""
-    from timerwheel.security import check_kafka_access, check_redis_access, kafka_unreachable
+    from timerwheel.security import check_redis_access
+    from timerwheel.transports.kafka.access import check_kafka_access, kafka_unreachable
 
     stop = threading.Event()
     _stop_on_signals(stop)

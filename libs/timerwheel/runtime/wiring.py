@@ -52,7 +52,7 @@ class Transports:
 
 def local_transports(config: TimerConfig, clock: Clock) -> Transports:
     """The embedded default: a LocalCommitLog in the data directory, in-process queues, file leases."""
-    from timerwheel.transports.local import LocalCommitLog
+    from timerwheel.transports.local.log import LocalCommitLog
     from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
     log = LocalCommitLog(Path(config.data_dir) / "log", default_partitions=1, fsync=config.fsync, clock=clock)
@@ -77,7 +77,7 @@ def production_transports(cfg: TimerConfig) -> Transports:
     """Kafka commit log, Redis work queues and Redis leases for ``cfg`` (with its TLS, SASL and
     Redis password settings, see ``timerwheel.security``)."""
     from timerwheel.security import redis_client
-    from timerwheel.transports.kafka import KafkaCommitLog
+    from timerwheel.transports.kafka.log import KafkaCommitLog
     from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 
     require_servers(cfg)

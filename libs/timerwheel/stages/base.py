@@ -249,10 +249,10 @@ class Unopenable:
       RECOVERY_NEEDED), logged once per reason as "shard needs recovery"; ``refused`` holds why.
     """
 
-    def __init__(self, ctx: StageContext, stage: str, log: StageLogger) -> None:
+    def __init__(self, ctx: StageContext, stage: str, logger: StageLogger) -> None:
         self.ctx = ctx
         self.stage = stage
-        self.log = log
+        self.logger = logger
         self.failing: dict[int, str] = {}
         #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
         self.refused: dict[int, str] = {}
@@ -260,7 +260,7 @@ class Unopenable:
     def report(self, shard: int, exc: BaseException) -> None:
         error = type(exc).__name__
         if self._fail(shard, error):
-            self.log.error("shard cannot be opened, retrying", shard=shard, error=f"{error}: {exc}"[:500])
+            self.logger.error("shard cannot be opened, retrying", shard=shard, error=f"{error}: {exc}"[:500])
 
     def refuse(self, shard: int, why: str) -> None:
         self._fail(shard, RECOVERY_NEEDED)
