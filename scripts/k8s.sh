@@ -348,12 +348,13 @@ state = "$RUNDIR/containerd-state"
   address = "$RUNDIR/containerd-debug.sock"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "timerwheel.local/pause:$PAUSE_VERSION"
-  # per-registry settings (trust-registry writes HOST:PORT/hosts.toml there), read at each pull
-  [plugins."io.containerd.grpc.v1.cri".registry]
-    config_path = "$STATE/containerd/certs.d"
   # Root here may lack CAP_SYS_RESOURCE: runc then cannot lower the pause container's
   # oom_score_adj (-998) and fails "can't get final child's PID from pipe: EOF". Clamp instead.
   restrict_oom_score_adj = true
+  # (the plugin's own keys before its sub-tables: a key after a [table] header belongs to that table)
+  # per-registry settings (trust-registry writes HOST:PORT/hosts.toml there), read at each pull
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$STATE/containerd/certs.d"
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
