@@ -13,7 +13,7 @@ DATA ?= ./data
 ## pip, quiet, without setuptools' boxed notice about editable installs (the checkout is the package).
 PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q
 
-.PHONY: setup setup-run assets setup-spark run demo test test-fast test-k8s lint docs bench kafka-up redis-up k8s-up k8s-down k8s-image spark-image down clean
+.PHONY: setup setup-run assets setup-spark run demo test test-fast test-k8s lint docs bench kafka-up redis-up k8s-up k8s-down k8s-image image spark-image down clean
 
 ## What running needs (make run, make demo, the production quick start): timerwheel and its
 ## dependencies, ~160 MB. make setup adds the developer extras (tests, lint, the operator's
@@ -99,6 +99,14 @@ k8s-up: assets
 
 k8s-image: assets
 	scripts/k8s.sh load-image
+
+## The image of the operator and the stages (services/Dockerfile) as an OCI archive,
+## dist/timerwheel-<appVersion>.oci.tar, built without Docker by scripts/image.py (root; Debian's
+## debootstrap, umoci and skopeo; layers cached in ~/.cache/timerwheel/image). Push it to your
+## registry with skopeo and install the chart with image.repository (docs/helm.md, "The image").
+IMAGE_VERSION := $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*/\1/p' charts/timerwheel/Chart.yaml)
+image:
+	python3 scripts/image.py build --tag timerwheel:$(IMAGE_VERSION) --oci-archive dist/timerwheel-$(IMAGE_VERSION).oci.tar
 
 ## The Spark image (services/spark/Dockerfile: the stage package plus Java 17, PySpark and Spark's
 ## Kafka connector) as timerwheel-spark:dev, built without Docker by scripts/image.py (layers cached

@@ -23,7 +23,7 @@ from timerwheel.metrics import (
     Metrics,
     registry_for,
 )
-from timerwheel_operator.metrics import parse_prometheus
+from timerwheel_operator.stage_metrics import parse_prometheus
 
 ROOT = Path(__file__).resolve().parent.parent
 

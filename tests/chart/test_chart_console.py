@@ -21,6 +21,7 @@ from timerwheel.cli import make_parser
 from timerwheel.config import known_env_var
 from timerwheel.metrics import COUNTERS, GAUGES, HISTOGRAMS
 from timerwheel_operator.manifests import labels as stage_labels
+from timerwheel_operator.manifests import wheel_pods
 from timerwheel_operator.monitoring import DASHBOARDS, dashboard_json, families
 
 __all__ = ["helm"]
@@ -75,6 +76,32 @@ def test_the_console_deployment_is_valid_secure_and_reads_the_installation_read_
     assert mounts["kafka-secret"]["mountPath"] == "/etc/timerwheel/kafka"  # where the operator's settings point
     assert svc["spec"]["ports"][0]["port"] == 8091
     assert "Secret" not in {d["kind"] for d in docs}  # the token stays in the user's Secret
+
+
+def test_on_a_one_node_claim_the_console_goes_to_the_stage_pods_node(helm: str) -> None:
+    """ReadWriteOnce (the chart's default): the console mounts the claim, so it must run where the
+    operator keeps every stage pod; on a ReadWriteMany claim, or with console.affinity, it does not."""
+    def affinity(*sets: str) -> dict[str, object] | None:
+        docs = template(helm, "-f", str(VALUES), *API, *(a for s in sets for a in ("--set", s)))
+        return _one(docs, "Deployment", "console")["spec"]["template"]["spec"].get("affinity")
+
+    one_node = affinity("timerwheel.spec.storage.accessModes={ReadWriteOnce}")
+    assert one_node == {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "timerwheel", "app.kubernetes.io/instance": "orders",
+                                          "app.kubernetes.io/managed-by": "timerwheel-operator"}},
+        "topologyKey": "kubernetes.io/hostname"}]}}
+    assert one_node["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"][
+        "matchLabels"] == wheel_pods("orders")  # the operator's own term for its pods
+    assert affinity("timerwheel.spec.storage.accessModes={ReadWriteMany}") is None
+    mine = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}
+    assert affinity("timerwheel.spec.storage.accessModes={ReadWriteOnce}",
+                    "console.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                    ".nodeSelectorTerms[0].matchExpressions[0].key=zone",
+                    "console.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                    ".nodeSelectorTerms[0].matchExpressions[0].operator=In",
+                    "console.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                    ".nodeSelectorTerms[0].matchExpressions[0].values={a}") == mine
 
 
 def test_the_console_needs_the_chart_s_timerwheel(helm: str) -> None:

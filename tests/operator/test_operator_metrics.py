@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
-from timerwheel_operator.metrics import MetricsParseError, Sample, parse_prometheus, shard_status
+from timerwheel_operator.stage_metrics import MetricsParseError, Sample, parse_prometheus, shard_status
 
 
 def stage_metrics(stage: str, shard: int, epoch: int, **gauges: float) -> str:
