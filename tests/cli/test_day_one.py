@@ -266,6 +266,21 @@ def test_cancel_on_kafka_without_shards_says_it_cannot_tell(
     assert code == 0 and out.startswith("cancel sent for x (due ") and "is not known here: the data directory" in out
 
 
+def test_schedule_on_kafka_warns_of_a_timer_topic_no_timerwheel_has_made(
+        kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The notes' first message went to a timer topic nothing read, in silence: a timer topic
+    that does not exist is one no timerwheel has started on (a stage makes its own)."""
+    topic = f"dayone-unread-{uuid.uuid4().hex[:8]}"
+    code, out, err = run(capsys, "schedule", "--kafka", kafka_bootstrap, "--timer-topic", topic, "--topic", "orders",
+                         "--delay", "1h")
+    assert code == 0 and out.startswith("tw1.")
+    assert f"warning: timer topic '{topic}' does not exist on {kafka_bootstrap}, so no timerwheel reads it" in err
+    assert f"TW_TIMER_TOPIC={topic}" in err
+    code, out, err = run(capsys, "schedule", "--kafka", kafka_bootstrap, "--timer-topic", topic, "--topic", "orders",
+                         "--delay", "1h")
+    assert code == 0 and "warning" not in err  # it exists now, as a stage would have made it
+
+
 # -- consume ---------------------------------------------------------------------------------------
 
 def test_consume_on_kafka_reads_to_the_end_and_refuses_a_missing_topic(

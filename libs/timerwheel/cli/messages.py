@@ -121,7 +121,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         raise CliError("--key-separator: only with --lines")
     value = b"" if args.lines else _value(args.value)
     _warn_if_past(args.deliver_at)
-    client = TimerClient(commit_log(cfg, args.kafka, args), cfg, validate=True)
+    log = commit_log(cfg, args.kafka, args)
+    _warn_if_unread(log, cfg, args.kafka)
+    client = TimerClient(log, cfg, validate=True)
 
     def timer(key: bytes | None, value: bytes) -> Timer:
         return Timer(args.topic, value, key, tuple(headers), args.delay_ms, args.deliver_at, args.delay_level)
@@ -203,6 +205,17 @@ def _stdin_lines() -> Iterator[list[bytes]]:
             yield [line.removesuffix(b"\r") for line in lines]
     if rest:
         yield [rest.removesuffix(b"\r")]
+
+
+def _warn_if_unread(log: Any, cfg: TimerConfig, kafka: str | None) -> None:
+    """On Kafka, a timer topic that does not exist yet is one no timerwheel reads: a stage makes
+    its timer topic when it starts. The message is written (the topic made, as the service would
+    make it) and waits there; say so, naming the setting, instead of leaving it unserved in silence."""
+    if kafka and log.partition_count(cfg.timer_topic) is None:
+        sys.stderr.write(f"timerwheel: warning: timer topic {cfg.timer_topic!r} does not exist on {kafka}, so no "
+                         "timerwheel reads it yet (a timerwheel makes its timer topic when it starts): the message "
+                         f"waits there until one started with TW_TIMER_TOPIC={cfg.timer_topic} (or --timer-topic) "
+                         "runs; is --timer-topic the one your timerwheel reads?\n")
 
 
 def _warn_if_past(deliver_at: int | None) -> None:

@@ -100,6 +100,7 @@ class Topics:
             existing = self.describe(topic)
             if existing is None:
                 raise KafkaLogError(f"topic {topic!r} still unknown after it was created")
+        self.missing.pop(topic, None)  # found missing before it was made here: not for missing_recheck_s more
         return len(existing["partitions"])
 
     def partitions(self, topic: str) -> int:
