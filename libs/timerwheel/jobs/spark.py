@@ -142,6 +142,9 @@ def read_topics(spark: Any, config: TimerConfig, topics: list[str]) -> Any:
               .option("subscribe", ",".join(sorted(topics))).option("includeHeaders", "true")
               .option("startingOffsets", "earliest").option("endingOffsets", "latest")
               .option("failOnDataLoss", "false")
+              # as every stage reads: a record of an aborted transaction was never scheduled (timer
+              # topic) nor delivered (destination), so the audit counts only committed ones
+              .option("kafka.isolation.level", "read_committed")
               .option("minPartitions", str(spark.sparkContext.defaultParallelism)).load())
     return df.withColumn("timestamp_ms", F.unix_millis("timestamp"))
 
