@@ -155,8 +155,10 @@ def registry(k8s: Cluster) -> Iterator[Registry]:
     env = dict(line.split("=", 1) for line in _script("registry.sh", "env").splitlines() if "=" in line)
     try:
         _script("k8s.sh", "trust-registry", env["TW_REGISTRY"], timeout_s=300)
-        made = subprocess.run(["make", "image"], cwd=ROOT, capture_output=True, text=True, timeout=UP_TIMEOUT_S,
-                              check=False)
+        # --no-print-directory: under `make test` (MAKELEVEL set) make would print its directory
+        # around the archive's path
+        made = subprocess.run(["make", "--no-print-directory", "image"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=UP_TIMEOUT_S, check=False)
         if made.returncode != 0:
             pytest.fail(f"make image failed:\n{made.stderr.strip()[-3000:]}", pytrace=False)
         archive = Path(made.stdout.strip().splitlines()[-1])
