@@ -256,6 +256,7 @@ def test_the_jobs_read_only_committed_records_as_the_stages_do(spark: Any, kafka
         for committed in (True, False, True):
             producer.begin_transaction()
             producer.send(topic, value=b"kept" if committed else b"aborted", partition=0)
+            producer.flush()  # on the broker before the abort: a read_uncommitted reader would see it
             if committed:
                 producer.commit_transaction()
             else:
