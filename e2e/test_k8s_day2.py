@@ -381,11 +381,12 @@ def test_a_recovery_that_keeps_failing_gives_up_and_waits_for_a_human(installed:
 
 def _report_of(rel: Release, job: str) -> dict[str, Any]:
     """The JSON report ``timerwheel recover`` printed in ``job``'s log."""
-    from timerwheel_operator.recovery import parse_report
+    from timerwheel_operator.jobs import reports
 
-    found = parse_report(rel.kubectl("logs", f"job/{job}").stdout)
-    assert found is not None, rel.kubectl("logs", f"job/{job}").stdout[-2000:]
-    return found
+    log = rel.kubectl("logs", f"job/{job}").stdout
+    found = reports(log)
+    assert len(found) == 1, log[-2000:]
+    return found[0]
 
 
 class FrozenThread:
