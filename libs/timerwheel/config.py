@@ -108,6 +108,9 @@ class TimerConfig:
     #: ``InputWatermark``). 0: every cancel acknowledged before its target's delivery time meets
     #: it; N: only those acknowledged at least N ms before it, for deliveries up to N ms sooner.
     cancel_lead_ms: int = 0
+    #: How far ahead of its delivery time a message may be read, fetched and held by dequeue-put
+    #: (``TW_LOOKAHEAD_MS``); 0: a slot is read once W passes its end.
+    lookahead_ms: int = 0
     #: Shards this process may own (enqueue-put, dequeue-get); empty: all.
     own_shards: tuple[int, ...] = ()
     #: enqueue-get replicas split the timer partitions: p % replicas == replica_index.
@@ -201,6 +204,9 @@ class TimerConfig:
         need(self.queue_put_timeout_s > 0, "queue_put_timeout_s", "must be > 0")
         need(self.lease_ttl_ms >= 1000, "lease_ttl_ms", f"must be >= 1000, got {self.lease_ttl_ms}")
         need(0 <= self.cancel_lead_ms <= 60_000, "cancel_lead_ms", f"must be 0..60000, got {self.cancel_lead_ms}")
+        lookahead_max = max(0, min(60_000, self.roll_window_ms // 6 - 2 * self.tick_ms))
+        need(0 <= self.lookahead_ms <= lookahead_max, "lookahead_ms",
+             f"must be 0..{lookahead_max} (60000 at most, and roll_window_ms / 6 - 2 ticks), got {self.lookahead_ms}")
         need(all(0 <= s < self.shards for s in self.own_shards), "own_shards",
              f"every shard must be 0..{self.shards - 1}, got {list(self.own_shards)}")
         need(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
@@ -403,6 +409,10 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                           "0: every cancel acknowledged before its target's delivery time meets it. N: only "
                           "cancels acknowledged at least N ms before it are sure to, and deliveries come up to "
                           "N ms sooner when enqueue-get lags"),
+    "TW_LOOKAHEAD_MS": ("lookahead_ms", "int",
+                        "how far ahead of its delivery time a message is read from the wheel, fetched and held "
+                        "by dequeue-put until its time, 0..60000 ms and at most roll_window_ms / 6 - 2 ticks; "
+                        "0: a slot is read once W passes its end"),
     "TW_OWN_SHARDS": ("own_shards", "ints",
                       "comma-separated shards this process may own (enqueue-put, dequeue-get); empty: all"),
     "TW_REPLICA_INDEX": ("replica_index", "int",
