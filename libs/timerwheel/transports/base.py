@@ -81,7 +81,17 @@ class CommitLog(Protocol):
         ...
 
     def end_offsets(self, topic: str) -> dict[int, int]:
-        """Partition -> offset the next appended record will get."""
+        """Partition -> the end a reader of committed records reaches: on Kafka the last stable
+        offset (below an open transaction's first record), elsewhere the offset the next
+        appended record will get."""
+        ...
+
+    def high_watermarks(self, topic: str) -> dict[int, int]:
+        """Partition -> the offset the next appended record will get, whether the records below
+        it are committed or not (Kafka's high watermark, what a ``read_uncommitted`` reader
+        reaches; the local log has no transactions: its ends). Every record the log acknowledged
+        before the call lies below it, also one appended after another producer's transaction
+        began on the partition, which ``end_offsets`` leaves out until the transaction ends."""
         ...
 
     def start_offsets(self, topic: str) -> dict[int, int]:

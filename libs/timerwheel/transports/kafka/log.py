@@ -121,6 +121,12 @@ class KafkaCommitLog:
         found = self.reader.list_offsets(self.topics.topic_partitions(topic), beginning=False)
         return {tp.partition: o for tp, o in found.items()}
 
+    def high_watermarks(self, topic: str) -> dict[int, int]:
+        """The high watermarks (ListOffsets at ``read_uncommitted``): above ``end_offsets`` while
+        a transaction is open on a partition. enqueue-put's ``W`` waits for these."""
+        found = self.reader.high_watermarks(self.topics.topic_partitions(topic))
+        return {tp.partition: o for tp, o in found.items()}
+
     def start_offsets(self, topic: str) -> dict[int, int]:
         found = self.reader.list_offsets(self.topics.topic_partitions(topic), beginning=True)
         return {tp.partition: o for tp, o in found.items()}
