@@ -163,9 +163,11 @@ class ExpiringLog(Protocol):
 class AtomicLog(Protocol):
     """A commit log that can write several records all or none."""
 
-    def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+    def append_atomic(self, records: Sequence[OutRecord], transactional_id: str) -> list[tuple[int, int]]:
         """As ``CommitLog.append``, in one transaction: a reader sees every record or none; on
-        failure nothing was written."""
+        failure nothing was written. ``transactional_id`` is the writer's, the same across its
+        restarts: a writer that starts again with it ends what its crashed predecessor left open
+        at once (Kafka aborts it) and fences it."""
         ...
 
 

@@ -136,10 +136,11 @@ class KafkaCommitLog:
     def append(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
         return self.appender.append(records)
 
-    def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
-        """Append ``records`` in one Kafka transaction: a ``read_committed`` reader (every stage)
-        sees all of them or none."""
-        return self.appender.append_atomic(records)
+    def append_atomic(self, records: Sequence[OutRecord], transactional_id: str) -> list[tuple[int, int]]:
+        """Append ``records`` in one Kafka transaction under ``transactional_id`` (a short
+        transaction timeout: ``producer`` module header): a ``read_committed`` reader (every
+        stage) sees all of them or none."""
+        return self.appender.append_atomic(records, transactional_id)
 
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
         return self.reader.read(topic, positions)
