@@ -1,7 +1,8 @@
 """Chaos under a steady load: crashes, a Redis wipe, a broker restart, a torn TimerLog tail.
 
 Each run reports scheduled, delivered, lost, duplicated and late (> 1 s). Nothing may be lost.
-A sixth of the messages is cancelled 0.3 to 1.5 s before it is due, through the disruptions: no
+A sixth of the messages is cancelled 0.3 to 1.5 s before it is due, through the disruptions (among
+them a SIGSTOP of dequeue-get for half the roll window in the SIGKILL runs): no
 cancel acknowledged before its target's delivery time may leak. W waits for the input (up to the
 timer partitions' high watermarks), so a cancel that enqueue-get reads late still meets its
 target, and W stays within a third of the roll window of R (6.5 s here), so a roll hop read late by
@@ -53,6 +54,8 @@ BATCH_SIZE = 100
 ROLL_WINDOW_MS = 20_000
 CANCEL_FRACTION = 1 / 6
 MIN_CANCELS_IN_TIME = 50
+#: dequeue-get is paused (SIGSTOP) this long once: more than a third of the roll window.
+STOPPED_S = 10
 #: A dead consumer's work-queue entries are claimed after 30 s idle, checked every 1000 steps.
 RECLAIM_S = 60
 
@@ -184,6 +187,12 @@ def sigkill_each_stage(pipe: Pipeline, name: str) -> None:
                 pipe.start(victim, wait_ready=False)
             for victim in victims:
                 pipe.wait_ready(victim)
+        # dequeue-get paused for longer than a third of the roll window: W must stay within that
+        # of R, so the roll hops it reads late still come back into their delivery time's slot.
+        ledger.disrupt("stop dequeue-get", True, True)
+        pipe.kill("dequeue-get", signal.SIGSTOP)
+        time.sleep(STOPPED_S)
+        pipe.kill("dequeue-get", signal.SIGCONT)
         time.sleep(3)
         finish(pipe, run, name, ledger, damaged, 25_000)
         recovered = [line for line in pipe.log_lines("enqueue-put") if line.get("event") == "recovered"]
