@@ -29,7 +29,7 @@ class Stages:
     """The five stages over one in-process installation; ``ends`` may be replaced (a failing Kafka)."""
 
     def __init__(self, root: Path, watermark: bool = True, roll_window_ms: int = 2 * 86_400_000,
-                 lead_ms: int = 0, lookahead_ms: int = 0) -> None:
+                 lead_ms: int = 0, lookahead_ms: int = -1) -> None:
         self.config = cfg = TimerConfig(data_dir=str(root), tick_ms=TICK_MS, shards=1, timer_partitions=2,
                                         roll_window_ms=roll_window_ms, wheel_span_ms=4 * roll_window_ms, fsync=False,
                                         cancel_lead_ms=lead_ms, lookahead_ms=lookahead_ms)

@@ -325,7 +325,7 @@ class DequeueGet:
                 return BUSY_WAIT_S
             tick = st.shard.tick_ms
             wait = min(wait, tick / 1000)
-            lookahead = self.ctx.config.lookahead_ms
+            lookahead = self.ctx.config.effective_lookahead_ms
             due = st.shard.next_nonempty(st.cursor, now + lookahead + tick)
             # Read once W passes the slot's end (read ahead: once its start is L ahead of now);
             # however late we are, unless W stood still for seconds (enqueue-put down or held back
@@ -377,7 +377,7 @@ class DequeueGet:
         """The end (exclusive) of the slots that may be read at ``ckpt``: those before ``W``'s slot
         (final: ``W`` passed their end), and with TW_LOOKAHEAD_MS ``L`` > 0 every slot that starts
         at or before ``min(now, W) + L`` (read ahead, open until ``W`` passes their end)."""
-        lookahead = self.ctx.config.lookahead_ms
+        lookahead = self.ctx.config.effective_lookahead_ms
         if lookahead <= 0:
             return st.shard.slot_time(ckpt.write_ms)
         ahead = min(self.ctx.clock.now_ms(), ckpt.write_ms) + lookahead

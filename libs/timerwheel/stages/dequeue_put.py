@@ -20,12 +20,14 @@ dropped as CANCELLED. Two markers of one id hash both count.
 
 What is released in one loop round goes out in one append, ``tw-delivered-at`` stamped at release,
 with the control headers removed and ``tw-id``, ``tw-roll``, ``tw-enqueued-at`` stamped. Items that
-are not held go out in the round they arrive: a ROLL item goes back to the timer topic's same
-partition (so it stays in its shard, where its cancel marker will go) with an absolute
-``tw-deliver-at`` and ``tw-roll`` + 1; a CANCELLED one (dequeue-getmsg confirmed a marker) is
+are not held go out in the round they arrive: a CANCELLED one (dequeue-getmsg confirmed a marker) is
 dropped and counted; a MISSING one and a destination the allow-list refuses (tightened since, or
 a forged entry) are dead-lettered. A DELIVER item due more than TW_LOOKAHEAD_MS + EARLY_WAIT_MAX_S
 past this clock (a clock far off) goes back to the timer topic with its own time, like a roll.
+A ROLL item (a roll hop) is held too, until ``W`` passes its slot's time (so that a crash, which
+reads the slots from ``R`` on again, never hops a message twice from a slot ``W`` had not passed),
+then goes back to the timer topic's same partition (so it stays in its shard, where its cancel
+marker will go) with an absolute ``tw-deliver-at`` and ``tw-roll`` + 1.
 The append is retried until it succeeds: a due message is never dropped.
 
 An entry is **finished** once all its items are: its slot's count is reported to dequeue-get, and
@@ -250,7 +252,7 @@ class DequeuePut(QueueStage):
         now = rnd.now
         rules = ctx.rules
         topics = rules.known_topics
-        late_limit = now + cfg.lookahead_ms + int(EARLY_WAIT_MAX_S * 1000)
+        late_limit = now + cfg.effective_lookahead_ms + int(EARLY_WAIT_MAX_S * 1000)
         early = 0
         to_hold: list[Held] = []
         for p, part in batches.items():
@@ -274,7 +276,7 @@ class DequeuePut(QueueStage):
                 if due > late_limit:
                     self._roll_back(rnd, h, due)
                     continue
-                if due > now + cfg.lookahead_ms + cfg.tick_ms:
+                if due > now + cfg.effective_lookahead_ms + cfg.tick_ms:
                     early += 1
                 heapq.heappush(self._heap, (due, next(self._seq), h))
         if early:
@@ -315,13 +317,21 @@ class DequeuePut(QueueStage):
             rnd.finished.append((held, item))
         else:
             assert kind == ROLL
-            deliver_ms = rules.delivery_time(rec, rnd.now, check_max=False, headers=hdr)
-            raw_roll = hdr.get(H_ROLL)
-            headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, int(raw_roll) if raw_roll else 0,
-                                     item.enqueued_ms)
-            rnd.out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
-            _count(rnd.rolled, topic)
-            rnd.finished.append((held, item))
+            # Held until W passes its slot's time, not rolled as soon as read ahead: a crash reads
+            # again the slots from R on, and a hop done again is a second copy of the message.
+            heapq.heappush(self._heap, (item.fire_ms, next(self._seq), Held(held, item, rec, hdr, topic, None,
+                                                                          item.fire_ms)))
+
+    def _roll(self, rnd: Round, h: Held) -> None:
+        """A roll hop whose slot ``W`` passed: back to the timer topic, one roll more."""
+        rec, hdr = h.record, h.headers
+        deliver_ms = self.ctx.rules.delivery_time(rec, rnd.now, check_max=False, headers=hdr)
+        raw_roll = hdr.get(H_ROLL)
+        headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, int(raw_roll) if raw_roll else 0,
+                                 h.item.enqueued_ms)
+        rnd.out.append(OutRecord(self.ctx.config.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
+        _count(rnd.rolled, h.topic)
+        rnd.finished.append((h.held, h.item))
 
     def _dead_letter(self, rnd: Round, held: HeldEntry, item: DeliverItem, topic: str, reason: str) -> None:
         rec = item.record
@@ -380,11 +390,13 @@ class DequeuePut(QueueStage):
             if not ready:
                 continue
             assert view is not None and ckpt is not None
-            cancelled = self._cancelled(view.shard, ready, ckpt.flushed_pos)
+            cancelled = self._cancelled(view.shard, [h for h in ready if h.item.kind == DELIVER], ckpt.flushed_pos)
             rnd = rnd or self._new_round()
             rnd.now = now  # tw-delivered-at: the release
             for h in ready:
-                if id(h) in cancelled:
+                if h.item.kind == ROLL:
+                    self._roll(rnd, h)
+                elif id(h) in cancelled:
                     _count(rnd.cancelled, h.topic)
                     rnd.finished.append((h.held, h.item._replace(kind=CANCELLED)))
                 else:
@@ -493,8 +505,7 @@ class DequeuePut(QueueStage):
         done: list[HeldEntry] = []
         for held, _item in finished:
             held.left -= 1
-            if held.left <= 0 and not held.lost:
-                held.lost = True  # reported once
+            if held.left == 0:
                 done.append(held)
         if not done:
             return
