@@ -505,7 +505,7 @@ class DequeuePut(QueueStage):
         done: list[HeldEntry] = []
         for held, _item in finished:
             held.left -= 1
-            if held.left == 0:
+            if held.left == 0 and not held.lost:  # a lost one is another consumer's to ack
                 done.append(held)
         if not done:
             return
