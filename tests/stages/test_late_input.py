@@ -29,10 +29,10 @@ class Stages:
     """The five stages over one in-process installation; ``ends`` may be replaced (a failing Kafka)."""
 
     def __init__(self, root: Path, watermark: bool = True, roll_window_ms: int = 2 * 86_400_000,
-                 lead_ms: int = 0) -> None:
+                 lead_ms: int = 0, lookahead_ms: int = -1) -> None:
         self.config = cfg = TimerConfig(data_dir=str(root), tick_ms=TICK_MS, shards=1, timer_partitions=2,
                                         roll_window_ms=roll_window_ms, wheel_span_ms=4 * roll_window_ms, fsync=False,
-                                        cancel_lead_ms=lead_ms)
+                                        cancel_lead_ms=lead_ms, lookahead_ms=lookahead_ms)
         self.clock = SimulatedClock(START)
         t = local_transports(cfg, self.clock)
         self.log, q = t.commit_log, t.queues
@@ -56,7 +56,7 @@ class Stages:
         self.dget = DequeueGet(ctx, [0], lambda s: open_reader_if_exists(cfg, s), q[Q_FETCH], q[Q_DONE],
                                Ownership(t.leases, "dequeue-get", "me", cfg.lease_ttl_ms))
         self.getmsg = DequeueGetMsg(ctx, self.log, q[Q_FETCH], q[Q_DELIVER], [0])
-        self.dput = DequeuePut(ctx, self.log, q[Q_DELIVER], q[Q_DONE], [0])
+        self.dput = DequeuePut(ctx, self.log, q[Q_DELIVER], q[Q_DONE], [0], lambda s: open_reader_if_exists(cfg, s))
         self.client = TimerClient(self.log, cfg, self.clock)
 
     def timer_topic_ends(self) -> dict[int, int]:

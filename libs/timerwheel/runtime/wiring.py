@@ -230,5 +230,6 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Tran
     if name == "dequeue-getmsg":
         return DequeueGetMsg(ctx, log, queues[Q_FETCH], queues[Q_DELIVER], range(cfg.shards))
     if name == "dequeue-put":
-        return DequeuePut(ctx, log, queues[Q_DELIVER], queues[Q_DONE], range(cfg.shards))
+        return DequeuePut(ctx, log, queues[Q_DELIVER], queues[Q_DONE], range(cfg.shards),
+                          lambda s: open_reader_if_exists(cfg, s))
     raise ConfigError("stage", f"unknown stage {name!r}")

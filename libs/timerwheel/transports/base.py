@@ -244,6 +244,11 @@ class WorkQueue(Protocol):
         """``consumer`` is alive for the next ``ttl_ms``."""
         ...
 
+    def touch(self, partition: int, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        """Reset the pending idle time of the entries still pending with ``consumer`` (a consumer that
+        holds entries on purpose keeps them from ``claim_stale``); returns those it no longer has."""
+        ...
+
     def depth(self, partition: int) -> int:
         """Entries not yet acked (waiting plus pending)."""
         ...
