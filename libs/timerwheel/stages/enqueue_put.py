@@ -98,7 +98,7 @@ def r_lead_ms(cfg: TimerConfig) -> int:
     serves what is not built yet (retention down to ``W - c``, reschedule's checks of lattice
     points), and it would make W catch up after an outage in steps of 60 s, one round trip through
     dequeue-get each (1,440 for a day; a simulated clock jumping a year, half a million)."""
-    return cfg.roll_window_ms // 3 - cfg.lookahead_ms - cfg.tick_ms
+    return cfg.roll_window_ms // 3 - cfg.effective_lookahead_ms - cfg.tick_ms
 
 
 def roll_targets(deliver_ms: npt.NDArray[np.int64], write_ms: int, base_ms: int,
