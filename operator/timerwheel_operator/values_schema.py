@@ -52,6 +52,9 @@ def _obj(props: Schema, required: list[str] | None = None, doc: str = "") -> Sch
 _FREE_MAP: Schema = {"type": "object"}
 _STRING_MAP: Schema = {"type": "object", "additionalProperties": {"type": "string"}}
 _QUANTITIES: Schema = {"type": "object", "additionalProperties": json_schema_of(QUANTITY)}
+#: A size as Spark reads it (spark.executor.memory): a number of MiB, or with a unit (512m, 2g).
+_SPARK_SIZE = r"[0-9]+([kKmMgGtTpP][bB]?|[bB])?"
+_PORT: Schema = {"type": "integer", "minimum": 1024, "maximum": 65535}
 
 
 def values_schema() -> Schema:
@@ -92,12 +95,36 @@ def values_schema() -> Schema:
                 }, ["repository", "pullPolicy"], "the Spark image (services/spark/Dockerfile)"),
                 "master": {"type": "string", "minLength": 1},
                 "resources": _obj({"requests": _QUANTITIES, "limits": _QUANTITIES}),
+                "driverMemory": {"type": "string", "pattern": f"^{_SPARK_SIZE}$"},
                 "dataClaim": {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"},
+                "kubernetes": _obj({
+                    "enabled": {"type": "boolean"},
+                    "executors": _obj({
+                        "instances": {"type": "integer", "minimum": 1},
+                        "cores": {"type": "integer", "minimum": 1},
+                        "memory": {"type": "string", "pattern": f"^{_SPARK_SIZE}$"},
+                        "memoryOverhead": {"type": "string", "pattern": f"^({_SPARK_SIZE})?$"},
+                    }),
+                    "apiServer": {"type": "string", "pattern": r"^(https?://[^\s]+)?$"},
+                    "driverPort": _PORT,
+                    "blockManagerPort": _PORT,
+                    "serviceAccount": _obj({
+                        "create": {"type": "boolean"},
+                        "name": {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"},
+                    }),
+                    "conf": {"type": "object", "propertyNames": {"pattern": r"^spark\.[^\s=:]+$"},
+                             "additionalProperties": {"type": "string", "pattern": r"^[^\n\r]*$"}},
+                }, None, "Spark's Kubernetes scheduler: the job's pod the driver, executor pods of the Spark image"),
                 "audit": _obj({
                     "enabled": {"type": "boolean"},
                     "schedule": {"type": "string", "minLength": 9},
                     "graceMs": {"type": "integer", "minimum": 0},
                     "topics": {"type": "string", "pattern": r"^([a-zA-Z0-9._-]{1,249}(,[a-zA-Z0-9._-]{1,249})*)?$"},
+                }),
+                "forecast": _obj({
+                    "enabled": {"type": "boolean"},
+                    "schedule": {"type": "string", "minLength": 9},
+                    "hours": {"type": "integer", "minimum": 1},
                 }),
                 "bulk": _obj({
                     "enabled": {"type": "boolean"},
@@ -105,7 +132,7 @@ def values_schema() -> Schema:
                     "format": {"type": "string", "enum": ["parquet", "csv", "json"]},
                     "rejects": {"type": "string", "minLength": 1},
                 }),
-            }, None, "optional Spark jobs: the audit CronJob and the bulk-schedule Job"),
+            }, None, "optional Spark jobs: the audit and forecast CronJobs and the bulk-schedule Job"),
             "tests": _obj({
                 "enabled": {"type": "boolean"},
                 "topic": {"type": "string", "pattern": r"^[a-zA-Z0-9._-]{1,249}$"},
