@@ -202,8 +202,8 @@ def spark_release(k8s: Cluster, namespace: str, release: str, volume_gib: int = 
     claim = f"{release}-spark-data"
     size = f"{volume_gib}Gi"
     rel = SparkRelease(k8s, helm_binary(), namespace, release, claim, volume_dir)
-    k8s.kubectl("create", "namespace", namespace)
-    k8s.apply({"apiVersion": "v1", "kind": "PersistentVolume",
+    k8s.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+              {"apiVersion": "v1", "kind": "PersistentVolume",
                "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "tw-e2e"}},
                "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteMany"],
                         "persistentVolumeReclaimPolicy": "Retain", "storageClassName": name,
