@@ -7,8 +7,18 @@
   median of three rounds.
 * ``embedded.burst``: 1,000,000 messages due in the same tick: drain time and peak RSS
   (bounded by the queue bounds, not by the burst).
-* ``embedded.lateness``: real clock, 1,000 messages/s for 60 s, tick 100 ms: lateness
-  p50 / p99 / max and early deliveries.
+* ``embedded.lateness``: real clock, 1,000 messages/s (``TW_BENCH_EMBEDDED_RATE``) for 60 s
+  (``TW_BENCH_SECONDS``), tick 100 ms, delays 2-10 s, due on whole seconds and uniform
+  (``TW_BENCH_DUE``): lateness three ways (``bench.lateness``: ``tw-delivered-at``, the local
+  log's record timestamp, the receive time of a consumer thread polling the destination),
+  p50 / p99 / max and early of each. Each run in a process of its own; with
+  ``TW_BENCH_BASELINE`` the baseline revision's runs alternate with the current code's.
+* ``embedded.idle``: ``timerwheel run --embedded`` (the default settings, as ``make run``) with no
+  traffic for ``TW_BENCH_IDLE_SECONDS`` (30): its CPU time from ``/proc`` (psutil, as
+  ``production.idle``), in % of one core; with ``TW_BENCH_BASELINE`` alternately with the
+  baseline's.
+
+``TW_BENCH_EMBEDDED_ONLY`` (a comma list of throughput, burst, lateness, idle) runs some of them.
 """
 
 from __future__ import annotations
@@ -20,15 +30,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from timerwheel import SimulatedClock, Timer, TimerClient, TimerConfig
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import OutRecord
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
+from timerwheel.transports.local.log import LocalCommitLog
 
-from bench.common import emit, peak_rss_mb, percentile, say
+from bench.baseline import Code, codes
+from bench.common import emit, peak_rss_mb, say
+from bench.lateness import DELAYS_MS, DUE_MODES, Arrival, counts, describe, due_time, rounded, three_way
 
 START = 1_700_000_000_000
 
@@ -161,11 +174,35 @@ def burst_child(n: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def lateness(rate: int = 1_000, seconds: int = 60) -> None:
+def lateness(rate: int, seconds: int, due_mode: str, code_name: str = "current",
+             settings: dict[str, str] | None = None) -> None:
+    """``rate`` msg/s for ``seconds``, delays 2-10 s shaped by ``due_mode``, on the system clock;
+    a consumer thread of this process polls the destination continuously (a user of embedded
+    mode reads in its own process): lateness by ``tw-delivered-at``, by the local log's record
+    timestamp and by the time the consumer got the record. ``settings``: ``TW_*`` variables of
+    the variant measured (``bench.baseline``)."""
     tmp = Path(tempfile.mkdtemp(prefix="tw-late-"))
     rng = random.Random(1)
     try:
-        with EmbeddedTimerwheel(tmp, tick_ms=100, roll_window_ms=3_600_000, shards=2, fsync=True) as tw:
+        config = TimerConfig.from_env(settings or {})
+        with EmbeddedTimerwheel(tmp, config=config, tick_ms=100, roll_window_ms=3_600_000, shards=2,
+                                fsync=True) as tw:
+            log = tw.commit_log
+            consumer = log.consumer("late", dict.fromkeys(range(log.partitions("late")), 0))
+            arrivals: list[Arrival] = []
+            stop = threading.Event()
+
+            def receive() -> None:
+                while not stop.is_set():
+                    records = consumer.poll(10_000, 0.1)
+                    received = int(time.time() * 1000)
+                    for r in records:
+                        at = r.header("tw-delivered-at")
+                        arrivals.append(Arrival((r.header("tw-id") or b"").decode(), int(at) if at else None,
+                                                r.timestamp_ms, received))
+
+            reader = threading.Thread(target=receive, name="bench-receiver", daemon=True)
+            reader.start()
             due: dict[str, int] = {}
             t0 = time.monotonic()
             sent = 0
@@ -173,33 +210,83 @@ def lateness(rate: int = 1_000, seconds: int = 60) -> None:
                 target = int((time.monotonic() - t0) * rate)
                 if target > sent:
                     k = target - sent
-                    tickets = tw.schedule_many([Timer("late", b"x" * 100, delay_ms=rng.randint(200, 5_000))
-                                                for _ in range(k)])
+                    at = [due_time(int(time.time() * 1000), rng.randint(*DELAYS_MS), due_mode) for _ in range(k)]
+                    tickets = tw.schedule_many([Timer("late", b"x" * 100, deliver_at_ms=a) for a in at])
                     for t in tickets:
                         due[t.message_id] = t.deliver_at_ms
                     sent += k
                 time.sleep(0.005)
-            deadline = time.monotonic() + 30
-            while delivered_count(tw, "late") < sent and time.monotonic() < deadline:
+            deadline = time.monotonic() + DELAYS_MS[1] / 1000 + 30
+            while len(arrivals) < sent and time.monotonic() < deadline:
                 time.sleep(0.05)
-            records = tw.read("late")
-        late = sorted(int(r.header("tw-delivered-at") or 0) - due[(r.header("tw-id") or b"").decode()]
-                      for r in records)
-        early = sum(1 for x in late if x < 0)
-        emit("embedded.lateness.p99", percentile(late, 0.99), "ms", p50=percentile(late, 0.5),
-             max=late[-1] if late else None, early=early, scheduled=sent, delivered=len(late), tick_ms=100,
-             rate_per_s=rate, seconds=seconds)
+            stop.set()
+            reader.join(5)
+            consumer.close()
+        result = three_way(due, arrivals)
+        c = counts(due, arrivals)
+        say(f"embedded lateness, {code_name}, due {due_mode}, {rate} msg/s for {seconds} s: {describe(result)}")
+        ways = rounded(result)
+        emit("embedded.lateness.p99", ways["timestamp"]["p99"], "ms", p50=ways["timestamp"]["p50"],
+             max=ways["timestamp"]["max"], early=ways["timestamp"]["early"], ways=ways, due=due_mode,
+             scheduled=sent, delivered=c["delivered"], lost=c["lost"], duplicated=c["duplicated"], tick_ms=100,
+             rate_per_s=rate, seconds=seconds, delays_ms=list(DELAYS_MS), code=code_name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def idle(seconds: float, code: Code) -> float:
+    """CPU of an idle ``timerwheel run --embedded`` of ``code``, in % of one core; emits
+    ``embedded.idle.cpu``."""
+    import psutil
+
+    tmp = Path(tempfile.mkdtemp(prefix="tw-idle-"))
+    proc = subprocess.Popen([sys.executable, "-m", "timerwheel.cli", "run", "--embedded", "--data-dir", str(tmp)],
+                            env={**code.env(), "TW_LOG_LEVEL": "WARNING"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(5)  # settle: the shards made, the first checkpoints written
+        process = psutil.Process(proc.pid)
+        times = process.cpu_times()
+        before, started = times.user + times.system, time.monotonic()
+        time.sleep(seconds)  # the measured window: nothing is sent
+        times = process.cpu_times()
+        cpu = round(100 * (times.user + times.system - before) / (time.monotonic() - started), 2)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"idle CPU of timerwheel run --embedded over {seconds:.0f} s: {cpu} % of a core")
+    emit("embedded.idle.cpu", cpu, "% of a core", seconds=round(seconds), tick_ms=100, shards=1, code=code.name)
+    return cpu
+
+
+def lateness_runs(rate: int, seconds: int, modes: list[str]) -> None:
+    """Each due mode, each code (current, then the baseline's: alternately), each in a process of
+    its own whose PYTHONPATH says which timerwheel it imports (``bench.baseline``)."""
+    root = Path(__file__).resolve().parent.parent
+    for mode in modes:
+        for code in codes():
+            subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import lateness; "
+                            f"lateness({rate}, {seconds}, {mode!r}, {code.name!r}, {dict(code.settings)!r})"],
+                           check=True, cwd=root, env=code.env())
+
+
 def main() -> None:
-    throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")), int(os.environ.get("TW_BENCH_ROUNDS", "3")))
-    n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
-    say(f"burst of {n:,} messages due in one tick (child process, for its own peak RSS)")
-    subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],
-                   check=True, cwd=Path(__file__).resolve().parent.parent)
-    lateness(seconds=int(os.environ.get("TW_BENCH_SECONDS", "60")))
+    only = set(os.environ.get("TW_BENCH_EMBEDDED_ONLY", "throughput,burst,lateness,idle").split(","))
+    if "throughput" in only:
+        throughput(int(os.environ.get("TW_BENCH_MESSAGES", "100000")), int(os.environ.get("TW_BENCH_ROUNDS", "3")))
+    if "burst" in only:
+        n = int(os.environ.get("TW_BENCH_BURST", "1000000"))
+        say(f"burst of {n:,} messages due in one tick (child process, for its own peak RSS)")
+        subprocess.run([sys.executable, "-c", f"from bench.bench_embedded import burst_child; burst_child({n})"],
+                       check=True, cwd=Path(__file__).resolve().parent.parent)
+    if "lateness" in only:
+        modes = [x.strip() for x in os.environ.get("TW_BENCH_DUE", "").split(",") if x.strip()] or list(DUE_MODES)
+        lateness_runs(int(os.environ.get("TW_BENCH_EMBEDDED_RATE", "1000")),
+                      int(os.environ.get("TW_BENCH_SECONDS", "60")), modes)
+    if "idle" in only:
+        for code in codes():
+            idle(float(os.environ.get("TW_BENCH_IDLE_SECONDS", "30")), code)
 
 
 if __name__ == "__main__":

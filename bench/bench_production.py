@@ -4,11 +4,14 @@
   pipeline runs; messages/s from the moment enqueue-get starts consuming to the last delivery,
   beside a plain kafka-python consume-then-produce pass-through of the same records (same client,
   acks=all, measured in the same run). The ratio is the figure.
-* ``production.lateness``: a steady rate (default 1,000 msg/s) for S seconds (default 60), tick
-  100 ms, delays 1-5 s: lateness p50 / p99 / max. If the pipeline cannot keep up with the rate
-  here (``keeps_up``), the rate is halved until a short probe keeps up, the figure is measured
-  there, and the output says so (``sustained_asked_rate=false``). Then the same rate with
-  ``TW_CANCEL_LEAD_MS=500`` (``production.lateness.lead``), the strict figures beside it.
+* ``production.lateness``: a steady rate (default 500 msg/s) for S seconds (default 60), tick
+  100 ms, delays 2-10 s, due on whole seconds (a burst each second) and then uniform
+  (``TW_BENCH_DUE``): lateness three ways (``bench.lateness``: ``tw-delivered-at``, the
+  destination record's Kafka timestamp, the receive time of a consumer in a process of its own),
+  p50 / p99 / max and early of each, lost and duplicated; ``sustained`` says whether it kept up.
+  With ``TW_BENCH_BASELINE`` the baseline revision's run follows the current code's for each
+  due mode. Then the current code with ``TW_CANCEL_LEAD_MS=500`` (``TW_BENCH_PROD_LEAD_MS``; 0
+  skips it), whole seconds (``production.lateness.lead``).
 * ``production.burst``: N messages (default 200,000) due in the same second: time to drain,
   messages/s, and the peak RSS (VmHWM) of each stage process.
 * ``production.large_burst`` (issue 16): 500, 1,500 and 5,000 records of 800 KB due in the same
@@ -37,10 +40,16 @@
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
   records read in passing and without it (``read_cache_records=0``), side by side.
 
-Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (1000),
-``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_PROD_ONLY`` (comma
-list of throughput, compressed, sasl_ssl, lateness, burst, large_burst, idle, slot_reads, shared_volume). Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` / ``TW_REDIS_URL``,
-else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards: 2, timer partitions: 4.
+Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (500),
+``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_DUE`` (comma list of
+whole_second, uniform). ``TW_BENCH_PROD_ONLY``: comma list of throughput, compressed, sasl_ssl,
+lateness, burst, large_burst, idle, slot_reads, shared_volume, or ``all``; by default throughput,
+lateness, burst and idle (``DEFAULT_ONLY``). ``TW_BENCH_BASELINE=<git rev>``: throughput,
+lateness, burst and idle run that revision's stage processes too, alternately with the current
+code (``bench.baseline``), each row labelled ``code``. Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` /
+``TW_REDIS_URL``, else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards:
+2, timer partitions: 4. One production benchmark at a time per Redis server: each run numbers its
+Redis databases from 1.
 """
 
 from __future__ import annotations
@@ -62,7 +71,11 @@ from urllib.parse import urlsplit
 import psutil
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from bench.baseline import CURRENT, Code, codes
 from bench.common import emit, percentile, say
+from bench.lateness import DUE_MODES
+from bench.load import TimerwheelWire
+from bench.steady import keeps_up, steady
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "e2e"))
@@ -173,7 +186,10 @@ def pass_through(kafka: str, source: str, n: int, options: dict[str, Any] | None
 
 
 def new_pipeline(kafka: str, redis_url: str, mounts: TwoMounts | None = None,
-                 tw_env: dict[str, str] | None = None, **settings: Any) -> Pipeline:
+                 tw_env: dict[str, str] | None = None, code: Code = CURRENT, **settings: Any) -> Pipeline:
+    """The five stage processes of one benchmark run, not started yet. Every stage process a
+    benchmark starts comes from here: ``code`` says whose timerwheel they run (the current
+    checkout, or a baseline revision's ``libs/`` through PYTHONPATH: ``bench.baseline``)."""
     work = Path(tempfile.mkdtemp(prefix="tw-bench-prod-")) if mounts is None else mounts.base.parent.parent
     settings.setdefault("fsync", "true")
     settings.setdefault("roll_window_ms", 3_600_000)
@@ -183,6 +199,7 @@ def new_pipeline(kafka: str, redis_url: str, mounts: TwoMounts | None = None,
     settings.setdefault("lease_ttl_ms", 10_000)
     settings.setdefault("timer_partitions", PARTITIONS)
     pipe = Pipeline(work, kafka, redis_url, mounts=mounts, tw_env=tw_env, **settings)
+    pipe.env.update(code.env(pipe.env))
     pipe.env["TW_LOG_LEVEL"] = "WARNING"
     return pipe
 
@@ -212,11 +229,12 @@ def layout(name: str) -> Iterator[TwoMounts | None]:
 
 def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = None,
                bench_name: str = "production.throughput", compression: str | None = None, baseline: bool = True,
-               tw_env: dict[str, str] | None = None, figure: bool = True, **labels: Any) -> tuple[float, float | None]:
+               tw_env: dict[str, str] | None = None, figure: bool = True, code: Code = CURRENT,
+               **labels: Any) -> tuple[float, float | None]:
     """The pipeline's messages/s for n due records (written with ``compression``) and, with
     ``baseline``, the pass-through's (its figure emitted unless ``figure`` is false). ``mounts``:
     the data directory's layout; ``tw_env``: security settings of every client."""
-    pipe = new_pipeline(kafka, redis_url, mounts, tw_env)
+    pipe = new_pipeline(kafka, redis_url, mounts, tw_env, code)
     dest = pipe.dest("tp")
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, **pipe.kafka_options)
     try:
@@ -247,7 +265,7 @@ def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = No
             return rate, base
         emit(bench_name, rate, "messages/s", messages=n, seconds=round(t1 - t0, 2),
              passthrough_per_s=round(base), ratio=round(rate / base, 3), shards=2, timer_partitions=PARTITIONS,
-             **labels)
+             code=code.name, **labels)
         return rate, base
     finally:
         consumer.close()
@@ -304,113 +322,50 @@ def sasl_ssl(redis_url: str, n: int) -> None:
          kafka="SASL_SSL SCRAM-SHA-512", redis="rediss:// + password")
 
 
-class _Lateness:
-    """Sends ``rate`` msg/s for ``seconds``, delays 1-5 s, and collects the delivered records."""
-
-    def __init__(self, pipe: Pipeline, dest: str, rate: int, seconds: float) -> None:
-        self.pipe, self.dest, self.rate, self.seconds = pipe, dest, rate, seconds
-        self.due: dict[bytes, int] = {}
-        self.late: list[int] = []
-        self.sent = 0
-
-    def run(self) -> dict[str, Any]:
-        kafka = self.pipe.kafka
-        stop = threading.Event()
-        consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, auto_offset_reset="earliest",
-                                 fetch_max_wait_ms=50)
-        tps = [TopicPartition(self.dest, p) for p in range(PARTITIONS)]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        delivered: dict[bytes, int] = {}
-
-        def collect() -> None:
-            while not stop.is_set():
-                for recs in consumer.poll(timeout_ms=100, max_records=5000).values():
-                    for r in recs:
-                        h = dict(r.headers or ())
-                        delivered.setdefault(bytes(h.get("tw-id", b"")), int(h.get("tw-delivered-at", b"0")))
-
-        reader = threading.Thread(target=collect, daemon=True)
-        reader.start()
-        producer = _producer(kafka)
-        rng = random.Random(1)
-        t0 = time.monotonic()
-        dest = self.dest.encode()
-        while time.monotonic() - t0 < self.seconds:
-            target = int((time.monotonic() - t0) * self.rate)
-            while self.sent < target:
-                mid = b"l%d" % self.sent
-                at = now_ms() + rng.randint(1_000, 5_000)
-                self.due[mid] = at
-                producer.send(self.pipe.timer_topic, key=mid, value=VALUE, partition=self.sent % PARTITIONS,
-                              headers=[("tw-topic", dest), ("tw-deliver-at", str(at).encode()), ("tw-id", mid)])
-                self.sent += 1
-            time.sleep(0.002)
-        producer.flush()
-        behind = 0
-        deadline = time.monotonic() + 5 + 5  # the longest delay, then what counts as keeping up
-        while len(delivered) < self.sent and time.monotonic() < deadline:
-            time.sleep(0.1)
-        behind = self.sent - len(delivered)
-        stop.set()
-        reader.join(5)
-        consumer.close()
-        producer.close()
-        late = sorted(at - self.due[mid] for mid, at in delivered.items() if mid in self.due)
-        self.late = late
-        return {"sent": self.sent, "delivered": len(late), "behind_after_10s": behind,
-                "p50": percentile(late, 0.5), "p99": percentile(late, 0.99), "max": late[-1] if late else None,
-                "early": sum(1 for x in late if x < 0)}
-
-
-def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float,
-                  mounts: TwoMounts | None = None, lead_ms: int = 0) -> dict[str, Any]:
-    pipe = new_pipeline(kafka, redis_url, mounts, tick_ms=100, batch_size=200, max_in_flight=5_000,
+def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float, mounts: TwoMounts | None = None,
+                  lead_ms: int = 0, due_mode: str = "whole_second", code: Code = CURRENT) -> dict[str, Any]:
+    """A fresh pipeline of ``code``, ``rate`` msg/s for ``seconds`` through it (``bench.steady``)."""
+    pipe = new_pipeline(kafka, redis_url, mounts, code=code, tick_ms=100, batch_size=200, max_in_flight=5_000,
                         cancel_lead_ms=lead_ms)
     dest = pipe.dest("late")
     try:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
         pipe.start_all(120)
-        return _Lateness(pipe, dest, rate, seconds).run()
+        return steady(kafka, TimerwheelWire(pipe.timer_topic, dest, PARTITIONS), dest, rate, seconds, due_mode,
+                      options=pipe.kafka_options)
     finally:
         close(pipe)
+
+
+def emit_lateness(bench_name: str, result: dict[str, Any], **extra: Any) -> None:
+    """One lateness figure: the value is the p99 by the destination record's Kafka timestamp;
+    ``ways`` has p50 / p99 / max / early of each reading (``bench.lateness``)."""
+    ways = result["lateness"]
+    emit(bench_name, ways["timestamp"]["p99"], "ms", p50=ways["timestamp"]["p50"], max=ways["timestamp"]["max"],
+         early=ways["timestamp"]["early"], ways=ways, due=result["due"], scheduled=result["expected"],
+         delivered=result["delivered"], lost=result["lost"], duplicated=result["duplicated"],
+         not_delivered_in_time=result["behind"], sustained=keeps_up(result), rate_per_s=result["rate_per_s"],
+         seconds=result["seconds"], delays_ms=result["delays_ms"], tick_ms=100, **extra)
 
 
 #: The cancel lead measured beside the default (0: strict) in ``production.lateness``.
 LEAD_MS = 500
 
 
-def keeps_up(result: dict[str, Any]) -> bool:
-    """Sustained: nothing left 10 s after the last send and no backlog building up (p99 under 3 s;
-    a rate above what the pipeline handles shows a lateness that grows through the run)."""
-    return bool(result["behind_after_10s"] == 0 and result["p99"] <= 3_000)
-
-
-def lateness(kafka: str, redis_url: str, rate: int, seconds: float) -> None:
-    asked = rate
-    probe_s = min(15.0, seconds)
-    while True:
-        probe = _lateness_run(kafka, redis_url, rate, probe_s)
-        say(f"lateness probe at {rate} msg/s for {probe_s:.0f} s: p50 {probe['p50']:.0f} ms, "
-            f"p99 {probe['p99']:.0f} ms, {probe['behind_after_10s']} not delivered 10 s after the last send")
-        if keeps_up(probe) or rate <= 50:
-            break
-        rate //= 2
-    result = _lateness_run(kafka, redis_url, rate, seconds)
-    sustained = rate == asked and keeps_up(result)
-    if rate != asked:
-        say(f"the pipeline does not sustain {asked} msg/s on this machine; measured at {rate} msg/s, "
-            f"the highest of {asked}, {asked // 2}, ... that kept up in a probe")
-    emit("production.lateness.p99", result["p99"], "ms", p50=result["p50"], max=result["max"],
-         early=result["early"], scheduled=result["sent"], delivered=result["delivered"],
-         not_delivered_10s_after_last_send=result["behind_after_10s"], rate_per_s=rate, asked_rate_per_s=asked,
-         sustained_asked_rate=sustained, seconds=seconds, tick_ms=100)
-    # Side by side: W allowed LEAD_MS past the complete input (TW_CANCEL_LEAD_MS), same rate.
-    lead = _lateness_run(kafka, redis_url, rate, seconds, lead_ms=LEAD_MS)
-    emit("production.lateness.lead.p99", lead["p99"], "ms", p50=lead["p50"], max=lead["max"], early=lead["early"],
-         scheduled=lead["sent"], delivered=lead["delivered"], rate_per_s=rate, seconds=seconds, tick_ms=100,
-         cancel_lead_ms=LEAD_MS, strict_p50=result["p50"], strict_p99=result["p99"])
+def lateness(kafka: str, redis_url: str, rate: int, seconds: float, modes: list[str], lead_ms: int) -> None:
+    """Each due mode, each code (the current one, then the baseline: alternately), then the
+    current code with ``TW_CANCEL_LEAD_MS=lead_ms`` (0: not run), whole-second due times."""
+    for mode in modes:
+        for code in codes():
+            result = _lateness_run(kafka, redis_url, rate, seconds, due_mode=mode, code=code)
+            say(f"lateness, {code.name}, due {mode}, {rate} msg/s for {seconds:.0f} s: {result['summary']}; "
+                f"lost {result['lost']}, duplicated {result['duplicated']}")
+            emit_lateness("production.lateness.p99", result, code=code.name)
+    if lead_ms:
+        lead = _lateness_run(kafka, redis_url, rate, seconds, lead_ms=lead_ms)
+        say(f"lateness with TW_CANCEL_LEAD_MS={lead_ms}: {lead['summary']}")
+        emit_lateness("production.lateness.lead.p99", lead, cancel_lead_ms=lead_ms, code=CURRENT.name)
 
 
 def _redis_process(redis_url: str) -> psutil.Process | None:
@@ -428,9 +383,9 @@ def _cpu_s(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-def idle(kafka: str, redis_url: str, seconds: float, rate: int) -> None:
+def idle(kafka: str, redis_url: str, seconds: float, rate: int, code: Code = CURRENT) -> None:
     """CPU of an idle installation, per stage process and Redis, then lateness on the same pipeline."""
-    pipe = new_pipeline(kafka, redis_url, tick_ms=100, batch_size=200, max_in_flight=5_000)
+    pipe = new_pipeline(kafka, redis_url, code=code, tick_ms=100, batch_size=200, max_in_flight=5_000)
     dest = pipe.dest("idle")
     try:
         pipe.create_timer_topic()
@@ -449,13 +404,11 @@ def idle(kafka: str, redis_url: str, seconds: float, rate: int) -> None:
         total = round(sum(cpu.values()), 2)
         say(f"idle CPU over {elapsed:.0f} s, % of a core: {cpu}, total {total}")
         emit("production.idle.cpu", total, "% of a core", per_process=cpu, seconds=round(elapsed),
-             redis_measured=server is not None, tick_ms=100)
-        result = _Lateness(pipe, dest, rate, seconds).run()
-        say(f"lateness after idling, at {rate} msg/s: {result}")
-        emit("production.idle.lateness.p99", result["p99"], "ms", p50=result["p50"], max=result["max"],
-             early=result["early"], scheduled=result["sent"], delivered=result["delivered"],
-             not_delivered_10s_after_last_send=result["behind_after_10s"], rate_per_s=rate, seconds=seconds,
-             tick_ms=100)
+             redis_measured=server is not None, tick_ms=100, code=code.name)
+        result = steady(kafka, TimerwheelWire(pipe.timer_topic, dest, PARTITIONS), dest, rate, seconds,
+                        "whole_second", options=pipe.kafka_options)
+        say(f"lateness after idling, at {rate} msg/s: {result['summary']}")
+        emit_lateness("production.idle.lateness.p99", result, code=code.name)
     finally:
         close(pipe)
 
@@ -482,10 +435,11 @@ def _due_burst(kafka: str, pipe: Pipeline, consumer: KafkaConsumer, dest: str, n
 
 
 @contextmanager
-def _burst_pipeline(kafka: str, redis_url: str, name: str,
+def _burst_pipeline(kafka: str, redis_url: str, name: str, code: Code = CURRENT,
                     **settings: Any) -> Iterator[tuple[Pipeline, str, KafkaConsumer]]:
     """The five stages running, a destination topic ``name`` and a consumer to count it."""
-    pipe = new_pipeline(kafka, redis_url, queue_bound=64, batch_size=500, max_in_flight=20_000, **settings)
+    pipe = new_pipeline(kafka, redis_url, code=code, queue_bound=64, batch_size=500, max_in_flight=20_000,
+                        **settings)
     dest = pipe.dest(name)
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None)
     try:
@@ -498,8 +452,8 @@ def _burst_pipeline(kafka: str, redis_url: str, name: str,
         close(pipe)
 
 
-def burst(kafka: str, redis_url: str, n: int) -> None:
-    with _burst_pipeline(kafka, redis_url, "burst") as (pipe, dest, consumer):
+def burst(kafka: str, redis_url: str, n: int, code: Code = CURRENT) -> None:
+    with _burst_pipeline(kafka, redis_url, "burst", code) as (pipe, dest, consumer):
         # Due far enough ahead that every record is in the TimerLog when the second comes.
         due = now_ms() + 10_000 + n // 5  # the enqueue side took ~6,000 msg/s here; due_late_s says if not
         _fill_s, enqueue_s, left_ms, drain = _due_burst(kafka, pipe, consumer, dest, n, due, "burst")
@@ -507,7 +461,7 @@ def burst(kafka: str, redis_url: str, n: int) -> None:
         say(f"burst drained in {drain:.1f} s ({n / drain:,.0f} msg/s); peak RSS MiB {rss}")
         emit("production.burst", n / drain, "messages/s", messages=n, drain_s=round(drain, 2),
              enqueue_s=round(enqueue_s, 2), enqueue_per_s=round(n / enqueue_s), due_late_s=round(max(0, -left_ms) / 1000, 1),
-             peak_rss_mb=rss)
+             peak_rss_mb=rss, code=code.name)
 
 
 #: ``production.large_burst``: the record value, and byte bounds far above any burst (what the
@@ -539,7 +493,7 @@ def large_burst(kafka: str, redis_url: str, n: int, variant: str) -> None:
 
 def _slot_reads(kafka: str, rate: int, seconds: float, cache: int) -> dict[str, Any]:
     from timerwheel.records import OutRecord
-    from timerwheel.transports.kafka import KafkaCommitLog
+    from timerwheel.transports.kafka.log import KafkaCommitLog
 
     writer, reader = KafkaCommitLog(kafka, client_id="bench-w"), KafkaCommitLog(kafka, read_cache_records=cache)
     topic = f"bench-reads-{random.randrange(1 << 30):x}"
@@ -611,40 +565,66 @@ def shared_volume(kafka: str, redis_url: str, n: int, rate: int, seconds: float)
     for name in layouts:
         with layout(name) as mounts:
             result = _lateness_run(kafka, redis_url, rate, seconds, mounts)
-        say(f"lateness, {name}: {result}")
-        emit("production.shared_volume.lateness.p99", result["p99"], "ms", layout=name, p50=result["p50"],
-             max=result["max"], early=result["early"], scheduled=result["sent"], delivered=result["delivered"],
-             not_delivered_10s_after_last_send=result["behind_after_10s"], sustained=keeps_up(result),
-             rate_per_s=rate, seconds=seconds, tick_ms=100)
+        say(f"lateness, {name}: {result['summary']}")
+        emit_lateness("production.shared_volume.lateness.p99", result, layout=name)
+
+
+#: What ``python -m bench production`` runs unless ``TW_BENCH_PROD_ONLY`` says otherwise
+#: (``all``: every one); the others are long and measure what changes seldom.
+DEFAULT_ONLY = ("throughput", "lateness", "burst", "idle")
+ALL_ONLY = ("throughput", "compressed", "sasl_ssl", "lateness", "burst", "large_burst", "idle", "slot_reads",
+            "shared_volume")
+
+
+def selected(value: str) -> set[str]:
+    """The benchmarks ``TW_BENCH_PROD_ONLY`` names (comma list; empty: the default set; ``all``)."""
+    names = {x.strip() for x in value.split(",") if x.strip()} or set(DEFAULT_ONLY)
+    if "all" in names:
+        return set(ALL_ONLY)
+    unknown = names - set(ALL_ONLY)
+    if unknown:
+        raise SystemExit(f"TW_BENCH_PROD_ONLY: unknown {', '.join(sorted(unknown))} (choose from all, "
+                         f"{', '.join(ALL_ONLY)})")
+    return names
+
+
+def due_modes(value: str) -> list[str]:
+    modes = [x.strip() for x in value.split(",") if x.strip()] or list(DUE_MODES)
+    unknown = [m for m in modes if m not in DUE_MODES]
+    if unknown:
+        raise SystemExit(f"TW_BENCH_DUE: unknown {', '.join(unknown)} (choose from {', '.join(DUE_MODES)})")
+    return modes
 
 
 def main() -> None:
-    only = set(filter(None, os.environ.get("TW_BENCH_PROD_ONLY",
-                                           "throughput,compressed,sasl_ssl,lateness,burst,large_burst,idle,slot_reads,"
-                                           "shared_volume"
-                                           ).split(",")))
+    only = selected(os.environ.get("TW_BENCH_PROD_ONLY", ""))
     kafka, redis_url = servers(("redis",) if only == {"sasl_ssl"} else ("kafka", "redis"))
     if "throughput" in only:
-        throughput(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
+        for code in codes():
+            throughput(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000), code=code)
     if "compressed" in only:
         compressed(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "sasl_ssl" in only:
         sasl_ssl(redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "lateness" in only:
-        lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 1_000), float(_env_int("TW_BENCH_PROD_SECONDS", 60)))
+        lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 500), float(_env_int("TW_BENCH_PROD_SECONDS", 60)),
+                 due_modes(os.environ.get("TW_BENCH_DUE", "")), int(os.environ.get("TW_BENCH_PROD_LEAD_MS", LEAD_MS)))
     if "burst" in only:
-        burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000))
+        for code in codes():
+            burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000), code=code)
     if "large_burst" in only:
         for n in (int(x) for x in os.environ.get("TW_BENCH_LARGE_BURSTS", "500,1500,5000").split(",") if x):
             large_burst(kafka, redis_url, n, "defaults")
         for n in (int(x) for x in os.environ.get("TW_BENCH_LARGE_UNBOUNDED", "500").split(",") if x):
             large_burst(kafka, redis_url, n, "unbounded")
     if "idle" in only:
-        idle(kafka, redis_url, float(_env_int("TW_BENCH_IDLE_SECONDS", 30)), _env_int("TW_BENCH_IDLE_RATE", 200))
+        for code in codes():
+            idle(kafka, redis_url, float(_env_int("TW_BENCH_IDLE_SECONDS", 30)), _env_int("TW_BENCH_IDLE_RATE", 200),
+                 code=code)
     if "slot_reads" in only:
-        slot_reads(kafka, _env_int("TW_BENCH_PROD_RATE", 1_000), 20.0)
+        slot_reads(kafka, _env_int("TW_BENCH_PROD_RATE", 500), 20.0)
     if "shared_volume" in only:
-        shared_volume(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000), _env_int("TW_BENCH_PROD_RATE", 1_000),
+        shared_volume(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000), _env_int("TW_BENCH_PROD_RATE", 500),
                       float(_env_int("TW_BENCH_SHARED_SECONDS", 30)))
 
 

@@ -92,7 +92,8 @@ def bench_append(tmp: str, total: int, batch: int = 1000, wheel_sync_records: in
 
 
 def bench_read_chains(tmp: str, slots_used: int, per_slot: int) -> None:
-    """read_slot over every used slot, following prev_pos links (one pread + CRC per record)."""
+    """read_slot over every used slot, following prev_pos links (one pread + CRC per record),
+    its records given column-wise."""
     rng = np.random.default_rng(2)
     directory = os.path.join(tmp, "read")
     shard = _open(directory, fsync=False)
@@ -108,8 +109,8 @@ def bench_read_chains(tmp: str, slots_used: int, per_slot: int) -> None:
     started = time.perf_counter()
     read = 0
     for t in slot_times.tolist():
-        for _pos, _record in shard.read_slot(t):
-            read += 1
+        for positions, _records in shard.read_slot(t):
+            read += len(positions)
     seconds = time.perf_counter() - started
     shard.close()
     shutil.rmtree(directory)
@@ -135,7 +136,7 @@ def bench_read_burst(tmp: str, burst: int, others: int) -> None:
                                          src_offset=np.arange(c0, c0 + len(d)), src_size=100, topic_hash=1, id_hash=2))
         shard.flush()
     started = time.perf_counter()
-    read = sum(1 for _ in shard.read_slot(NOW_MS + 60_000))
+    read = sum(len(positions) for positions, _records in shard.read_slot(NOW_MS + 60_000))
     seconds = time.perf_counter() - started
     shard.close()
     shutil.rmtree(directory)
@@ -242,9 +243,8 @@ def _build_data_dir(data: str, total: int) -> None:
 def _rebuild_child(data: str, step: str) -> None:
     """Child process: one step of REBUILD_STEPS on shard 0 of ``data``, as ``timerwheel
     rebuild-wheel`` runs it (fsync on); figures as JSON. The tool's imports come before the clock."""
-    import timerwheel.embedded  # noqa: F401  (the data directory's lock: imported by the tool, not timed)
-    from timerwheel import repair
     from timerwheel.config import TimerConfig
+    from timerwheel.store import repair
 
     config = TimerConfig(data_dir=data, segment_bytes=SEGMENT_BYTES, **REBUILD_STEPS[step])
     started = time.perf_counter()

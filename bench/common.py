@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from typing import Any
 
 
 def emit(bench: str, value: float, unit: str, **extra: Any) -> None:
-    """Print one figure as the JSON line that closes a benchmark."""
-    line = {"bench": bench, "value": round(value, 3) if isinstance(value, float) else value, "unit": unit, **extra}
+    """Print one figure as the JSON line that closes a benchmark, with the machine's 1- and
+    5-minute load averages at that moment (this machine is shared: a figure means little without)."""
+    line = {"bench": bench, "value": round(value, 3) if isinstance(value, float) else value, "unit": unit, **extra,
+            "load_average": [round(x, 1) for x in os.getloadavg()[:2]]}
     print(json.dumps(line), flush=True)
 
 

@@ -17,9 +17,9 @@ from infra import (  # noqa: E402
     secure_kafka,
     secure_redis,
 )
-from k8s_cluster import k8s  # noqa: E402
+from k8s_cluster import k8s, registry  # noqa: E402
 
-__all__ = ["k8s", "kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "redis_control", "redis_url",
+__all__ = ["k8s", "registry", "kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "redis_control", "redis_url",
            "secure_kafka", "secure_redis"]
 
 

@@ -104,3 +104,70 @@ def k8s() -> Iterator[Cluster]:
     finally:
         if not was_running and os.environ.get("TW_KEEP_SERVERS", "") not in ("1", "true", "yes"):
             k8s_script("down", timeout_s=300)
+
+
+@dataclass
+class Registry:
+    """The local registry (scripts/registry.sh) on the node's address, with basic auth, holding the
+    image `make image` wrote as ``repository:tag``; the cluster's containerd pulls from it."""
+
+    address: str
+    user: str
+    password: str
+    repository: str
+    tag: str
+
+    def copy(self, source: str, destination: str) -> None:
+        """``skopeo copy`` between this registry's references (or from an archive: ``oci-archive:...``)."""
+        creds = f"{self.user}:{self.password}"
+        args = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", creds, source, destination]
+        if source.startswith("docker://"):
+            args[3:3] = ["--src-tls-verify=false", "--src-creds", creds]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode != 0:
+            pytest.fail(f"skopeo copy {source} {destination} failed: {done.stderr.strip()[-2000:]}", pytrace=False)
+
+    def pull_secret(self, name: str, namespace: str) -> dict[str, Any]:
+        """A kubernetes.io/dockerconfigjson Secret with this registry's credentials."""
+        import base64
+
+        auth = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        config = {"auths": {self.address: {"username": self.user, "password": self.password, "auth": auth}}}
+        return {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/dockerconfigjson",
+                "metadata": {"name": name, "namespace": namespace},
+                "data": {".dockerconfigjson": base64.b64encode(json.dumps(config).encode()).decode()}}
+
+
+def _script(name: str, *args: str, env: dict[str, str] | None = None, timeout_s: float = 900) -> str:
+    done = subprocess.run([str(ROOT / "scripts" / name), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s, check=False, env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        pytest.fail(f"scripts/{name} {' '.join(args)} failed (exit {done.returncode}):\n{done.stderr.strip()[-3000:]}",
+                    pytrace=False)
+    return done.stdout
+
+
+@pytest.fixture(scope="session")
+def registry(k8s: Cluster) -> Iterator[Registry]:
+    """The image as a user ships it to a cluster that is not ours: `make image` (an OCI archive),
+    `skopeo copy` to a registry that wants a password, containerd told the registry speaks HTTP."""
+    _script("registry.sh", "up", env={"TW_LISTEN_HOST": k8s.host_ip})
+    env = dict(line.split("=", 1) for line in _script("registry.sh", "env").splitlines() if "=" in line)
+    try:
+        _script("k8s.sh", "trust-registry", env["TW_REGISTRY"], timeout_s=300)
+        # --no-print-directory: under `make test` (MAKELEVEL set) make would print its directory
+        # around the archive's path
+        made = subprocess.run(["make", "--no-print-directory", "image"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=UP_TIMEOUT_S, check=False)
+        if made.returncode != 0:
+            pytest.fail(f"make image failed:\n{made.stderr.strip()[-3000:]}", pytrace=False)
+        archive = Path(made.stdout.strip().splitlines()[-1])
+        tag = archive.name.removeprefix("timerwheel-").removesuffix(".oci.tar")
+        reg = Registry(env["TW_REGISTRY"], env["TW_REGISTRY_USER"], Path(env["TW_REGISTRY_PASSWORD_FILE"]).read_text().strip(),
+                       f"{env['TW_REGISTRY']}/timerwheel", tag)
+        reg.copy(f"oci-archive:{archive}", f"docker://{reg.repository}:{tag}")
+        yield reg
+    finally:
+        if os.environ.get("TW_KEEP_SERVERS", "") not in ("1", "true", "yes"):
+            subprocess.run([str(ROOT / "scripts" / "registry.sh"), "down"], cwd=ROOT, capture_output=True, timeout=120,
+                           check=False)

@@ -29,7 +29,7 @@ from typing import Any
 from timerwheel import Delivery, KafkaCommitLog, RetryConsumer, TimerConfig
 from timerwheel.log import configure_logging
 from timerwheel.records import OutRecord
-from timerwheel.transports.kafka import KafkaGroupConsumer
+from timerwheel.transports.kafka.consumers import KafkaGroupConsumer
 
 
 def main() -> int:

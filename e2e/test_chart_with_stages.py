@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 from harness import Pipeline
-from timerwheel_operator.metrics import parse_prometheus, shard_status
+from timerwheel_operator.stage_metrics import parse_prometheus, shard_status
 
 pytestmark = pytest.mark.e2e
 

@@ -6,8 +6,9 @@ under a steady load (a kafka-python producer in this test), and nothing is lost 
        dequeue-getmsg and dequeue-put 1 -> 3; then all back to 1 with the operator pod deleted
        right after the change (its successor reconciles to the spec) -> lost 0, early 0,
        duplicates within DUPLICATE_BOUND
-    -> under load: a new image tag (the same image, tagged again in containerd) rolls every
-       stage -> lost 0, early 0
+    -> under load: a new image tag (the same image, copied to a new tag in the registry) rolls
+       every stage, pulled with the pull secret (as the recovery and window Jobs below) -> lost 0,
+       early 0
     -> under load: shard 1's dequeue checkpoint is lost while its owners are stopped; when they
        come back they refuse it (RecoveryNeeded), the operator runs a recovery Job (timerwheel
        recover --shard 1), the shard is served again and the TimerWheel Ready -> lost 0, early 0,
@@ -35,7 +36,6 @@ Ready and the rebuild's records/s; the times to find and recover a stalled shard
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -194,26 +194,21 @@ def test_scaling_the_stages_under_load_loses_nothing_and_survives_the_operators_
     _check(rep, missing, rel)
 
 
-def _containerd_socket() -> str:
-    return f"/run/tw-k8s-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}/containerd.sock"
-
-
 def test_a_new_image_rolls_every_stage_under_load_with_nothing_lost(installed: Release) -> None:
     rel = installed
     _patch(rel, _replicas(1, 1))  # whatever the test before left
     _wait("one pod per stage", lambda: all(_all_ready(rel, s, 1) for s in STAGES) and _ready_at_generation(rel), rel)
-    tag = f"day2-{rel.pipe.uid}"
-    done = subprocess.run(["ctr", "-a", _containerd_socket(), "-n", "k8s.io", "images", "tag", "--force",
-                           "docker.io/library/timerwheel:dev", f"docker.io/library/timerwheel:{tag}"],
-                          capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, f"ctr images tag failed: {done.stderr}"
+    # The same image under a new tag in the registry: the stages pull it (with the pull secret), and
+    # so do the recovery and window Jobs of the tests below.
+    tag, repository = f"day2-{rel.pipe.uid}", rel.registry.repository
+    rel.registry.copy(f"docker://{repository}:{rel.registry.tag}", f"docker://{repository}:{tag}")
     dest = rel.pipe.new_dest("day2-image", 4)
     with LoadRun(rel.pipe, dest, seed=22, rate=50, min_delay_ms=2_000, max_delay_ms=10_000) as run:
         time.sleep(5)
         rolled_at = now_ms()
-        _patch(rel, {"image": {"repository": "timerwheel", "tag": tag, "pullPolicy": "Never"}})
+        _patch(rel, {"image": {"repository": repository, "tag": tag, "pullPolicy": "Always"}})
         took = _wait("every stage rolled to the new tag and the TimerWheel Ready",
-                     lambda: all(_all_ready(rel, s, 1, f"timerwheel:{tag}") for s in STAGES)
+                     lambda: all(_all_ready(rel, s, 1, f"{repository}:{tag}") for s in STAGES)
                      and _ready_at_generation(rel) and len(_shard_pods(rel, "owner")) == 1, rel, 300)
         time.sleep(5)
         missing, rep = run.drain("k8s day-2 image change", timeout_s=120)
@@ -386,11 +381,12 @@ def test_a_recovery_that_keeps_failing_gives_up_and_waits_for_a_human(installed:
 
 def _report_of(rel: Release, job: str) -> dict[str, Any]:
     """The JSON report ``timerwheel recover`` printed in ``job``'s log."""
-    from timerwheel_operator.recovery import parse_report
+    from timerwheel_operator.jobs import reports
 
-    found = parse_report(rel.kubectl("logs", f"job/{job}").stdout)
-    assert found is not None, rel.kubectl("logs", f"job/{job}").stdout[-2000:]
-    return found
+    log = rel.kubectl("logs", f"job/{job}").stdout
+    found = reports(log)
+    assert len(found) == 1, log[-2000:]
+    return found[0]
 
 
 class FrozenThread:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from harness import STAGES, Collector, Pipeline, TimerProducer, free_port, is_ready, make_report, now_ms, tail
-from timerwheel.config import RECORD_SIZE
+from timerwheel.store.format import RECORD_SIZE
 
 pytestmark = pytest.mark.e2e
 

@@ -21,7 +21,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from timerwheel import Delivery, KafkaCommitLog, RetryConsumer, TimerConfig
 from timerwheel.config import parse_delay_levels
 from timerwheel.records import Record
-from timerwheel.transports.kafka import _to_record
+from timerwheel.transports.kafka.consumers import to_record
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +62,7 @@ def read_all(pipe: Pipeline, topic: str) -> list[Record]:
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             assert time.monotonic() < deadline, f"{topic}: not read to its end within 60 s"
             for recs in consumer.poll(timeout_ms=500).values():
-                out += [_to_record(r) for r in recs]
+                out += [to_record(r) for r in recs]
         return out
     finally:
         consumer.close()

@@ -53,7 +53,7 @@ def test_the_spark_image_has_java_pyspark_and_the_jobs() -> None:
     assert 'version "17.' in lines[1], lines[1]
     assert lines[2] == "4.2.0"
     assert any(line.startswith("spark-sql-kafka-0-10_2.13-4.2.0") for line in lines), done.stdout
-    assert "--grace-ms" in done.stdout
+    assert "--grace" in done.stdout
 
 
 def test_the_audit_runs_in_the_spark_image_against_kafka(kafka_bootstrap: str) -> None:

@@ -30,7 +30,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFl
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from otlp_receiver import OtlpReceiver, SpanRec, joined
 from timerwheel import TimerClient, TimerConfig, telemetry
-from timerwheel.transports.kafka import KafkaCommitLog
+from timerwheel.transports.kafka.log import KafkaCommitLog
 from timerwheel.wire import Ticket
 
 pytestmark = pytest.mark.e2e

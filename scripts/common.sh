@@ -56,6 +56,24 @@ finally:
 EOF
 }
 
+# Stop the server `running_pid` (defined by the sourcing script) names: TERM, KILL after $1 seconds
+# (default 10), wait until it is gone; forget its pid either way.
+stop_running() {
+    local pid i
+    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < ${1:-10} * 10; i++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        log "pid $pid did not stop within ${1:-10}s; killing it"
+        kill -KILL "$pid" 2>/dev/null || true
+        while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+    fi
+    rm -f "$PID_FILE"
+}
+
 # The client port, chosen at the first start and kept in STATE across stops and restarts.
 port() { cat "$STATE/port"; }
 

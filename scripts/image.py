@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """Build the image of services/Dockerfile without Docker: debootstrap + chroot + umoci + skopeo.
 
-    scripts/image.py build [--tag timerwheel:dev]   build (cached) and print the docker-archive path
+    scripts/image.py build [--tag timerwheel:dev] [--oci-archive PATH]
+                                                    build (cached) and print the docker-archive path,
+                                                    or with --oci-archive write the image there as an
+                                                    OCI archive (what `make image` does: push it to a
+                                                    registry with `skopeo copy oci-archive:PATH
+                                                    docker://REGISTRY/timerwheel:TAG`) and print PATH
     scripts/image.py plan                           print, as JSON, the image config the build gives
     scripts/image.py run [--tag T] -- CMD ...       build (cached), then run CMD in a chroot of the
                                                     image as its USER, WORKDIR and ENV (a smoke test)
@@ -395,8 +400,9 @@ def apply_run(args: str, rootfs: Path, env: dict[str, str], workdir: str, user: 
             child.unlink(missing_ok=True)
 
 
-def build(image_tag: str, dockerfile: Path = DOCKERFILE) -> tuple[Path, str]:
-    """(the docker-archive, the final tag in the OCI layout) of ``dockerfile``'s image."""
+def build(image_tag: str, dockerfile: Path = DOCKERFILE, docker_archive: bool = True) -> tuple[Path | None, str]:
+    """(the docker-archive, the final tag in the OCI layout) of ``dockerfile``'s image; without
+    ``docker_archive`` none is written (None)."""
     if os.geteuid() != 0:
         raise BuildError("scripts/image.py build needs root (chroot and file ownership)")
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -466,6 +472,8 @@ def build(image_tag: str, dockerfile: Path = DOCKERFILE) -> tuple[Path, str]:
             for p in cfg["exposed_ports"]:  # type: ignore[attr-defined]
                 conf += ["--config.exposedports", p]
             run(conf)
+        if not docker_archive:
+            return None, final
         if not archive.exists():
             tmp = archive.with_name(archive.name + f".tmp.{os.getpid()}")
             tmp.unlink(missing_ok=True)
@@ -478,6 +486,21 @@ def build(image_tag: str, dockerfile: Path = DOCKERFILE) -> tuple[Path, str]:
         return archive, final
     finally:
         safe_rmtree(work)
+
+
+def export_oci(final: str, image_tag: str, path: Path) -> Path:
+    """Write the image ``final`` of the layout as an OCI archive at ``path``, named ``image_tag``
+    (written to a temp name and renamed: an interrupted export leaves nothing half-made)."""
+    path = path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        run(["skopeo", "copy", "--quiet", f"oci:{OCI}:{final}", f"oci-archive:{tmp}:{image_tag}"])
+        tmp.rename(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def run_in_image(final: str, cfg: dict[str, object], command: list[str]) -> int:
@@ -511,6 +534,8 @@ def main(argv: list[str]) -> int:
     b = sub.add_parser("build")
     b.add_argument("--tag", default="timerwheel:dev")
     b.add_argument("--dockerfile", type=Path, default=DOCKERFILE)
+    b.add_argument("--oci-archive", type=Path, help="write the image to this OCI archive (instead of the "
+                                                     "docker-archive) and print its path")
     p = sub.add_parser("plan")
     p.add_argument("--dockerfile", type=Path, default=DOCKERFILE)
     r = sub.add_parser("run")
@@ -530,9 +555,10 @@ def main(argv: list[str]) -> int:
             # an interrupted build's work directory, the run's unpacked image among them)
             with open(CACHE / "build.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                archive, final = build(a.tag, dockerfile)
+                oci_only = a.verb == "build" and a.oci_archive is not None
+                archive, final = build(a.tag, dockerfile, docker_archive=not oci_only)
                 if a.verb == "build":
-                    print(archive)
+                    print(export_oci(final, a.tag, a.oci_archive) if oci_only else archive)
                     return 0
                 command = a.command[1:] if a.command[:1] == ["--"] else a.command
                 return run_in_image(final, plan(dockerfile), command)

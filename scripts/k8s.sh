@@ -12,6 +12,11 @@
 #   scripts/k8s.sh down        stop everything by recorded pid, remove pods' mounts, network
 #                              namespaces, the bridge and the iptables chains, restore ip_forward,
 #                              delete the cluster state
+#   scripts/k8s.sh trust-registry HOST:PORT
+#                              let the node's containerd pull from a plain-HTTP registry at HOST:PORT
+#                              (scripts/registry.sh): a hosts.toml under containerd's registry
+#                              config_path, read at each pull; a containerd started without that
+#                              path (an older cluster) is restarted first, its pods running on
 #   scripts/k8s.sh restart-component containerd|kubelet
 #                              stop the component (TERM, KILL after a few seconds) and start it
 #                              again, as a node's crash-and-restart does; the pods run on
@@ -346,6 +351,10 @@ state = "$RUNDIR/containerd-state"
   # Root here may lack CAP_SYS_RESOURCE: runc then cannot lower the pause container's
   # oom_score_adj (-998) and fails "can't get final child's PID from pipe: EOF". Clamp instead.
   restrict_oom_score_adj = true
+  # (the plugin's own keys before its sub-tables: a key after a [table] header belongs to that table)
+  # per-registry settings (trust-registry writes HOST:PORT/hosts.toml there), read at each pull
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$STATE/containerd/certs.d"
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -674,6 +683,24 @@ cmd_restart_component() {
     log "$comp restarted in $((SECONDS - t0))s"
 }
 
+# A plain-HTTP registry at $1 (HOST:PORT) for the node's containerd. containerd reads the hosts
+# directory at each pull, so only a containerd started before config_path existed is restarted.
+cmd_trust_registry() {
+    local registry="$1" dir
+    healthy || die "no healthy cluster of this checkout: run 'scripts/k8s.sh up'"
+    dir="$STATE/containerd/certs.d/$registry"
+    mkdir -p "$dir"
+    printf 'server = "http://%s"\n\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' \
+        "$registry" "$registry" >"$dir/hosts.toml.tmp"
+    mv "$dir/hosts.toml.tmp" "$dir/hosts.toml"
+    if ! grep -qF "config_path = \"$STATE/containerd/certs.d\"" "$STATE/containerd/config.toml"; then
+        log "containerd runs without a registry config_path: restarting it (the pods run on)"
+        stop_comp containerd "$STATE/containerd/config.toml" 3
+        start_containerd
+    fi
+    log "containerd pulls from http://$registry"
+}
+
 main() {
     local verb="${1:-}"
     mkdir -p "$RUN"
@@ -698,12 +725,15 @@ main() {
         [[ "${2:-}" == containerd || "${2:-}" == kubelet ]] ||
             die "usage: scripts/k8s.sh restart-component containerd|kubelet"
         ;;
-    *) die "usage: scripts/k8s.sh up|down|status|env|build|load-image|restart-component|kubectl ..." ;;
+    trust-registry)
+        [[ "${2:-}" =~ ^[A-Za-z0-9.-]+:[0-9]+$ ]] || die "usage: scripts/k8s.sh trust-registry HOST:PORT"
+        ;;
+    *) die "usage: scripts/k8s.sh up|down|status|env|build|load-image|restart-component|trust-registry|kubectl ..." ;;
     esac
     [[ $(id -u) == 0 ]] || die "scripts/k8s.sh $verb needs root (containerd, kubelet, iptables, chroot)"
     mkdir -p "$CACHE"
     # builds share the cache with other checkouts (down builds nothing)
-    if [[ "$verb" != down && "$verb" != restart-component ]]; then
+    if [[ "$verb" != down && "$verb" != restart-component && "$verb" != trust-registry ]]; then
         exec 8>"$CACHE/k8s-build.lock"
         flock 8
     fi
@@ -718,6 +748,7 @@ main() {
     down) cmd_down ;;
     load-image) cmd_load_image "${2:-}" ;;
     restart-component) cmd_restart_component "$2" ;;
+    trust-registry) cmd_trust_registry "$2" ;;
     esac
 }
 

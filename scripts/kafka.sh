@@ -265,21 +265,6 @@ launch() {
     log "broker up on $(bootstrap)$(external >/dev/null && echo " and $(external)") (pid $pid)"
 }
 
-stop_broker() {
-    local pid i
-    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 300; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then
-        log "broker $pid did not stop within 30s; killing it"
-        kill -KILL "$pid" 2>/dev/null || true
-        while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-    fi
-    rm -f "$PID_FILE"
-}
 
 # TW_LISTEN_HOST asks for an external listener this broker's config lacks: note it (new port).
 want_external() {
@@ -297,7 +282,7 @@ cmd_up() {
     if want_external "$host"; then
         if running_pid >/dev/null; then
             log "adding a listener on $(cat "$STATE/external-host.new") (TW_LISTEN_HOST): restarting the broker"
-            stop_broker
+            stop_running 30
         fi
         mv "$STATE/external-host.new" "$STATE/external-host"
         mv "$STATE/external-port.new" "$STATE/external-port"
@@ -318,7 +303,7 @@ cmd_up() {
     fi
     need_java_maven
     fetch
-    stop_broker # a hung or half-started broker of ours
+    stop_running 30 # a hung or half-started broker of ours
     if [[ -f "$STATE/port" ]] && ! { port_free "$(port)" && port_free "$(cat "$STATE/controller-port")"; }; then
         log "the ports of the stopped broker are taken by another process: starting a new broker"
         rm -f "$STATE/server.properties"
@@ -348,7 +333,7 @@ cmd_start() {
 }
 
 cmd_down() {
-    stop_broker
+    stop_running 30
     rm -rf "$STATE" "$ENV_FILE"
 }
 
@@ -375,10 +360,10 @@ main() {
     up) cmd_up ;;
     down) cmd_down ;;
     start) cmd_start ;;
-    stop) stop_broker ;;
+    stop) stop_running 30 ;;
     restart)
         [[ -f "$STATE/server.properties" ]] || die "no broker to restart: use 'up'"
-        stop_broker
+        stop_running 30
         cmd_up
         ;;
     esac

@@ -153,18 +153,6 @@ launch() {
     log "redis up on 127.0.0.1:$(port)$([[ -n "$(external_host)" ]] && echo " and $(external_host):$(port)") (pid $pid)"
 }
 
-stop_server() {
-    local pid i
-    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 100; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
-    while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
-    rm -f "$PID_FILE"
-}
 
 cmd_up() {
     local i host
@@ -190,7 +178,7 @@ cmd_up() {
         log "redis-server (pid $(cat "$PID_FILE")) does not answer PING: restarting it"
     fi
     need_server
-    [[ -f "$STATE/port" ]] && stop_server
+    [[ -f "$STATE/port" ]] && stop_running 10
     if [[ -f "$STATE/port" ]] && ! port_free "$(port)"; then
         log "the port of the stopped server is taken by another process: choosing a new one"
         rm -f "$STATE/port"
@@ -225,17 +213,17 @@ main() {
     case "$verb" in
     up) cmd_up ;;
     down)
-        [[ -f "$STATE/port" ]] && stop_server
+        [[ -f "$STATE/port" ]] && stop_running 10
         rm -rf "$STATE" "$ENV_FILE"
         ;;
     start)
         [[ -f "$STATE/port" ]] || die "no stopped server in ${STATE#"$ROOT"/}: use 'up'"
         cmd_up
         ;;
-    stop) [[ -f "$STATE/port" ]] && stop_server ;;
+    stop) [[ -f "$STATE/port" ]] && stop_running 10 ;;
     restart)
         [[ -f "$STATE/port" ]] || die "no server to restart: use 'up'"
-        stop_server
+        stop_running 10
         cmd_up
         ;;
     esac

@@ -1,4 +1,4 @@
-"""The audit's figures computed in plain Python, as the README's "Spark jobs" defines them: the
+"""The audit's figures computed in plain Python, as docs/spark.md defines them: the
 truth ``timerwheel audit``'s summary.json must equal (tests/jobs/test_audit.py on records written
 by hand, e2e/test_audit_of_a_run.py on what a real run produced and consumed)."""
 

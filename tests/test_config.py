@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from timerwheel.config import ENV_VARS, TimerConfig, parse_duration_ms
 from timerwheel.errors import ConfigError
@@ -41,7 +43,7 @@ def test_env_errors_name_the_variable() -> None:
 def test_an_unknown_tw_variable_is_refused_with_a_suggestion() -> None:
     with pytest.raises(ConfigError, match=r"^TW_SHARD: unknown variable \(did you mean TW_SHARDS\?\)"):
         TimerConfig.from_env({"TW_SHARD": "4"})
-    with pytest.raises(ConfigError, match=r"^TW_NOTHING_LIKE_IT: unknown variable; the README"):
+    with pytest.raises(ConfigError, match=r"^TW_NOTHING_LIKE_IT: unknown variable; docs/configuration.md"):
         TimerConfig.from_env({"TW_NOTHING_LIKE_IT": "1"})
     # The project's own tooling variables and other prefixes are not the service's business.
     cfg = TimerConfig.from_env({"TW_KEEP_SERVERS": "1", "TW_BENCH_MESSAGES": "5", "TWX": "1", "PATH": "/bin"})
@@ -64,6 +66,26 @@ def test_durations() -> None:
     assert parse_duration_ms("250ms") == 250 and parse_duration_ms("2h") == 7_200_000 and parse_duration_ms("15") == 15
     with pytest.raises(ValueError):
         parse_duration_ms("soon")
+
+
+@pytest.mark.parametrize(("text", "ms"), [("1h30m", 5_400_000), ("1.5s", 1_500), ("2w", 1_209_600_000),
+                                          ("1d12h", 129_600_000), (".5s", 500), ("0", 0), (" 10m ", 600_000)])
+def test_durations_as_people_write_them(text: str, ms: int) -> None:
+    assert parse_duration_ms(text) == ms
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("-5s", "a duration cannot be negative, got '-5s'"), ("-5", "cannot be negative"),
+    ("5x", "expected a duration such as 5000 (ms), 250ms, 5s, 1.5s, 10m, 1h30m, 2d, 2w (units ms s m h d w)"),
+    ("1.5", "expected a duration"), ("1h 30m", "expected a duration"), ("0.5ms", "whole milliseconds"),
+])
+def test_a_bad_duration_says_why_and_lists_the_forms(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        parse_duration_ms(text)
+
+
+def test_an_env_duration_takes_the_same_forms() -> None:
+    assert TimerConfig.from_env({"TW_ROLL_WINDOW_MS": "1d12h"}).roll_window_ms == 129_600_000
 
 
 #: What kubelet injects for a Service "tw-queue" (ClusterIP 10.96.4.7) with ports 8080/TCP "http"

@@ -117,3 +117,17 @@ def test_k8s_script_without_a_cluster_says_so(tmp_path: Path) -> None:
     assert env.returncode == 1
     assert env.stderr.strip() == "k8s.sh: no cluster started: run 'scripts/k8s.sh up'"
     assert not (tmp_path / ".run" / "k8s").exists()
+
+
+def test_make_image_writes_an_oci_archive_of_the_chart_s_app_version() -> None:
+    chart = (ROOT / "charts" / "timerwheel" / "Chart.yaml").read_text()
+    version = re.search(r'^appVersion: "?([^"\n]+)"?$', chart, re.M).group(1)  # type: ignore[union-attr]
+    # --no-print-directory: under `make test` (MAKELEVEL set) make prints its directory too
+    done = subprocess.run(["make", "--no-print-directory", "-n", "image"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["python3", "scripts/image.py", "build", "--tag", f"timerwheel:{version}",
+                                   "--oci-archive", f"dist/timerwheel-{version}.oci.tar"]
+    helped = subprocess.run([sys.executable, str(IMAGE_PY), "build", "--help"], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert "--oci-archive" in helped.stdout

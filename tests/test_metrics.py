@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from timerwheel.config import TimerConfig
+from timerwheel.exposition import render
 from timerwheel.metrics import (
     _NUMPY_FROM,
     COUNTERS,
@@ -22,7 +23,7 @@ from timerwheel.metrics import (
     Metrics,
     registry_for,
 )
-from timerwheel_operator.metrics import parse_prometheus
+from timerwheel_operator.stage_metrics import parse_prometheus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ def test_prometheus_values_are_exact() -> None:
     m.set("write_ms", 1_700_000_000_123, shard=0)
     m.set("read_ms", 2**53 - 1, shard=0)
     m.set("ratio", 0.125)
-    got = samples(m.render_prometheus())
+    got = samples(render(m))
     assert got[("timerwheel_write_ms", (("shard", "0"),))] == 1_700_000_000_123
     assert got[("timerwheel_read_ms", (("shard", "0"),))] == 2**53 - 1
     assert got[("timerwheel_ratio", ())] == 0.125
@@ -70,7 +71,7 @@ def test_label_values_are_escaped() -> None:
     m = Metrics()
     nasty = 'a"b\\c\nd} e="f'
     m.inc("stage_errors", 2, stage=nasty)
-    text = m.render_prometheus()
+    text = render(m)
     assert samples(text)[("timerwheel_stage_errors_total", (("stage", nasty),))] == 2
     (sample,) = parse_prometheus(text)  # the operator's parser reads it too
     assert sample.label("stage") == nasty and sample.value == 2
@@ -81,10 +82,10 @@ def test_the_exposition_keeps_names_and_types() -> None:
     m.inc("scheduled", 5, topic="orders")
     m.set("write_lag_ms", 7, shard=1)
     m.observe_many("delivery_lateness_ms", [3.0, 40.0])
-    families = {f.name: f.type for f in text_string_to_metric_families(m.render_prometheus())}
+    families = {f.name: f.type for f in text_string_to_metric_families(render(m))}
     assert families == {"timerwheel_scheduled": "counter", "timerwheel_write_lag_ms": "gauge",
                         "timerwheel_delivery_lateness_ms": "histogram"}
-    got = samples(m.render_prometheus())
+    got = samples(render(m))
     assert got[("timerwheel_scheduled_total", (("topic", "orders"),))] == 5
     assert got[("timerwheel_delivery_lateness_ms_bucket", (("le", "5.0"),))] == 1
     assert got[("timerwheel_delivery_lateness_ms_bucket", (("le", "+Inf"),))] == 2

@@ -86,9 +86,9 @@ def test_pending_command_reads_a_data_dir(tmp_path: Path) -> None:
 
 
 def test_pending_command_with_kafka_reads_the_timer_topic_there(tmp_path: Path, kafka_bootstrap: str) -> None:
-    from timerwheel.embedded import Transports
+    from timerwheel.runtime.wiring import Transports
     from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
-    from timerwheel.transports.kafka import KafkaCommitLog
+    from timerwheel.transports.kafka.log import KafkaCommitLog
     from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
     timer_topic = f"tw-pending-{uuid.uuid4().hex[:8]}"

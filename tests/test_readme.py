@@ -1,6 +1,8 @@
-"""The README stays true: every environment variable and metric is documented, the test command is
-CI's, the quick start runs, and every command line, flag, make target, ``tw-*`` header and file
-it names exists (each check fails on a README that names something the code does not have)."""
+"""The README and the pages of docs/ stay true: the test command is CI's, the quick start runs, and
+every command line, flag, make target, ``tw-*`` header, ``TW_*`` variable, file and link they name
+exists (each check fails on a page that names something the code does not have). The reference
+pages are complete: docs/configuration.md names every variable, docs/metrics.md every metric,
+docs/cli.md every command and flag, the chart's README every value."""
 
 from __future__ import annotations
 
@@ -8,15 +10,26 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from timerwheel import wire
 from timerwheel.cli import make_parser
-from timerwheel.config import ENV_VARS, OTHER_ENV_VARS, TOOLING_ENV_VARS
+from timerwheel.config import ENV_VARS, OTHER_ENV_VARS, TOOLING_ENV_VARS, known_env_var
+from timerwheel.metrics import COUNTERS, GAUGES, HISTOGRAMS
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The pages a reader acts on: the README and every page of docs/ (not docs/design/, which
+#: describes what is still to be built).
+DOCS = ("README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
 #: The user-facing pages whose links and paths are checked.
-PAGES = ("README.md", "BENCHMARKS.md", "charts/timerwheel/README.md")
+PAGES = (*DOCS, "BENCHMARKS.md", "charts/timerwheel/README.md")
+#: ``TW_*`` names the pages show that are not variables, and why.
+NOT_VARIABLES = {"TW_SHARD": "the typo configuration.md shows being refused"}
+
+
+def _text(page: str) -> str:
+    return (ROOT / page).read_text()
 
 
 def _shell_lines(text: str) -> list[str]:
@@ -37,53 +50,96 @@ def _command_lines(text: str) -> list[str]:
     return [m.group(1) for m in found if m]
 
 
-def test_every_environment_variable_is_in_the_readme() -> None:
-    readme = (ROOT / "README.md").read_text()
-    missing = [v for v in [*ENV_VARS, *OTHER_ENV_VARS, *TOOLING_ENV_VARS] if f"`{v}`" not in readme]
-    assert not missing, f"README does not document {missing}"
+def test_the_docs_pages_are_found() -> None:
+    assert {"docs/configuration.md", "docs/metrics.md", "docs/cli.md", "docs/operations.md"} <= set(DOCS)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "make test" in readme and "\nmake test\n" in ci
+    assert "make test" in _text("README.md") and "\nmake test\n" in ci
 
 
-def _documented(name: str, readme: str) -> bool:
-    return f"`{name}`" in readme or f"`{name}," in readme or re.search(rf"`[^`]*\b{re.escape(name)}\b[^`]*`", readme) is not None
-
-
-def test_every_metric_the_stages_record_is_documented() -> None:
-    """A counter or gauge that the code records and the README does not name is a figure no
-    operator knows to look for."""
-    readme = (ROOT / "README.md").read_text()
-    pattern = re.compile(r"\.(?:inc|inc_many|set|observe_many)\(\s*\"([a-z_]+)\"")
-    names = {m for path in (ROOT / "libs" / "timerwheel").rglob("*.py") for m in pattern.findall(path.read_text())}
-    assert len(names) > 20, f"the pattern found only {sorted(names)}"
-    missing = sorted(n for n in names if not _documented(n, readme))
-    assert not missing, f"README does not name the metrics {missing}"
-
-
-def test_the_python_quick_start_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+def test_the_python_quick_start_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", _text("README.md"), flags=re.S)
     assert blocks, "README has no Python example"
-    monkeypatch.chdir(tmp_path)  # it writes ./data
-    scope: dict[str, object] = {}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()  # `make run`'s, with other settings: the example must not touch it
+    scope: dict[str, Any] = {}
     exec(compile(blocks[0], "README.md (Python quick start)", "exec"), scope)  # noqa: S102 - our own README
-    assert scope["delivered"] == [], "the example cancels its one message: nothing is delivered"
-    assert (tmp_path / "data").is_dir()
+    delivered = scope["delivered"]
+    assert [(r.key, r.value) for r in delivered] == [(b"k", b"hello")], "the example shows one delivery"
+    assert delivered[0].header("tw-id") == scope["ticket"].message_id.encode()
+    assert f"b'k' b'hello' b'{scope['ticket'].message_id}'" in capsys.readouterr().out
+    assert not list((tmp_path / "data").iterdir()), "the example wrote into make run's ./data"
 
 
-def test_every_make_target_the_readme_names_exists() -> None:
-    readme = (ROOT / "README.md").read_text()
-    makefile = (ROOT / "Makefile").read_text()
-    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", makefile, flags=re.M))
+# -- variables ---------------------------------------------------------------------------------
+
+def test_the_configuration_page_names_every_variable_the_services_read() -> None:
+    page = _text("docs/configuration.md")
+    missing = [v for v in [*ENV_VARS, *OTHER_ENV_VARS] if f"`{v}`" not in page]
+    assert not missing, f"docs/configuration.md does not document {missing}"
+
+
+def test_the_development_page_names_every_tooling_variable() -> None:
+    page = _text("docs/development.md")
+    missing = [v for v in TOOLING_ENV_VARS if f"`{v}`" not in page]
+    assert not missing, f"docs/development.md does not document {missing}"
+
+
+@pytest.mark.parametrize("page", DOCS)
+def test_every_variable_a_page_names_exists(page: str) -> None:
+    """A ``TW_*`` name in code on a page is a variable some process reads (a renamed or invented
+    one fails); Kubernetes' service-link examples (``TW_X_...``) aside."""
+    named = set(re.findall(r"`(TW_[A-Z0-9_]*[A-Z0-9])(?:=[^`]*)?`", _text(page)))
+    unknown = sorted(v for v in named if not known_env_var(v) and v not in NOT_VARIABLES and not v.startswith("TW_X_"))
+    assert not unknown, f"{page} names variables no process reads: {unknown}"
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+def _metric_rows(page: str) -> set[str]:
+    """The first cells of the metric tables: `name`."""
+    return {m for m in re.findall(r"^\| `([a-z_]+)` \| (?:counter|gauge|histogram) \|", page, flags=re.M)}
+
+
+def test_the_metrics_page_names_every_metric_the_stages_record() -> None:
+    """A counter or gauge that the code records and docs/metrics.md does not name is a figure no
+    operator knows to look for; one it names that the registry does not declare does not exist."""
+    rows = _metric_rows(_text("docs/metrics.md"))
+    pattern = re.compile(r"\.(?:inc|inc_many|set|observe_many)\(\s*\"([a-z_]+)\"")
+    recorded = {m for path in (ROOT / "libs" / "timerwheel").rglob("*.py") for m in pattern.findall(path.read_text())}
+    assert len(recorded) > 20, f"the pattern found only {sorted(recorded)}"
+    declared = {*COUNTERS, *GAUGES, *HISTOGRAMS}
+    assert not recorded - rows, f"docs/metrics.md does not name the metrics {sorted(recorded - rows)}"
+    assert not declared - rows, f"docs/metrics.md does not name the declared metrics {sorted(declared - rows)}"
+    assert not rows - declared, f"docs/metrics.md names metrics the registry lacks: {sorted(rows - declared)}"
+
+
+def test_the_metrics_page_gives_each_metric_its_kind() -> None:
+    page = _text("docs/metrics.md")
+    kinds = {"counter": COUNTERS, "gauge": GAUGES, "histogram": HISTOGRAMS}
+    wrong = [f"{name} is not a {kind}" for name, kind in re.findall(r"^\| `([a-z_]+)` \| (counter|gauge|histogram) \|",
+                                                                      page, flags=re.M) if name not in kinds[kind]]
+    assert not wrong, wrong
+
+
+# -- make targets, commands, flags ---------------------------------------------------------------
+
+@pytest.mark.parametrize("page", DOCS)
+def test_every_make_target_a_page_names_exists(page: str) -> None:
+    text = _text(page)
+    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", (ROOT / "Makefile").read_text(), flags=re.M))
     # `make X` in backticks, or a line of a shell block that starts with it (every target on it)
-    named = set(re.findall(r"`make ([a-z][a-z0-9-]*)", readme))
-    named |= {t for line in _shell_lines(readme) if line.startswith("make ") for t in line.split()[1:]}
-    assert named, "README names no make target"
-    assert not named - targets, f"README names make targets the Makefile lacks: {sorted(named - targets)}"
+    named = set(re.findall(r"`make ([a-z][a-z0-9-]*)", text))
+    named |= {t for line in _shell_lines(text) if line.startswith("make ") for t in line.split()[1:]}
+    assert not named - targets, f"{page} names make targets the Makefile lacks: {sorted(named - targets)}"
+
+
+def test_the_readme_names_its_two_commands() -> None:
+    lines = _shell_lines(_text("README.md"))
+    assert "make run" in lines and "make test" in lines
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -93,16 +149,18 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
     return dict(actions[0].choices)
 
 
-def test_every_command_line_the_readme_shows_has_only_flags_its_help_lists() -> None:
-    """`timerwheel CMD --flag` in the README: CMD is a subcommand and `timerwheel CMD --help`
-    lists --flag (a flag renamed in the code, or invented in the README, fails here)."""
-    readme = (ROOT / "README.md").read_text()
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+@pytest.mark.parametrize("page", DOCS)
+def test_every_command_line_a_page_shows_has_only_flags_its_help_lists(page: str) -> None:
+    """`timerwheel CMD --flag` on a page: CMD is a subcommand and `timerwheel CMD --help` lists
+    --flag (a flag renamed in the code, or invented on the page, fails here)."""
     subs = _subcommands()
     top_help = make_parser().format_help()
-    lines = _command_lines(readme)
-    assert len(lines) >= 10, f"found only {lines}"
     wrong = []
-    for line in lines:
+    for line in _command_lines(_text(page)):
         words = line.split()[1:]
         if not words:
             continue
@@ -122,61 +180,94 @@ def test_every_command_line_the_readme_shows_has_only_flags_its_help_lists() -> 
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_stage_name_the_readme_shows_is_a_stage() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_readme_and_the_cli_page_show_command_lines() -> None:
+    assert len(_command_lines(_text("README.md"))) >= 5
+    assert len(_command_lines(_text("docs/cli.md"))) >= 15
+
+
+@pytest.mark.parametrize("page", DOCS)
+def test_every_stage_name_a_page_shows_is_a_stage(page: str) -> None:
     choices = next(a.choices for a in _subcommands()["stage"]._actions if a.dest == "name")
     assert choices is not None
-    shown = {name for line in _command_lines(readme)
+    shown = {name for line in _command_lines(_text(page))
              for m in [re.match(r"timerwheel stage (\S+)", line)] if m and not m.group(1).startswith(("$", "NAME"))
              for name in m.group(1).split("|")}
-    assert shown, "README shows no `timerwheel stage NAME` line"
     assert shown <= set(choices), f"not stages: {sorted(shown - set(choices))}"
-    # the five-stage loop of the production quick start names every stage
-    assert any(all(c in line for c in choices) for line in readme.splitlines()), "no line starts every stage"
 
 
-def test_every_subcommand_is_in_the_readme() -> None:
-    readme = (ROOT / "README.md").read_text()
-    shown = {line.split()[1] for line in _command_lines(readme) if len(line.split()) > 1}
+def test_the_production_quick_start_starts_every_stage() -> None:
+    choices = next(a.choices for a in _subcommands()["stage"]._actions if a.dest == "name")
+    assert choices is not None
+    assert any(all(c in line for c in choices) for line in _shell_lines(_text("README.md"))), "no line starts every stage"
+
+
+def test_the_cli_page_shows_every_command_and_names_every_flag() -> None:
+    page = _text("docs/cli.md")
+    shown = {line.split()[1] for line in _command_lines(page) if len(line.split()) > 1}
     missing = sorted(set(_subcommands()) - shown)
-    assert not missing, f"README shows no `timerwheel {missing[0]} ...` line" if missing else ""
+    assert not missing, f"docs/cli.md shows no `timerwheel {missing[0]} ...` line" if missing else ""
+    unnamed = sorted(f"{cmd} {flag}" for cmd, sub in _subcommands().items() for flag in _flags(sub)
+                     if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", page))
+    assert not unnamed, f"docs/cli.md does not name the flags {unnamed}"
+
+
+# -- the wire contract ---------------------------------------------------------------------------
+
+def _headers_named(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w/.-])(tw-[a-z]+(?:-[a-z]+)*)(?![\w.-])", text))
+
+
+def _headers_defined() -> set[str]:
+    defined = {v for k, v in vars(wire).items() if k.startswith("H_") and isinstance(v, str)}
+    assert len(defined) >= 10, f"wire.py defines only {sorted(defined)}"
+    return defined
 
 
 def test_the_readme_names_exactly_the_tw_headers_of_the_wire_contract() -> None:
-    readme = (ROOT / "README.md").read_text()
-    named = set(re.findall(r"(?<![\w/.-])(tw-[a-z]+(?:-[a-z]+)*)(?![\w.-])", readme))
-    defined = {v for k, v in vars(wire).items() if k.startswith("H_") and isinstance(v, str)}
-    assert len(defined) >= 10, f"wire.py defines only {sorted(defined)}"
+    named, defined = _headers_named(_text("README.md")), _headers_defined()
     assert not named - defined, f"README names headers wire.py does not define: {sorted(named - defined)}"
     assert not defined - named, f"README does not name the headers {sorted(defined - named)}"
 
+
+@pytest.mark.parametrize("page", DOCS)
+def test_every_tw_header_a_page_names_is_in_the_wire_contract(page: str) -> None:
+    extra = _headers_named(_text(page)) - _headers_defined()
+    assert not extra, f"{page} names headers wire.py does not define: {sorted(extra)}"
+
+
+# -- files and links -----------------------------------------------------------------------------
 
 def _anchor(heading: str) -> str:
     """GitHub's anchor of a heading."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def _anchors(path: Path) -> set[str]:
+    prose = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_anchor(h) for h in re.findall(r"^#+ (.*)$", prose, flags=re.M)}
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_every_file_and_anchor_a_page_links_exists(page: str) -> None:
     path = ROOT / page
-    text = path.read_text()
-    prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    anchors = {_anchor(h) for h in re.findall(r"^#+ (.*)$", prose, flags=re.M)}
+    prose = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", prose):
         if re.match(r"[a-z]+:", target):
             continue
         file, _, anchor = target.partition("#")
-        missing = not (path.parent / file).exists() if file else anchor not in anchors
-        if missing:
+        linked = (path.parent / file) if file else path
+        if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
             broken.append(target)
     # paths in inline code: `libs/...`, `tests/...`, `services/README.md`, ...
     for code in re.findall(r"`([^`\n]+)`", prose):
-        in_repo = re.fullmatch(r"(?:libs|tests|e2e|scripts|bench|services|operator|charts|\.ci)/[\w./-]*", code)
+        in_repo = re.fullmatch(r"(?:libs|tests|e2e|scripts|bench|services|operator|charts|docs|\.ci)/[\w./-]*", code)
         if in_repo and not (ROOT / code).exists():
             broken.append(code)
     assert not broken, f"{page} names files or anchors that do not exist: {broken}"
 
+
+# -- the chart's values --------------------------------------------------------------------------
 
 def _schema_paths(node: dict[str, object], prefix: str = "") -> set[str]:
     props = node.get("properties")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from timerwheel import EmbeddedTimerwheel, SimulatedClock, Ticket, TimerClient, TimerConfig, TimerwheelError
-from timerwheel.transports.kafka import KafkaCommitLog
+from timerwheel.transports.kafka.log import KafkaCommitLog
 
 START = 1_700_000_000_000
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 from timerwheel import ConfigError, Delivery, RetryConsumer, SimulatedClock, TimerwheelError
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import Headers, OutRecord
 from timerwheel.retry import BatchResult
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
+from timerwheel.transports.local.log import LocalCommitLog
 
 START = 1_700_000_000_000
 TICK = 100

@@ -137,12 +137,10 @@ def test_spark_options_are_the_java_properties_prefixed_with_kafka() -> None:
 def test_kafka_refusing_the_credentials_is_an_access_error_and_an_outage_stays_retriable() -> None:
     import kafka.errors as kafka_errors
     from timerwheel.errors import AccessError
-    from timerwheel.transports.kafka import KafkaCommitLog, KafkaLogError
+    from timerwheel.transports.kafka.errors import KafkaLogError, kafka_call
 
-    log = KafkaCommitLog("127.0.0.1:1")  # connects lazily: nothing is reached here
-    with pytest.raises(AccessError) as info, log._kafka_call("connect the producer"):
+    with pytest.raises(AccessError) as info, kafka_call("connect the producer"):
         raise kafka_errors.SaslAuthenticationFailedError("invalid credentials")
     assert info.value.setting == "TW_KAFKA_SASL_PASSWORD"
-    with pytest.raises(KafkaLogError), log._kafka_call("connect the producer"):
+    with pytest.raises(KafkaLogError), kafka_call("connect the producer"):
         raise kafka_errors.KafkaTimeoutError("Unable to bootstrap")
-    log.close()

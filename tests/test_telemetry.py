@@ -19,9 +19,10 @@ from otlp_receiver import joined as joined_records
 from prometheus_client.parser import text_string_to_metric_families
 from stages.scenario import by_id, header, step_through
 from timerwheel import SimulatedClock, telemetry
-from timerwheel.embedded import EmbeddedTimerwheel
-from timerwheel.health import HealthServer
+from timerwheel.exposition import render
 from timerwheel.metrics import COUNTERS, GAUGES, Metrics
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
+from timerwheel.runtime.health import HealthServer
 
 ROLL_WINDOW_MS = 10_000
 START = 1_700_000_000_000
@@ -273,7 +274,7 @@ def test_every_counter_of_metrics_reaches_the_otlp_receiver(monkeypatch: pytest.
         m.inc(name, i, topic="orders")
     for i, name in enumerate(GAUGES, 1):
         m.set(name, 1000 + i, shard=3)
-    shown = {f.name for f in text_string_to_metric_families(m.render_prometheus())}
+    shown = {f.name for f in text_string_to_metric_families(render(m))}
     assert shown == {f"timerwheel_{n}" for n in [*COUNTERS, *GAUGES]}
     receiver = OtlpReceiver().start()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)

@@ -14,15 +14,15 @@ __all__ = ["Clock", "ConfigError", "Delivery", "EmbeddedTimerwheel", "KafkaCommi
 def __getattr__(name: str) -> object:
     # Lazy, so that `import timerwheel` stays light for clients that only produce.
     if name == "EmbeddedTimerwheel":
-        from timerwheel.embedded import EmbeddedTimerwheel
+        from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
         return EmbeddedTimerwheel
     if name == "LocalCommitLog":
-        from timerwheel.transports.local import LocalCommitLog
+        from timerwheel.transports.local.log import LocalCommitLog
 
         return LocalCommitLog
     if name == "KafkaCommitLog":  # kafka-python is imported only by who uses it
-        from timerwheel.transports.kafka import KafkaCommitLog
+        from timerwheel.transports.kafka.log import KafkaCommitLog
 
         return KafkaCommitLog
     raise AttributeError(name)

@@ -37,7 +37,7 @@ from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import InvalidTimerMessage, TimerwheelError
 from timerwheel.records import Headers, OutRecord, Record
-from timerwheel.transports.base import CommitLog
+from timerwheel.transports.base import AtomicLog, CommitLog
 from timerwheel.wire import (
     H_CANCEL,
     H_DELAY_LEVEL,
@@ -56,6 +56,21 @@ FIND_CHUNK = 5_000
 #: ... and gives up when one chunk takes longer than this.
 FIND_TIMEOUT_S = 60.0
 _DEFAULT_ID = re.compile(r"(\d+)-(\d+)")
+
+
+class RefusedTimer(InvalidTimerMessage):
+    """A timer ``TimerClient(validate=True)`` refuses: the service would dead-letter it (``reason``,
+    the service's own). ``index``: its place in the batch; ``message_id``: the id it was given,
+    if any (a generated one is never shown: nobody has seen it)."""
+
+    def __init__(self, reason: str, index: int, batch: int, message_id: str | None) -> None:
+        super().__init__(reason)
+        self.index = index
+        self.message_id = message_id
+        self._which = f"{message_id}: " if message_id else f"timer {index} of {batch}: " if batch > 1 else ""
+
+    def __str__(self) -> str:
+        return f"{self._which}refused, the service would dead-letter it: {self.reason}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +153,7 @@ class TimerClient:
                 try:
                     self.rules.parse(check, now)
                 except InvalidTimerMessage as exc:
-                    raise InvalidTimerMessage(f"{message_id}: refused, the service would dead-letter it: {exc}") from None
+                    raise RefusedTimer(exc.reason, len(records), len(timers), t.message_id) from None
             if spans is not None:
                 sent = telemetry.send_span(self.config.timer_topic, message_id, timer_partition, t.topic)
                 if sent is not None:
@@ -213,18 +228,22 @@ class TimerClient:
         return None
 
     def reschedule(self, ticket: Ticket | str, *, delay_ms: int | None = None, deliver_at_ms: int | None = None,
-                   delay_level: int | None = None, message_id: str | None = None) -> Ticket:
+                   delay_level: int | None = None, message_id: str | None = None,
+                   original: Record | None = None) -> Ticket:
         """Cancel the ticket's message and schedule it again (same destination, key, value and
         headers) at the new time; returns the new ticket (a new message id unless ``message_id``).
         The cancel and the new record are appended together (see the module header). Refused
-        once the old delivery time has passed (the message would be delivered twice)."""
+        once the old delivery time has passed (the message would be delivered twice).
+        ``original``: the message's newest timer record when the caller has it already (the
+        console reads it from the position the TimerLog names), instead of ``find``ing it."""
         ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
         now = self.clock.now_ms()
         if ticket.deliver_at_ms <= now:
             # Its cancel could no longer take effect: the message would be delivered twice.
             raise TimerwheelError(f"reschedule: the delivery time of {ticket.message_id!r} passed "
                                   f"{now - ticket.deliver_at_ms} ms ago; the message was most likely delivered")
-        original = self.find(ticket)
+        if original is None:
+            original = self.find(ticket)
         if original is None:
             raise TimerwheelError(f"reschedule: no timer record of {ticket.message_id!r} in partition "
                                   f"{ticket.partition} of {self.config.timer_topic!r}")
@@ -235,8 +254,7 @@ class TimerClient:
                       int(raw_partition) if raw_partition and raw_partition.isdigit() else None)
         records, tickets, spans = self._timer_records([timer], timer_partition=ticket.partition)
         cancels, cancel_spans = self._cancel_records([ticket])
-        append_atomic = getattr(self.log, "append_atomic", None)
-        (append_atomic or self.log.append)([*cancels, *records])
+        (self.log.append_atomic if isinstance(self.log, AtomicLog) else self.log.append)([*cancels, *records])
         for span in [*cancel_spans, *(spans or ())]:
             span.end()
         return tickets[0]

@@ -13,13 +13,13 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
 from timerwheel.errors import ConfigError
 
 ALLOWED_TICKS_MS = (10, 100, 200, 500, 1000)
-RECORD_SIZE = 64
 DAY_MS = 86_400_000
 
 #: RocketMQ 4.x delay levels 1..18.
@@ -38,15 +38,30 @@ KAFKA_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 #: URL schemes redis-py understands; ``rediss`` is Redis over TLS.
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
-_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": DAY_MS}
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": DAY_MS, "w": 7 * DAY_MS}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?|\.\d+)(ms|s|m|h|d|w)")
+#: What a duration may look like, for error messages.
+DURATION_FORMS = "5000 (ms), 250ms, 5s, 1.5s, 10m, 1h30m, 2d, 2w (units ms s m h d w)"
 
 
 def parse_duration_ms(text: str) -> int:
-    """``"1s"`` -> 1000, ``"2h"`` -> 7200000, ``"250ms"`` -> 250, ``"1500"`` -> 1500."""
-    match = re.fullmatch(r"\s*(\d+)\s*(ms|s|m|h|d)?\s*", text)
-    if not match:
-        raise ValueError(f"not a duration: {text!r}")
-    return int(match.group(1)) * _UNITS_MS[match.group(2) or "ms"]
+    """A duration in whole milliseconds: ``"1500"`` (a bare number is milliseconds), ``"250ms"``,
+    ``"1.5s"``, ``"1h30m"``, ``"2w"``. Raises ValueError listing the accepted forms (a negative
+    one is refused as such)."""
+    t = text.strip()
+    body = t[1:] if t.startswith("-") else t
+    if body.isdigit():
+        total = Decimal(body)
+    else:
+        parts = _DURATION_PART.findall(body)
+        if not parts or "".join(n + u for n, u in parts) != body:
+            raise ValueError(f"expected a duration such as {DURATION_FORMS}, got {text!r}")
+        total = sum((Decimal(n) * _UNITS_MS[u] for n, u in parts), Decimal(0))
+    if body is not t:
+        raise ValueError(f"a duration cannot be negative, got {text!r}")
+    if total != int(total):
+        raise ValueError(f"a duration is whole milliseconds, got {text!r} ({total} ms)")
+    return int(total)
 
 
 def parse_delay_levels(text: str) -> tuple[int, ...]:
@@ -79,7 +94,8 @@ class TimerConfig:
     #: Bytes of record payload a stage's batch stops at (a fetch entry, a read, a produce); a
     #: record larger than this is a batch of its own.
     batch_bytes: int = 4 * 1024 * 1024
-    #: Bytes of records dequeue-getmsg keeps read ahead (Kafka's read cache and follower); 0: off.
+    #: Memory dequeue-getmsg's Kafka read cache may take (records read ahead or in passing, each
+    #: counted as its bytes plus ``readcache.RECORD_OVERHEAD``); 0: off.
     read_cache_bytes: int = 32 * 1024 * 1024
     #: Messages a shard's dequeue-get may have sent but not yet seen delivered.
     max_in_flight: int = 20_000
@@ -92,6 +108,9 @@ class TimerConfig:
     #: ``InputWatermark``). 0: every cancel acknowledged before its target's delivery time meets
     #: it; N: only those acknowledged at least N ms before it, for deliveries up to N ms sooner.
     cancel_lead_ms: int = 0
+    #: How far ahead of its delivery time a message may be read, fetched and held by dequeue-put
+    #: (``TW_LOOKAHEAD_MS``); 0: a slot is read once W passes its end.
+    lookahead_ms: int = 0
     #: Shards this process may own (enqueue-put, dequeue-get); empty: all.
     own_shards: tuple[int, ...] = ()
     #: enqueue-get replicas split the timer partitions: p % replicas == replica_index.
@@ -105,7 +124,7 @@ class TimerConfig:
     missing_topic: str = "hold"
     #: A due message whose destination does not exist is held (re-tried) this long, then dead-lettered.
     missing_topic_hold_ms: int = 600_000
-    #: Kafka security (see README, "Secured connections"): every Kafka client timerwheel makes
+    #: Kafka security (docs/configuration.md, "Secured connections"): every Kafka client timerwheel makes
     #: takes these through ``timerwheel.security.kafka_client_options``.
     kafka_security_protocol: str = "PLAINTEXT"
     kafka_sasl_mechanism: str = ""
@@ -155,6 +174,8 @@ class TimerConfig:
             "wheel_span_ms",
             f"must be a multiple of tick_ms and at least twice roll_window_ms ({2 * self.roll_window_ms}), got {span}",
         )
+        from timerwheel.store.format import RECORD_SIZE  # the storage format's (not at import: a cycle)
+
         need(
             self.segment_bytes >= RECORD_SIZE and self.segment_bytes % RECORD_SIZE == 0,
             "segment_bytes",
@@ -183,6 +204,9 @@ class TimerConfig:
         need(self.queue_put_timeout_s > 0, "queue_put_timeout_s", "must be > 0")
         need(self.lease_ttl_ms >= 1000, "lease_ttl_ms", f"must be >= 1000, got {self.lease_ttl_ms}")
         need(0 <= self.cancel_lead_ms <= 60_000, "cancel_lead_ms", f"must be 0..60000, got {self.cancel_lead_ms}")
+        lookahead_max = max(0, min(60_000, self.roll_window_ms // 6 - 2 * self.tick_ms))
+        need(0 <= self.lookahead_ms <= lookahead_max, "lookahead_ms",
+             f"must be 0..{lookahead_max} (60000 at most, and roll_window_ms / 6 - 2 ticks), got {self.lookahead_ms}")
         need(all(0 <= s < self.shards for s in self.own_shards), "own_shards",
              f"every shard must be 0..{self.shards - 1}, got {list(self.own_shards)}")
         need(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
@@ -279,7 +303,7 @@ class TimerConfig:
             if var.startswith("TW_") and not known_env_var(var) and not kubernetes_service_var(var, environ[var]):
                 close = difflib.get_close_matches(var, [*ENV_VARS, *OTHER_ENV_VARS], 1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
-                raise ConfigError(var, f"unknown variable{hint}; the README lists every TW_* variable")
+                raise ConfigError(var, f"unknown variable{hint}; docs/configuration.md lists every TW_* variable")
         values: dict[str, Any] = {}
         for var, (attr, kind, _doc) in ENV_VARS.items():
             raw = environ.get(var)
@@ -333,78 +357,128 @@ def _convert(kind: str, raw: str) -> Any:
     return raw
 
 
-#: Every environment variable the services read: name -> (TimerConfig field, kind, meaning).
+#: Every environment variable the services read: name -> (TimerConfig field, kind, meaning). The
+#: meaning is what docs/configuration.md says of it (``python -m timerwheel.docs`` writes that page
+#: from this table; the default comes from the TimerConfig field).
 ENV_VARS: dict[str, tuple[str, str, str]] = {
-    "TW_DATA_DIR": ("data_dir", "str", "shared volume holding each shard's TimerLog, wheel and checkpoints"),
-    "TW_SHARDS": ("shards", "int", "number of shards; timer partition p belongs to shard p % shards"),
+    "TW_DATA_DIR": ("data_dir", "str", "shared volume holding each shard's TimerLog, wheel and checkpoints "
+                    "(and in embedded mode the local commit log, `<data dir>/log`)"),
+    "TW_SHARDS": ("shards", "int", "number of shards, 1..4096; timer partition p belongs to shard p % shards. "
+                  "Fixed once the data directory is made"),
     "TW_TICK_MS": ("tick_ms", "int", "wheel precision: 10, 100, 200, 500 or 1000 ms"),
-    "TW_ROLL_WINDOW_MS": ("roll_window_ms", "duration", "messages due further than this past W are rolled"),
-    "TW_WHEEL_SPAN_MS": ("wheel_span_ms", "duration", "wheel span, at least 2x the roll window (default 2x)"),
-    "TW_SEGMENT_BYTES": ("segment_bytes", "int", "TimerLog segment size, a multiple of 64"),
-    "TW_MAX_DELAY_MS": ("max_delay_ms", "duration", "longest accepted delay (default 400 days)"),
-    "TW_DELAY_LEVELS": ("delay_levels_ms", "levels", "delay-level table, e.g. '1s 5s 10s 30s 1m ...'"),
-    "TW_ALLOW_TOPICS": ("allow_topics", "regexes", "comma-separated regexes a destination must fully match"),
-    "TW_TIMER_TOPIC": ("timer_topic", "str", "topic producers write timer messages to (default __timer)"),
-    "TW_DLQ_TOPIC": ("dlq_topic", "str", "dead-letter topic (default __timer_dlq)"),
-    "TW_TIMER_PARTITIONS": ("timer_partitions", "int", "partitions of the timer topic when it is created"),
-    "TW_MAX_RECORD_BYTES": ("max_record_bytes", "int", "larger timer records go to the DLQ"),
-    "TW_QUEUE_BOUND": ("queue_bound", "int", "entries per work-queue partition before producers block"),
-    "TW_BATCH_SIZE": ("batch_size", "int", "requests per work-queue entry and TimerLog batch"),
+    "TW_ROLL_WINDOW_MS": ("roll_window_ms", "duration",
+                          "messages due further than this past W are rolled: written into a slot inside the "
+                          "window and written back to the timer topic when it fires. Whole ticks, at least 10"),
+    "TW_WHEEL_SPAN_MS": ("wheel_span_ms", "duration", "wheel span, at least twice the roll window (0: twice it)"),
+    "TW_SEGMENT_BYTES": ("segment_bytes", "int", "TimerLog segment size, a multiple of the 64-byte record"),
+    "TW_MAX_DELAY_MS": ("max_delay_ms", "duration", "longest accepted delay; a longer one is dead-lettered"),
+    "TW_DELAY_LEVELS": ("delay_levels_ms", "levels",
+                        "the delay-level table of `tw-delay-level` 1..N: space-separated durations "
+                        "(RocketMQ 4.x's 18 levels)"),
+    "TW_ALLOW_TOPICS": ("allow_topics", "regexes",
+                        "comma-separated regexes; a destination must fully match one (the default denies "
+                        "internal `__*` topics)"),
+    "TW_TIMER_TOPIC": ("timer_topic", "str", "the topic producers write timer messages to"),
+    "TW_DLQ_TOPIC": ("dlq_topic", "str", "the dead-letter topic; must differ from the timer topic"),
+    "TW_TIMER_PARTITIONS": ("timer_partitions", "int", "partitions of the timer topic when timerwheel creates it"),
+    "TW_MAX_RECORD_BYTES": ("max_record_bytes", "int",
+                            "larger timer records go to the DLQ (keep it a few hundred bytes under the "
+                            "broker's limits)"),
+    "TW_QUEUE_BOUND": ("queue_bound", "int",
+                       "entries per work-queue partition before the producer blocks (flow control)"),
+    "TW_BATCH_SIZE": ("batch_size", "int", "requests per work-queue entry and TimerLog batch, 1..100000"),
     "TW_QUEUE_BYTES": ("queue_bytes", "int",
-                       "record bytes per work-queue partition before producers block (default 16 MiB)"),
-    "TW_BATCH_BYTES": ("batch_bytes", "int", "record bytes a stage's batch stops at (default 4 MiB)"),
+                       "record bytes a work-queue partition holds before the producer blocks (with "
+                       "`TW_QUEUE_BOUND`, whichever comes first): bounds the deliver queue in Redis; at least "
+                       "`TW_BATCH_BYTES`"),
+    "TW_BATCH_BYTES": ("batch_bytes", "int",
+                       "record bytes a batch stops at (fetch entries, dequeue-getmsg's reads, dequeue-put's "
+                       "produce, enqueue-get's Kafka fetch); at least 65536"),
     "TW_READ_CACHE_BYTES": ("read_cache_bytes", "int",
-                            "record bytes dequeue-getmsg reads ahead from Kafka (default 32 MiB; 0: off)"),
-    "TW_MAX_IN_FLIGHT": ("max_in_flight", "int", "messages per shard sent but not yet delivered"),
-    "TW_FSYNC": ("fsync", "bool", "fsync TimerLog, wheel and local log writes (default true)"),
-    "TW_LEASE_TTL_MS": ("lease_ttl_ms", "int", "shard lease duration; a paused owner is fenced after it"),
+                            "memory dequeue-getmsg's read cache of timer records may take on Kafka, each record "
+                            "counted as its bytes plus ~800 for the objects around it (0: no read-ahead; the "
+                            "embedded mode's local log keeps 64 MiB)"),
+    "TW_MAX_IN_FLIGHT": ("max_in_flight", "int",
+                         "messages per shard sent by dequeue-get but not yet reported delivered (flow control); "
+                         "at least `TW_BATCH_SIZE`"),
+    "TW_FSYNC": ("fsync", "bool", "fsync the shards' TimerLog, wheel and checkpoints, and the local commit log"),
+    "TW_LEASE_TTL_MS": ("lease_ttl_ms", "int",
+                        "shard lease duration in ms, at least 1000; an owner paused longer is fenced"),
     "TW_CANCEL_LEAD_MS": ("cancel_lead_ms", "int",
-                          "how far W may run past a shard's complete input (default 0: every cancel "
-                          "acknowledged before its target is due meets it); 0..60000"),
-    "TW_OWN_SHARDS": ("own_shards", "ints", "comma-separated shards this process may own (default: all)"),
-    "TW_REPLICA_INDEX": ("replica_index", "int", "this enqueue-get replica's index (partitions p % replicas)"),
+                          "how far W may run past the time up to which a shard's input is written, 0..60000 ms. "
+                          "0: every cancel acknowledged before its target's delivery time meets it. N: only "
+                          "cancels acknowledged at least N ms before it are sure to, and deliveries come up to "
+                          "N ms sooner when enqueue-get lags"),
+    "TW_LOOKAHEAD_MS": ("lookahead_ms", "int",
+                        "how far ahead of its delivery time a message is read from the wheel, fetched and held "
+                        "by dequeue-put until its time, 0..60000 ms and at most roll_window_ms / 6 - 2 ticks; "
+                        "0: a slot is read once W passes its end"),
+    "TW_OWN_SHARDS": ("own_shards", "ints",
+                      "comma-separated shards this process may own (enqueue-put, dequeue-get); empty: all"),
+    "TW_REPLICA_INDEX": ("replica_index", "int",
+                         "this enqueue-get replica's index: it reads partitions p with p % replicas == index"),
     "TW_REPLICAS": ("replicas", "int", "number of enqueue-get replicas"),
     "TW_KAFKA_BOOTSTRAP": ("kafka_bootstrap", "str", "Kafka bootstrap servers (production mode)"),
     "TW_KAFKA_COMPRESSION": ("kafka_compression", "str",
-                             "compression of records written to Kafka: none, gzip, snappy, lz4 or zstd (default none)"),
+                             "compression of what timerwheel writes to Kafka (delivered records, roll hops, dead "
+                             "letters): none, gzip, snappy, lz4 or zstd"),
     "TW_MISSING_TOPIC": ("missing_topic", "str",
-                         "destination missing when scheduled: hold (schedule; default) or dlq (dead-letter at once)"),
+                         "a destination that does not exist when the message is scheduled: hold (schedule it; "
+                         "the topic may be created before it is due) or dlq (dead-letter it at once)"),
     "TW_MISSING_TOPIC_HOLD_MS": ("missing_topic_hold_ms", "duration",
-                                 "a due message's missing destination is waited for this long, then DLQ (default 10m)"),
+                                 "a due message whose destination does not exist is held (tried again) this long, "
+                                 "then dead-lettered"),
     "TW_KAFKA_SECURITY_PROTOCOL": ("kafka_security_protocol", "str",
-                                   "PLAINTEXT (default), SSL, SASL_PLAINTEXT or SASL_SSL"),
+                                   "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL"),
     "TW_KAFKA_SASL_MECHANISM": ("kafka_sasl_mechanism", "str",
-                                "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (with SASL_*)"),
-    "TW_KAFKA_SASL_USERNAME": ("kafka_sasl_username", "str", "SASL user name (with SASL_*)"),
-    "TW_KAFKA_SASL_PASSWORD": ("kafka_sasl_password", "str", "SASL password (or TW_KAFKA_SASL_PASSWORD_FILE)"),
+                                "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (required with SASL_*)"),
+    "TW_KAFKA_SASL_USERNAME": ("kafka_sasl_username", "str", "SASL user (required with SASL_*)"),
+    "TW_KAFKA_SASL_PASSWORD": ("kafka_sasl_password", "str", "SASL password; or `TW_KAFKA_SASL_PASSWORD_FILE`"),
     "TW_KAFKA_SASL_PASSWORD_FILE": ("kafka_sasl_password_file", "str",
-                                    "file holding the SASL password (a mounted secret; read when the clients are made)"),
+                                    "file holding the SASL password (a mounted Kubernetes secret; read when the "
+                                    "clients are made, so a restarted pod uses a rotated secret; a trailing "
+                                    "newline is dropped)"),
     "TW_KAFKA_SSL_CAFILE": ("kafka_ssl_cafile", "str",
-                            "PEM CA bundle the brokers' certificates are checked against (default: the system's)"),
-    "TW_KAFKA_SSL_CERTFILE": ("kafka_ssl_certfile", "str", "PEM client certificate (mutual TLS)"),
-    "TW_KAFKA_SSL_KEYFILE": ("kafka_ssl_keyfile", "str", "PEM private key of the client certificate (mutual TLS)"),
+                            "PEM bundle of the CA that signed the brokers' certificates (with SSL / SASL_SSL; "
+                            "empty: the system's CAs)"),
+    "TW_KAFKA_SSL_CERTFILE": ("kafka_ssl_certfile", "str",
+                              "PEM client certificate, for brokers that require mutual TLS"),
+    "TW_KAFKA_SSL_KEYFILE": ("kafka_ssl_keyfile", "str",
+                             "PEM private key of that certificate (needs `TW_KAFKA_SSL_CERTFILE`)"),
     "TW_KAFKA_SSL_CHECK_HOSTNAME": ("kafka_ssl_check_hostname", "bool",
-                                    "check that the broker's certificate names the host connected to (default true)"),
-    "TW_REDIS_URL": ("redis_url", "str", "Redis URL for the work queues and leases (production mode)"),
-    "TW_REDIS_PASSWORD": ("redis_password", "str", "Redis password (AUTH; or TW_REDIS_PASSWORD_FILE)"),
+                                    "the broker's certificate must name the host connected to"),
+    "TW_REDIS_URL": ("redis_url", "str",
+                     "Redis URL for the work queues and leases (production mode); `rediss://` for TLS"),
+    "TW_REDIS_PASSWORD": ("redis_password", "str", "Redis password (AUTH); or `TW_REDIS_PASSWORD_FILE`"),
     "TW_REDIS_PASSWORD_FILE": ("redis_password_file", "str", "file holding the Redis password (a mounted secret)"),
-    "TW_REDIS_SSL_CAFILE": ("redis_ssl_cafile", "str", "PEM CA bundle of the Redis server's certificate (rediss://)"),
-    "TW_HTTP_PORT": ("http_port", "int", "port for /healthz, /readyz and /metrics (0: off)"),
+    "TW_REDIS_SSL_CAFILE": ("redis_ssl_cafile", "str",
+                            "PEM bundle of the CA that signed Redis's certificate (with `rediss://`; empty: the "
+                            "system's CAs)"),
+    "TW_HTTP_PORT": ("http_port", "int", "port for `/healthz`, `/readyz` and `/metrics` (0: off)"),
     "TW_METRICS_TOPIC_LABELS_MAX": ("metrics_topic_labels_max", "int",
-                                    "destination topics with a metric label of their own; the rest are 'other' (default 100)"),
+                                    "destination topics that get a topic label of their own in the metrics; past "
+                                    "it, and for any topic that is not a legal destination `TW_ALLOW_TOPICS` allows "
+                                    "(the timer and dead-letter topics included), the label is other"),
     "TW_LOG_RETENTION_MS": ("log_retention_ms", "duration",
-                            "embedded: the local log keeps records this long (default max(7d, 1.5 x roll window))"),
+                            "embedded mode: the local commit log (`<data dir>/log`) deletes whole segments whose "
+                            "newest record is older than this, checked every minute; at least 1.5 x the roll "
+                            "window (a rolled message is re-read from the timer topic). 0: max(7 days, 1.5 x the "
+                            "roll window). Kafka keeps its own `retention.ms`"),
 }
 
 #: Variables read outside TimerConfig.
 OTHER_ENV_VARS = {
-    "TW_LOG_LEVEL": "log level of the JSON log lines on stderr (default INFO)",
+    "TW_LOG_LEVEL": "level of the JSON log lines on stderr: DEBUG, INFO, WARNING or ERROR (default INFO)",
     "TW_SPARK_JARS": "Spark jobs: a directory of Spark's Kafka connector jars (default: scripts/spark.sh's cache)",
     "TW_SPARK_DRIVER_MEMORY": "Spark jobs: the driver's memory on local[*] (default 1g)",
     "TW_SPARK_SHUFFLE_PARTITIONS": "Spark jobs: spark.sql.shuffle.partitions (default 8)",
+    "TW_CONSOLE_METRICS": "timerwheel console / top: the stages' /metrics endpoints, host:port,...",
+    "TW_CONSOLE_ACTION_TOKEN_FILE": "timerwheel console: file holding the action token (none: read-only)",
+    "TW_CONSOLE_HOST": "timerwheel console: address to listen on (default 127.0.0.1)",
+    "TW_CONSOLE_PORT": "timerwheel console: port to listen on (default 8090)",
 }
 
-#: Variables of the project's own scripts, tests and benchmarks (README "Tests and tooling");
+#: Variables of the project's own scripts, tests and benchmarks (docs/development.md);
 #: a process may inherit them from a developer's shell, so they are not reported as unknown.
 TOOLING_ENV_VARS = {
     "TW_KEEP_SERVERS": "tests: leave the Kafka and Redis they started running",
@@ -422,6 +496,8 @@ TOOLING_ENV_VARS = {
     "TW_REDIS_TLS": "scripts/redis.sh: the server requires TLS and a password (rediss://)",
     "TW_CACHE_DIR": "scripts/k8s.sh, helm.sh, image.py, spark.sh: build cache (default ~/.cache/timerwheel)",
     "TW_HELM_VERSION": "scripts/helm.sh: the helm version to build (default v3.22.0)",
+    "TW_PROMETHEUS_VERSION": "scripts/prometheus.sh: the Prometheus Go module version to build (default v0.316.0)",
+    "TW_PROMETHEUS_OPERATOR_VERSION": "scripts/prometheus.sh crds: the Prometheus Operator whose CRDs to use (default v0.85.0)",
     "TW_LISTEN_HOST": "scripts/kafka.sh, redis.sh: an address of this machine to listen on too",
     "TW_KAFKA_EXTERNAL_BOOTSTRAP": "scripts/kafka.sh env: the listener on TW_LISTEN_HOST",
     "TW_REDIS_EXTERNAL_URL": "scripts/redis.sh env: the server on TW_LISTEN_HOST",

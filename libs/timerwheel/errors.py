@@ -19,6 +19,13 @@ class FormatMismatchError(TimerwheelError):
     """A shard on disk was written with another format version, tick or slot count."""
 
 
+class SourceMismatchError(FormatMismatchError):
+    """The shards of a data directory were written from another commit log than the one this
+    process reads: another Kafka cluster, another incarnation of the timer topic (deleted and
+    made again), or a checkpointed offset beyond a partition's end. The message names both and
+    the command that recovers (``timerwheel rebase``)."""
+
+
 class CorruptRecordError(TimerwheelError):
     """A TimerLog record failed its CRC check where it must not (the middle of the log)."""
 

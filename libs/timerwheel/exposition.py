@@ -64,4 +64,5 @@ def registry_of(metrics: Metrics) -> CollectorRegistry:
 
 
 def render(metrics: Metrics) -> str:
+    """``metrics`` in Prometheus' text exposition format (what ``/metrics`` serves)."""
     return generate_latest(registry_of(metrics)).decode()

@@ -1,8 +1,10 @@
 """Counters, gauges and the lateness histogram that every stage updates.
 
-A plain, thread-safe registry with no dependency but numpy, so the pure core stays pure. Exporters
-read it: ``/metrics`` through prometheus_client (``timerwheel.exposition``), OTLP
-(``timerwheel.telemetry.export_metrics``); ``timerwheel inspect`` shows the same figures.
+A plain, thread-safe registry with no dependency but numpy, so the pure core stays pure; it knows
+nothing of who reads it. Exporters read it: ``/metrics`` through prometheus_client
+(``timerwheel.exposition``, which imports this module and is imported only by who serves it:
+prometheus_client brings http and email modules that a producer's ``import timerwheel`` does not
+need), OTLP (``timerwheel.telemetry.export_metrics``); ``timerwheel inspect`` shows the same figures.
 Stages add per batch (``inc_many``), never allocate per message on the hot path.
 
 Every family is declared below (``COUNTERS``, ``GAUGES``, ``HISTOGRAMS``, with its help text):
@@ -241,9 +243,3 @@ class Metrics:
         """Names of the counter, gauge and histogram families recorded so far."""
         with self._lock:
             return sorted(self.counters), sorted(self.gauges), sorted(self.histograms)
-
-    def render_prometheus(self) -> str:
-        """The registry in Prometheus' text exposition format (through prometheus_client)."""
-        from timerwheel.exposition import render
-
-        return render(self)

@@ -72,14 +72,18 @@ def _candidates(shard: Shard, from_ms: int, to_ms: int, want_topic: int | None, 
         t = shard.wheel.next_nonempty(t, end)
         if t is None:
             break
-        for _pos, rec in shard.read_slot(t, enq.flushed_pos):
-            flags = rec.flags
-            if flags & _DELETE:
-                markers.add(rec.id_hash)
-            elif ((flags & _ROLL or rec.deliver_ms >= from_ms)
-                  and (want_topic is None or rec.topic_hash == want_topic)
-                  and (want_id is None or rec.id_hash == want_id)):
-                yield rec.id_hash, rec.src_partition, rec.src_offset
+        for _positions, records in shard.read_slot(t, enq.flushed_pos):
+            flags = records["magic"] & 0xFF
+            is_marker = (flags & _DELETE) != 0
+            markers.update(records["id_hash"][is_marker].tolist())
+            keep = ~is_marker & (((flags & _ROLL) != 0) | (records["deliver_ms"] >= from_ms))
+            if want_topic is not None:
+                keep &= records["topic_hash"] == want_topic
+            if want_id is not None:
+                keep &= records["id_hash"] == want_id
+            kept = records[keep]
+            yield from zip(kept["id_hash"].tolist(), kept["src_partition"].tolist(), kept["src_offset"].tolist(),
+                           strict=True)
         t += tick
 
 

@@ -7,28 +7,24 @@
   prefixes them with ``kafka.`` for Spark's Kafka source and sink.
 - ``redis_client(cfg)``: redis-py on ``TW_REDIS_URL`` with the password and CA.
 
-A wrong password or a certificate that is not trusted is not an outage: retrying cannot help,
-and kafka-python cannot tell it from one (the broker closes the connection; the client retries
-until ``Unable to bootstrap``). So before a stage starts, ``check_kafka_access`` connects to a
-bootstrap broker itself: the TLS handshake with the configured CA, then SASL (SaslHandshake,
-SaslAuthenticate v1, the mechanism of kafka-python). A refusal raises ``AccessError`` naming
-the setting to fix; a broker that cannot be reached returns quietly (the caller waits for it
-as before). ``check_redis_access`` does the same with a PING. Secrets never reach a message.
+A wrong password or a certificate that is not trusted is not an outage: retrying cannot help.
+So before a stage starts, ``check_redis_access`` pings Redis and
+``timerwheel.transports.kafka.access.check_kafka_access`` asks a Kafka broker; a refusal raises
+``AccessError`` naming the setting to fix (``tls_refusal`` for a failed TLS handshake with
+either), a server that cannot be reached returns quietly (the caller waits for it as before).
+Secrets never reach a message.
 """
 
 from __future__ import annotations
 
-import socket
 import ssl
-import struct
-from collections.abc import Iterator
 from typing import Any
 
 from timerwheel.config import TimerConfig
 from timerwheel.errors import AccessError
 
-__all__ = ["check_kafka_access", "check_redis_access", "kafka_client_options", "kafka_java_properties",
-           "redis_client", "spark_kafka_options"]
+__all__ = ["check_redis_access", "kafka_client_options", "kafka_java_properties", "redis_client",
+           "spark_kafka_options", "tls_refusal"]
 
 
 def kafka_client_options(cfg: TimerConfig) -> dict[str, Any]:
@@ -129,8 +125,8 @@ _CA_SETTING = {"kafka": "TW_KAFKA_SSL_CAFILE", "redis": "TW_REDIS_SSL_CAFILE"}
 _HOSTNAME_MISMATCH = 62  # X509_V_ERR_HOSTNAME_MISMATCH
 
 
-def _tls_refusal(server: str, where: str, exc: ssl.SSLError) -> AccessError:
-    """The setting to fix for a failed TLS handshake with ``where``."""
+def tls_refusal(server: str, where: str, exc: ssl.SSLError) -> AccessError:
+    """The setting to fix for a failed TLS handshake with ``where`` (``server``: kafka or redis)."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         reason = exc.verify_message or exc.reason or str(exc)
         if exc.verify_code == _HOSTNAME_MISMATCH and server == "kafka":
@@ -141,132 +137,6 @@ def _tls_refusal(server: str, where: str, exc: ssl.SSLError) -> AccessError:
     setting = "TW_KAFKA_SECURITY_PROTOCOL" if server == "kafka" else "TW_REDIS_URL"
     return AccessError(setting, f"TLS handshake with {where} failed ({exc.reason or exc}): "
                                 f"is it a TLS listener, and does it accept this client's certificate?")
-
-
-def _ssl_context(cfg: TimerConfig) -> ssl.SSLContext:
-    """As kafka-python builds it from the same options."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = cfg.kafka_ssl_check_hostname
-    if cfg.kafka_ssl_cafile:
-        ctx.load_verify_locations(cfg.kafka_ssl_cafile)
-    else:
-        ctx.load_default_certs()
-    if cfg.kafka_ssl_certfile:
-        ctx.load_cert_chain(cfg.kafka_ssl_certfile, cfg.kafka_ssl_keyfile or None)
-    return ctx
-
-
-def check_kafka_access(cfg: TimerConfig, bootstrap: str | None = None, timeout_s: float = 10.0) -> None:
-    """Raise ``AccessError`` if the first bootstrap broker that answers refuses this client's TLS
-    or SASL settings; return if it accepts them or none answers (unreachable is retried elsewhere)."""
-    protocol = cfg.kafka_security_protocol
-    if protocol == "PLAINTEXT":
-        return
-    for server in (bootstrap or cfg.kafka_bootstrap).split(","):
-        host, _, port = server.strip().rpartition(":")
-        host = host.strip("[]")
-        try:
-            raw = socket.create_connection((host, int(port)), timeout=timeout_s)
-        except (OSError, ValueError):
-            continue
-        where = f"Kafka at {server.strip()}"
-        with raw:
-            sock: socket.socket = raw
-            if protocol in ("SSL", "SASL_SSL"):
-                try:
-                    sock = _ssl_context(cfg).wrap_socket(raw, server_hostname=host)
-                except ssl.SSLError as exc:
-                    raise _tls_refusal("kafka", where, exc) from None
-                except OSError:
-                    continue
-            try:
-                if protocol.startswith("SASL_"):
-                    _sasl_authenticate(sock, cfg, host)
-                else:  # TLS 1.3: a broker refuses a client certificate only after the handshake
-                    _call(sock, iter(range(1, 10)), 18, 0, b"")  # ApiVersions
-            except ssl.SSLError as exc:
-                raise _tls_refusal("kafka", where, exc) from None
-            except (OSError, EOFError, struct.error):
-                continue
-            except _Refused as exc:
-                raise AccessError(exc.setting, f"{where} refused SASL {cfg.kafka_sasl_mechanism} for user "
-                                               f"{cfg.kafka_sasl_username!r}: {exc}") from None
-        return
-
-
-class _Refused(Exception):
-    def __init__(self, setting: str, message: str) -> None:
-        super().__init__(message)
-        self.setting = setting
-
-
-def _sasl_authenticate(sock: socket.socket, cfg: TimerConfig, host: str) -> None:
-    """SaslHandshake v1 and SaslAuthenticate v1 (Kafka's protocol, non-flexible versions),
-    with kafka-python's PLAIN / SCRAM mechanism. Raises ``_Refused`` naming the setting."""
-    from kafka.net.sasl import get_sasl_mechanism
-
-    correlation = iter(range(1, 1_000))
-
-    def call(api_key: int, version: int, body: bytes) -> bytes:
-        return _call(sock, correlation, api_key, version, body)
-
-    mechanism_name = cfg.kafka_sasl_mechanism.encode()
-    answer = call(17, 1, struct.pack(">h", len(mechanism_name)) + mechanism_name)
-    error = struct.unpack(">h", answer[:2])[0]
-    if error != 0:
-        enabled = _strings(answer[2:])
-        raise _Refused("TW_KAFKA_SASL_MECHANISM", f"mechanism not enabled on the broker (it offers "
-                                                  f"{', '.join(enabled) or 'none'})")
-    mechanism = get_sasl_mechanism(cfg.kafka_sasl_mechanism)(host=host, **kafka_client_options(cfg))
-    while not mechanism.is_done():
-        token = mechanism.auth_bytes()
-        answer = call(36, 1, struct.pack(">i", len(token)) + token)
-        error = struct.unpack(">h", answer[:2])[0]
-        n = struct.unpack(">h", answer[2:4])[0]
-        message = answer[4:4 + n].decode("utf-8", "replace") if n >= 0 else ""
-        rest = answer[4 + max(n, 0):]
-        if error != 0:
-            password = "TW_KAFKA_SASL_PASSWORD_FILE" if cfg.kafka_sasl_password_file else "TW_KAFKA_SASL_PASSWORD"
-            raise _Refused(password, message or f"error code {error}")
-        size = struct.unpack(">i", rest[:4])[0]
-        mechanism.receive(rest[4:4 + size] if size >= 0 else b"")
-    if not mechanism.is_authenticated():
-        raise _Refused("TW_KAFKA_SASL_PASSWORD", "the broker's final SCRAM message did not verify")
-
-
-def _call(sock: socket.socket, correlation: Iterator[int], api_key: int, version: int, body: bytes) -> bytes:
-    """One request with a v1 header (non-flexible), its response body."""
-    cid = next(correlation)
-    client_id = b"timerwheel-access-check"
-    header = struct.pack(">hhih", api_key, version, cid, len(client_id)) + client_id
-    payload = header + body
-    sock.sendall(struct.pack(">i", len(payload)) + payload)
-    size = struct.unpack(">i", _recv(sock, 4))[0]
-    response = _recv(sock, size)
-    if struct.unpack(">i", response[:4])[0] != cid:
-        raise EOFError("unexpected correlation id")
-    return response[4:]
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise EOFError("connection closed")
-        data += chunk
-    return data
-
-
-def _strings(data: bytes) -> list[str]:
-    count = struct.unpack(">i", data[:4])[0]
-    out, at = [], 4
-    for _ in range(max(count, 0)):
-        n = struct.unpack(">h", data[at:at + 2])[0]
-        out.append(data[at + 2:at + 2 + n].decode("utf-8", "replace"))
-        at += 2 + n
-    return out
 
 
 def check_redis_access(cfg: TimerConfig, timeout_s: float = 10.0) -> None:
@@ -287,7 +157,7 @@ def check_redis_access(cfg: TimerConfig, timeout_s: float = 10.0) -> None:
         while cause is not None and not isinstance(cause, ssl.SSLError):
             cause = cause.__cause__ or cause.__context__
         if isinstance(cause, ssl.SSLError):
-            raise _tls_refusal("redis", where, cause) from None
+            raise tls_refusal("redis", where, cause) from None
         if "ssl" in str(exc).lower() or "certificate" in str(exc).lower():
             raise AccessError("TW_REDIS_SSL_CAFILE", f"TLS with {where} failed: {exc}") from None
     except redis.ResponseError as exc:

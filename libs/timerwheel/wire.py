@@ -213,54 +213,40 @@ class TimerRules:
         return [int(at) if at is not None else self.delivery_time(r, 0, check_max=False, headers=h)
                 for r, h, at in zip(records, headers, ats, strict=True)]
 
-    def common(self, record: Record, hdr: dict[str, bytes], now_ms: int) -> tuple[int, str, str, int] | None:
-        """The common record's ``(deliver_ms, destination, message id, size)``, or None for any
-        other record, valid or not (``parse`` then checks it in full and says why it is refused).
-
-        Common: an absolute ``tw-deliver-at``, a destination already allowed once, none of the
-        other control headers; it passes the same checks as in ``parse`` (size, max delay, the
-        year-9999 limit, ``tw-id`` length) in a few steps. ``hdr`` is ``dict(record.headers)``
-        (the last of repeated headers wins, as ``Record.header``). enqueue-get calls this first,
-        for every record: its hottest code."""
-        topic = self.known_topics.get(hdr.get(H_TOPIC))  # type: ignore[arg-type]  # None finds nothing
-        at = hdr.get(H_DELIVER_AT)
-        if topic is None or at is None or not at.isdigit() or len(at) > 20 or not _FULL_PARSE.isdisjoint(hdr):
-            return None
-        key, value = record.key, record.value
-        size = (len(key) if key else 0) + (len(value) if value else 0)  # Record.size, inlined: the hot path
-        for k, v in record.headers:
-            size += len(k) + len(v)
-        deliver = int(at)
-        raw_id = hdr.get(H_ID)
-        cfg = self.config
-        if (size > cfg.max_record_bytes or deliver > MAX_EPOCH_MS or deliver - now_ms > cfg.max_delay_ms
-                or (raw_id is not None and not 0 < len(raw_id) <= MAX_ID_BYTES)):
-            return None
-        message_id = default_id(record.partition, record.offset) if raw_id is None else raw_id.decode("utf-8", "replace")
-        return deliver, topic, message_id, size
-
-    def parse(self, record: Record, now_ms: int, headers: dict[str, bytes] | None = None) -> TimerRequest:
+    def parse(self, record: Record, now_ms: int, headers: dict[str, bytes] | None = None,
+              size: int | None = None) -> TimerRequest:
         """Validate a timer-topic record; raise InvalidTimerMessage(reason) if it cannot be scheduled.
 
-        ``headers`` may pass ``dict(record.headers)`` already built; everything reads that dict.
-        The common record takes the short path (``common``); any other goes through every check."""
+        ``headers`` may pass ``dict(record.headers)`` already built (the last of repeated headers
+        wins, as ``Record.header``); everything reads that dict. ``size`` stands for the record's
+        size (``Record.size``) when ``record`` comes without its key, value or user headers: the
+        Spark jobs keep those in Spark.
+
+        enqueue-get calls this for every record: its hottest code. The common record (an absolute
+        ``tw-deliver-at``, a destination allowed once already, none of the other control headers)
+        passes the checks in a few steps and is built without a Python-level constructor; any
+        other goes through every check in turn, each with its reason."""
         hdr = dict(record.headers) if headers is None else headers
-        found = self.common(record, hdr, now_ms)
-        if found is not None:
-            deliver, topic, message_id, size = found
-            return _new_tuple(TimerRequest, (deliver, False, message_id, topic, 0, record.timestamp_ms,
-                                             record.partition, record.offset, size))
-        return self._parse(record, now_ms, hdr, record.size)
-
-    def parse_sized(self, record: Record, now_ms: int, headers: dict[str, bytes], size: int) -> TimerRequest:
-        """``parse`` of a record known by its control headers and its size alone (``record``'s key,
-        value and user headers may be left out): the Spark jobs keep those in Spark."""
-        return self._parse(record, now_ms, headers, size)
-
-    def _parse(self, record: Record, now_ms: int, hdr: dict[str, bytes], size: int) -> TimerRequest:
-        """``parse`` with every check in turn, each with its reason."""
-        if size > self.config.max_record_bytes:
-            raise InvalidTimerMessage(f"record of {size} bytes exceeds max_record_bytes {self.config.max_record_bytes}")
+        if size is None:  # Record.size, inlined: the hot path
+            key, value = record.key, record.value
+            size = (len(key) if key else 0) + (len(value) if value else 0)
+            for k, v in record.headers:
+                size += len(k) + len(v)
+        cfg = self.config
+        topic = self.known_topics.get(hdr.get(H_TOPIC))  # type: ignore[arg-type]  # None finds nothing
+        at = hdr.get(H_DELIVER_AT)
+        if topic is not None and at is not None and at.isdigit() and len(at) <= 20 and _FULL_PARSE.isdisjoint(hdr):
+            deliver = int(at)
+            raw_id = hdr.get(H_ID)
+            if (size <= cfg.max_record_bytes and deliver <= MAX_EPOCH_MS and deliver - now_ms <= cfg.max_delay_ms
+                    and (raw_id is None or 0 < len(raw_id) <= MAX_ID_BYTES)):
+                message_id = (default_id(record.partition, record.offset) if raw_id is None
+                              else raw_id.decode("utf-8", "replace"))
+                return _new_tuple(TimerRequest, (deliver, False, message_id, topic, 0, record.timestamp_ms,
+                                                 record.partition, record.offset, size))
+        # Every check in turn, each with its reason (the common record never gets here).
+        if size > cfg.max_record_bytes:
+            raise InvalidTimerMessage(f"record of {size} bytes exceeds max_record_bytes {cfg.max_record_bytes}")
         deliver = self.delivery_time(record, now_ms, headers=hdr)
         raw_roll = hdr.get(H_ROLL)
         roll = _decimal(H_ROLL, raw_roll) if raw_roll is not None else 0

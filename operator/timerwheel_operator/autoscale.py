@@ -36,7 +36,7 @@ DOWN_UTILISATION = 0.5
 
 
 @dataclass(frozen=True, slots=True)
-class Policy:
+class AutoscalePolicy:
     """``spec.autoscale`` for one stage."""
 
     min_replicas: int = 1
@@ -70,11 +70,11 @@ class Decision:
         return self.reason in ("ScaleUp", "ScaleDown")
 
 
-def _clamp(n: int, policy: Policy) -> int:
+def _clamp(n: int, policy: AutoscalePolicy) -> int:
     return max(policy.min_replicas, min(policy.max_replicas, n))
 
 
-def decide(policy: Policy, current: int, load: Load, now_ms: int, last_change_ms: int | None) -> Decision:
+def decide(policy: AutoscalePolicy, current: int, load: Load, now_ms: int, last_change_ms: int | None) -> Decision:
     """The replica count for one stage now. ``current``: the count the operator set last (or
     the workload's); ``last_change_ms``: when it changed (None: never, no delay applies)."""
     rate = max(load.peak_per_s, load.queue_depth / DRAIN_TARGET_S)

@@ -30,6 +30,7 @@ MAX_NAME = 28
 MAX_MS = 10_000 * DAY_MS
 KAFKA_TOPIC = r"^[a-zA-Z0-9._-]{1,249}$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
 
 def stage_key(stage: str) -> str:
@@ -178,6 +179,37 @@ def _autoscale_schema() -> Schema:
     }
 
 
+_STRING_MAP: Schema = {"type": "object", "additionalProperties": {"type": "string"}}
+
+
+def _pods_schema() -> Schema:
+    """spec.pods: placement and metadata of every pod of the TimerWheel (stages and Jobs)."""
+    toleration = {"type": "object", "properties": {
+        "key": {"type": "string", "maxLength": 316},
+        "operator": {"type": "string", "enum": ["Exists", "Equal"]},
+        "value": {"type": "string", "maxLength": 63},
+        "effect": {"type": "string", "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]},
+        "tolerationSeconds": {"type": "integer", "format": "int64"},
+    }}
+    return {
+        "type": "object",
+        "description": "placement and metadata of the stage pods and of the operator's Jobs (recovery, window "
+                       "change); with a ReadWriteOnce claim the operator adds a pod affinity that keeps them "
+                       "on the claim's node",
+        "properties": {
+            "annotations": {**_STRING_MAP, "description": "annotations of every pod (e.g. a service mesh's)"},
+            "nodeSelector": {**_STRING_MAP, "description": "the pods' nodeSelector"},
+            "tolerations": {"type": "array", "maxItems": 50, "items": toleration,
+                            "description": "the pods' tolerations"},
+            "affinity": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                         "description": "the pods' affinity (core/v1 Affinity), checked by the API server when "
+                                        "the operator applies the workloads (ApplyFailed names a bad one)"},
+            "priorityClassName": _str("the pods' PriorityClass (empty: the cluster's default)", maxLength=253,
+                                      pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"),
+        },
+    }
+
+
 def spec_schema() -> Schema:
     ticks = list(ALLOWED_TICKS_MS)
     stages: Schema = {
@@ -255,7 +287,11 @@ def spec_schema() -> Schema:
                                              maxLength=253),
                     "size": {**QUANTITY, "default": "10Gi", "description": "size of the claim"},
                     "accessModes": {
-                        "type": "array", "default": ["ReadWriteMany"], "minItems": 1, "maxItems": 4,
+                        "type": "array", "default": ["ReadWriteOnce"], "minItems": 1, "maxItems": 4,
+                        "description": "access modes of the claim the operator makes: ReadWriteOnce (the default, "
+                                       "offered by every cluster's default storage class): every pod of the "
+                                       "TimerWheel runs on the claim's node; ReadWriteMany (NFS, EFS, Filestore, "
+                                       "Azure Files, CephFS): any node. A claim keeps the modes it was made with",
                         "items": {"type": "string", "enum": ["ReadWriteMany", "ReadWriteOnce",
                                                              "ReadWriteOncePod", "ReadOnlyMany"]},
                     },
@@ -272,8 +308,17 @@ def spec_schema() -> Schema:
                     "repository": _str("image repository", maxLength=512),
                     "tag": _str("image tag", maxLength=128),
                     "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+                    "pullSecrets": {
+                        "type": "array", "maxItems": 20,
+                        "description": "Secrets (kubernetes.io/dockerconfigjson, in the TimerWheel's namespace) "
+                                       "the stage pods and the operator's Jobs pull the image with (default: the "
+                                       "operator's, TIMERWHEEL_IMAGE_PULL_SECRETS)",
+                        "items": {"type": "object", "required": ["name"], "properties": {
+                            "name": _str("the Secret's name", maxLength=253, pattern=DNS_SUBDOMAIN)}},
+                    },
                 },
             },
+            "pods": _pods_schema(),
             "tracing": {
                 "type": "object",
                 "properties": {

@@ -1,7 +1,7 @@
 """The operator's only door to the cluster: server-side apply of manifests, reads of the stage
-workloads, pods and recovery Jobs, a recovery pod's log, deletion of a stalled shard's owner pod,
-and scrapes of the pods' ``/metrics``. ``Cluster`` is the interface the
-reconcile functions take; tests give them a fake.
+workloads, pods, claims, their Events and the operator's Jobs, a Job pod's log, deletion of a
+stalled shard's owner pod, the TimerWheel's status, and scrapes of the pods' ``/metrics``.
+``Cluster`` is the interface the reconcile functions take; tests give them a fake.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ class Cluster(Protocol):
     def pod_log(self, namespace: str, name: str) -> str: ...
 
     def delete_pod(self, namespace: str, name: str) -> None: ...
+
+    def events(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]: ...
+
+    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
+                     status: Mapping[str, Any]) -> None: ...
 
 
 class KubeCluster:
@@ -84,6 +89,19 @@ class KubeCluster:
 
         with contextlib.suppress(NotFoundError):  # gone already: what we wanted
             self._resource("v1", "Pod").delete(name=name, namespace=namespace)
+
+    def events(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
+        """The Events about one object (core/v1), oldest first."""
+        out = self._resource("v1", "Event").get(
+            namespace=namespace, field_selector=f"involvedObject.kind={kind},involvedObject.name={name}").to_dict()
+        items = list(out.get("items") or [])
+        return sorted(items, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+
+    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
+                     status: Mapping[str, Any]) -> None:
+        """A merge patch of the object's ``status`` subresource (a null drops a key)."""
+        self._resource(api_version, kind).status.patch(body={"status": dict(status)}, name=name, namespace=namespace,
+                                                       content_type="application/merge-patch+json")
 
     def scrape(self, ip: str, port: int) -> str:
         with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=self.scrape_timeout_s) as resp:

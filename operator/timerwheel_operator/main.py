@@ -5,6 +5,8 @@ The operator's own environment (never ``TW_*``, which are the stages'):
 
 - ``TIMERWHEEL_IMAGE``: the stages' image when a TimerWheel names none (default ``timerwheel:dev``)
 - ``TIMERWHEEL_IMAGE_PULL_POLICY``: its pull policy (default ``IfNotPresent``)
+- ``TIMERWHEEL_IMAGE_PULL_SECRETS``: comma-separated Secrets the stage pods and the operator's Jobs
+  pull their image with when a TimerWheel names none (``spec.image.pullSecrets``); default none
 - ``TIMERWHEEL_WATCH_NAMESPACE``: comma-separated namespaces to watch (default: all)
 - ``TIMERWHEEL_LOG_LEVEL``: ``DEBUG``, ``INFO`` (default), ``WARNING``
 
@@ -12,6 +14,7 @@ kopf's liveness probe answers on port 8081, ``/healthz``.
 
 ``timerwheel-operator crd`` prints the CustomResourceDefinition as YAML instead, and
 ``timerwheel-operator values-schema`` the chart's ``values.schema.json``.
+``timerwheel-operator dashboards DIR`` writes the chart's Grafana dashboards (``monitoring``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,23 +31,30 @@ import kopf
 
 from timerwheel_operator import handlers as _handlers  # noqa: F401 - registers the handlers
 from timerwheel_operator.handlers import timerwheel as _timerwheel  # noqa: F401
-from timerwheel_operator.reconcile import Settings
+from timerwheel_operator.reconcile import OperatorConfig
 
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 #: kopf's liveness endpoint (``/healthz``), probed by the chart.
 HEALTH_PORT = 8081
+#: A Secret's name: a DNS subdomain.
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
-class SettingsError(ValueError):
-    pass
+class OperatorConfigError(ValueError):
+    """A ``TIMERWHEEL_*`` variable the operator refuses; the message names it."""
 
 
-def settings_from_env(env: Mapping[str, str]) -> Settings:
+def config_from_env(env: Mapping[str, str]) -> OperatorConfig:
     image = env.get("TIMERWHEEL_IMAGE") or "timerwheel:dev"
     policy = env.get("TIMERWHEEL_IMAGE_PULL_POLICY") or "IfNotPresent"
     if policy not in PULL_POLICIES:
-        raise SettingsError(f"TIMERWHEEL_IMAGE_PULL_POLICY: must be one of {', '.join(PULL_POLICIES)}, got {policy!r}")
-    return Settings(image=image, pull_policy=policy)
+        raise OperatorConfigError(f"TIMERWHEEL_IMAGE_PULL_POLICY: must be one of {', '.join(PULL_POLICIES)}, "
+                                  f"got {policy!r}")
+    secrets = tuple(s.strip() for s in (env.get("TIMERWHEEL_IMAGE_PULL_SECRETS") or "").split(",") if s.strip())
+    for name in secrets:
+        if not _SECRET_NAME.match(name) or len(name) > 253:
+            raise OperatorConfigError(f"TIMERWHEEL_IMAGE_PULL_SECRETS: {name!r} is not a Secret's name")
+    return OperatorConfig(image=image, pull_policy=policy, pull_secrets=secrets)
 
 
 def watch_namespaces(env: Mapping[str, str]) -> list[str]:
@@ -51,9 +62,9 @@ def watch_namespaces(env: Mapping[str, str]) -> list[str]:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
-    """All of kopf's settings, in one place."""
-    from timerwheel_operator import runtime
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """All of kopf's settings, in one place, and the handlers' shared state in kopf's memo."""
+    from timerwheel_operator import context
     from timerwheel_operator.kube import KubeCluster
     from timerwheel_operator.retention import KafkaAdmin
 
@@ -71,9 +82,10 @@ def configure(settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) ->
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
     settings.execution.max_workers = 4
-    ours = settings_from_env(os.environ)
-    runtime.install(KubeCluster(), ours, KafkaAdmin())
-    logger.info("timerwheel operator configured: image=%s pullPolicy=%s", ours.image, ours.pull_policy)
+    ours = config_from_env(os.environ)
+    context.install(memo, context.Context(KubeCluster(), ours, KafkaAdmin()))
+    logger.info("timerwheel operator configured: image=%s pullPolicy=%s pullSecrets=%s", ours.image,
+                ours.pull_policy, ",".join(ours.pull_secrets) or "-")
 
 
 def print_crd() -> int:
@@ -100,12 +112,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return print_crd()
     if args[:1] == ["values-schema"]:
         return print_values_schema()
+    if args[:1] == ["dashboards"] and len(args) == 2:
+        from pathlib import Path
+
+        from timerwheel_operator.monitoring import write_dashboards
+
+        for path in write_dashboards(Path(args[1])):
+            sys.stdout.write(f"{path}\n")
+        return 0
     if args:
-        sys.stderr.write("usage: timerwheel-operator [crd | values-schema]\n")
+        sys.stderr.write("usage: timerwheel-operator [crd | values-schema | dashboards DIR]\n")
         return 2
     try:
-        settings_from_env(os.environ)
-    except SettingsError as exc:
+        config_from_env(os.environ)
+    except OperatorConfigError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2
     level = (os.environ.get("TIMERWHEEL_LOG_LEVEL") or "INFO").upper()

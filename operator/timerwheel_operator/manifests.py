@@ -14,6 +14,9 @@ What one TimerWheel ``NAME`` becomes (every name starts ``timerwheel-NAME``, nev
 Pods run as the image's non-root user 10001 with a read-only root file system, no privilege
 escalation, no capabilities, seccomp RuntimeDefault, ``enableServiceLinks: false``, the volume
 at /data and an emptyDir at /tmp. A change of the settings rolls the pods (a hash annotation).
+Every pod of the TimerWheel, the stages' and the operator's Jobs', gets ``spec.pods`` (annotations,
+nodeSelector, tolerations, affinity, priorityClassName) and ``spec.image.pullSecrets``; with a
+ReadWriteOnce claim also a pod affinity that keeps them all on the claim's node (``affinity``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,18 @@ from typing import Any
 
 from timerwheel_operator import FIELD_MANAGER
 from timerwheel_operator.crd import SHARD_OWNERS, STAGES
-from timerwheel_operator.spec import DATA_DIR, HTTP_PORT, KAFKA_SECRET_DIR, Wheel, base_name, workload_name
-from timerwheel_operator.window import EXIT_REFUSED_UNCHANGED
+from timerwheel_operator.jobs import ATTEMPT
+from timerwheel_operator.recovery import SHARD_LABEL
+from timerwheel_operator.spec import (
+    DATA_DIR,
+    DEFAULT_ACCESS_MODES,
+    HTTP_PORT,
+    KAFKA_SECRET_DIR,
+    Wheel,
+    base_name,
+    workload_name,
+)
+from timerwheel_operator.window import EXIT_REFUSED_UNCHANGED, WINDOW_ANNOTATION
 
 Manifest = dict[str, Any]
 USER_ID = 10001
@@ -86,13 +99,19 @@ def config_map(wheel: Wheel, owner: Mapping[str, Any] | None) -> Manifest:
 
 
 def volume_claim(wheel: Wheel, owner: Mapping[str, Any] | None) -> Manifest:
+    """The claim the operator makes. Once made, its access modes and storage class stay as they
+    are (Kubernetes refuses a change of either): the manifest repeats the live claim's."""
     storage = wheel.storage
     keep = storage.get("keepOnDelete", True)
+    live = (wheel.live_claim or {}).get("spec") or {}
     spec: dict[str, Any] = {
-        "accessModes": list(storage.get("accessModes") or ["ReadWriteMany"]),
+        "accessModes": list(live.get("accessModes") or storage.get("accessModes") or DEFAULT_ACCESS_MODES),
         "resources": {"requests": {"storage": str(storage.get("size") or "10Gi")}},
     }
-    if "storageClassName" in storage:
+    if wheel.live_claim is not None:
+        if "storageClassName" in live:
+            spec["storageClassName"] = live["storageClassName"]
+    elif "storageClassName" in storage:
         spec["storageClassName"] = storage["storageClassName"]
     meta = _meta(wheel, wheel.claim, "data", None if keep else owner)
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
@@ -163,6 +182,9 @@ def container(wheel: Wheel, stage: str) -> dict[str, Any]:
         "readinessProbe": _probe("/readyz", 5, 2),
         "volumeMounts": mounts,
         "securityContext": dict(CONTAINER_SECURITY),
+        # a crashing stage's last log lines (its error) as the termination message: the operator
+        # names it in the status (diagnosis: CrashLooping)
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     out["env"] = env
     if spec.resources:
@@ -190,12 +212,50 @@ POD_SECURITY: dict[str, Any] = {
 }
 
 
+#: The labels that pick every pod of one TimerWheel (stages and Jobs), and none of the chart's
+#: operator (which shares name and instance with a TimerWheel named after the release).
+def wheel_pods(wheel_name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "timerwheel", "app.kubernetes.io/instance": wheel_name,
+            "app.kubernetes.io/managed-by": FIELD_MANAGER}
+
+
+def affinity(wheel: Wheel) -> dict[str, Any]:
+    """``spec.pods.affinity``, and with a ReadWriteOnce claim (``Wheel.single_node``) a required
+    pod affinity to the TimerWheel's other pods on the same node: the first pod goes where the
+    volume can attach (the scheduler lets a pod that matches its own term start a group), every
+    later one follows it, so the one-node volume is mounted by all of them."""
+    out: dict[str, Any] = json.loads(json.dumps(dict(wheel.pods.affinity)))  # a copy to add to
+    if wheel.single_node:
+        pod_affinity = out.setdefault("podAffinity", {})
+        pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+            {"labelSelector": {"matchLabels": wheel_pods(wheel.name)}, "topologyKey": "kubernetes.io/hostname"})
+    return out
+
+
+def pod_placement(wheel: Wheel) -> dict[str, Any]:
+    """What every pod spec of the TimerWheel gets from ``spec.pods`` and ``spec.image.pullSecrets``,
+    and the one-node affinity of a ReadWriteOnce claim."""
+    out: dict[str, Any] = {}
+    if wheel.pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in wheel.pull_secrets]
+    if wheel.pods.node_selector:
+        out["nodeSelector"] = dict(wheel.pods.node_selector)
+    if wheel.pods.tolerations:
+        out["tolerations"] = [dict(t) for t in wheel.pods.tolerations]
+    wanted = affinity(wheel)
+    if wanted:
+        out["affinity"] = wanted
+    if wheel.pods.priority_class:
+        out["priorityClassName"] = wheel.pods.priority_class
+    return out
+
+
 def pod_template(wheel: Wheel, stage: str) -> dict[str, Any]:
     volumes = _volumes(wheel)
     return {
         "metadata": {
             "labels": labels(wheel.name, stage),
-            "annotations": {"timerwheel.io/settings-hash": settings_hash(wheel)},
+            "annotations": {**wheel.pods.annotations, "timerwheel.io/settings-hash": settings_hash(wheel)},
         },
         "spec": {
             "serviceAccountName": base_name(wheel.name),
@@ -204,6 +264,7 @@ def pod_template(wheel: Wheel, stage: str) -> dict[str, Any]:
             # enqueue-put and dequeue-get release their shards on SIGTERM within this.
             "terminationGracePeriodSeconds": 30,
             "securityContext": dict(POD_SECURITY),
+            **pod_placement(wheel),
             "containers": [container(wheel, stage)],
             "volumes": volumes,
         },
@@ -253,13 +314,15 @@ def _one_pod_job(wheel: Wheel, meta: Manifest, component: str, marks: Mapping[st
             "activeDeadlineSeconds": deadline_s,
             "ttlSecondsAfterFinished": RECOVERY_TTL_S,
             "template": {
-                "metadata": {"labels": {**labels(wheel.name, component), **marks}},
+                "metadata": {"labels": {**labels(wheel.name, component), **marks},
+                             **({"annotations": dict(wheel.pods.annotations)} if wheel.pods.annotations else {})},
                 "spec": {
                     "restartPolicy": "Never",
                     "serviceAccountName": base_name(wheel.name),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "securityContext": dict(POD_SECURITY),
+                    **pod_placement(wheel),
                     "containers": [container],
                     "volumes": _volumes(wheel),
                 },
@@ -278,7 +341,7 @@ def recovery_job(wheel: Wheel, shard: int, serial: int, owner: Mapping[str, Any]
     never restarted by Kubernetes: the operator decides about another attempt (``recovery``)."""
     name = recovery_job_name(wheel, shard, serial)
     meta = _meta(wheel, name, RECOVERY, owner)
-    marks = {"timerwheel.io/shard": str(shard), "timerwheel.io/attempt": str(serial)}
+    marks = {SHARD_LABEL: str(shard), ATTEMPT: str(serial)}
     meta["labels"].update(marks)
     out = {
         "name": "recover",
@@ -313,9 +376,9 @@ def window_job(wheel: Wheel, serial: int, env: Mapping[str, str], annotation: st
     operator decides (``window``). ``annotation`` names the window it builds."""
     name = window_job_name(wheel, serial)
     meta = _meta(wheel, name, WINDOW, owner)
-    marks = {"timerwheel.io/attempt": str(serial)}
+    marks = {ATTEMPT: str(serial)}
     meta["labels"].update(marks)
-    meta["annotations"] = {"timerwheel.io/window": annotation}
+    meta["annotations"] = {WINDOW_ANNOTATION: annotation}
     # Every shard checked first (exit 2 there: EXIT_REFUSED_UNCHANGED, nothing changed), then rebuilt.
     each = f"s=0; while [ $s -lt {wheel.config.shards} ]; do timerwheel rebuild-wheel --shard $s --data-dir {DATA_DIR} " \
            "--change-window"

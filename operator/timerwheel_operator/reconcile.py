@@ -15,19 +15,27 @@ posts nothing new once the workload has its count.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from timerwheel_operator import kafka_access, manifests
+from timerwheel_operator import diagnosis, jobs, kafka_access, manifests
 from timerwheel_operator import recovery as rcv
 from timerwheel_operator import retention as ret
 from timerwheel_operator import window as win
 from timerwheel_operator.autoscale import Decision, Load, decide
 from timerwheel_operator.crd import DELIVERY_STAGES, SHARD_OWNERS, STAGES
+from timerwheel_operator.diagnosis import Blocker
 from timerwheel_operator.kube import Cluster
-from timerwheel_operator.metrics import MetricsParseError, Sample, ShardStatus, parse_prometheus, shard_status
-from timerwheel_operator.spec import HTTP_PORT, SpecError, Wheel, read, workload_name
+from timerwheel_operator.spec import HTTP_PORT, SpecError, Wheel, read, with_claim, workload_name
+from timerwheel_operator.stage_metrics import (
+    MetricsParseError,
+    Sample,
+    ShardStatus,
+    parse_prometheus,
+    shard_status,
+)
 from timerwheel_operator.status import (
     Care,
     StageState,
@@ -39,11 +47,13 @@ from timerwheel_operator.status import (
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
-    """The operator's own settings (``main.settings_from_env``)."""
+class OperatorConfig:
+    """The operator's own configuration (``main.config_from_env``): what a TimerWheel's stages get
+    when its spec names no image."""
 
     image: str = "timerwheel:dev"
     pull_policy: str = "IfNotPresent"
+    pull_secrets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +77,24 @@ def _workload_kind(stage: str) -> str:
     return "StatefulSet" if stage in SHARD_OWNERS else "Deployment"
 
 
-def ensure(body: Mapping[str, Any], cluster: Cluster, settings: Settings,
+def read_live(body: Mapping[str, Any], config: OperatorConfig, cluster: Cluster) -> Wheel:
+    """``read`` the TimerWheel (raises ``SpecError``), knowing its volume claim as the cluster has
+    it: the claim's access modes decide whether its pods share one node (``Wheel.single_node``)."""
+    wheel = read(body, config.image, config.pull_policy, config.pull_secrets)
+    try:
+        claim = cluster.get("v1", "PersistentVolumeClaim", wheel.namespace, wheel.claim)
+    except Exception:  # noqa: BLE001 - not readable: the spec's access modes stand in
+        claim = None
+    return with_claim(wheel, claim)
+
+
+def ensure(body: Mapping[str, Any], cluster: Cluster, config: OperatorConfig,
            replicas: Mapping[str, int] | None = None, why: Mapping[str, str] | None = None) -> Applied:
     """Apply what the TimerWheel ``body`` implies. A bad spec applies nothing; an object the API
     server refuses is recorded in ``failures`` (kind/name -> reason) and the rest still applied.
     ``replicas`` overrides the spec's count of some stages, for the reason in ``why``."""
     try:
-        wheel = read(body, settings.image, settings.pull_policy)
+        wheel = read_live(body, config, cluster)
     except SpecError as exc:
         return Applied(None, exc, {})
     failures: dict[str, str] = {}
@@ -128,27 +149,6 @@ def scrape_all(wheel: Wheel, cluster: Cluster, stages: Sequence[str] = SHARD_OWN
     return samples, errors
 
 
-def _finished_outcome(wheel: Wheel, cluster: Cluster, view: rcv.JobView) -> dict[str, Any]:
-    """The ``recovery`` record of a finished Job: its pod's exit code and log (the JSON report)."""
-    pods = cluster.pods(wheel.namespace, {"job-name": view.name})
-    pod = pods[-1] if pods else None
-    name = str(pod["metadata"]["name"]) if pod else None
-    exit_code = None
-    message = ""
-    for cs in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
-        term = (cs.get("state") or {}).get("terminated") or {}
-        if term.get("exitCode") is not None:
-            exit_code = int(term["exitCode"])
-            message = str(term.get("message") or "")
-    log = ""
-    if name is not None:
-        try:
-            log = cluster.pod_log(wheel.namespace, name)
-        except Exception:  # noqa: BLE001 - the log may be gone: the termination message stands in
-            log = message
-    return rcv.outcome(view, exit_code, log, name)
-
-
 def tend(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, shards: Sequence[ShardStatus],
          stages: Mapping[str, StageState], now_ms: int, events: list[Event], failures: dict[str, str]) -> Care:
     """Day-2 care of the shards, levels not edges: run, follow and record the recovery Jobs
@@ -158,37 +158,30 @@ def tend(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, shards: Sequen
     before = {int(x["shard"]): x for x in (body.get("status") or {}).get("shards") or [] if "shard" in x}
     care = Care()
     try:
-        views = [v for v in (rcv.job_view(j) for j in cluster.jobs(
-            wheel.namespace, manifests.selector(wheel.name, manifests.RECOVERY))) if v is not None]
+        found: jobs.Found[int] | None = jobs.follow(
+            cluster, wheel.namespace, manifests.selector(wheel.name, manifests.RECOVERY), rcv.shard_of,
+            lambda shard: rcv.recorded(before.get(shard, {}).get("recovery")))
     except Exception as exc:  # noqa: BLE001 - no Jobs readable: no recovery this round, said in Degraded
         failures["Job/list"] = str(getattr(exc, "reason", None) or exc)[:300]
-        views = None
-    newest: dict[int, rcv.JobView] = {}
-    for v in views or []:
-        if v.shard not in newest or v.serial > newest[v.shard].serial:
-            newest[v.shard] = v
-    running = any(v.phase == "Running" for v in newest.values())
+        found = None
+    running = found is not None and found.running
     for st in shards:
         prev = before.get(st.shard, {})
         record = prev.get("recovery")
-        if views is not None:
-            job = newest.get(st.shard)
-            finished = None
-            if job is not None and job.phase != "Running" and not (
-                    record and record.get("job") == job.name and record.get("state") != "Running"):
-                finished = _finished_outcome(wheel, cluster, job)
-            step = rcv.decide(st, record, job, finished, policy, running, now_ms)
+        if found is not None:
+            step = rcv.decide(st, record, found.newest.get(st.shard), found.finished.get(st.shard), policy, running,
+                              now_ms)
             record = dict(step.record) if step.record is not None else None
             if step.start_job and record is not None:
                 manifest = manifests.recovery_job(wheel, st.shard, int(record["serial"]), body)
-                try:
-                    cluster.apply(manifest)
-                    record.update(job=manifest["metadata"]["name"], state="Running")
+                refused = jobs.start(cluster, manifest)
+                if refused is None:
+                    record.update(job=manifest["metadata"]["name"], state=jobs.RUNNING)
                     running = True
-                except Exception as exc:  # noqa: BLE001 - refused (RBAC, quota): said in Degraded, tried next round
-                    failures[f"Job/{manifest['metadata']['name']}"] = str(getattr(exc, "reason", None) or exc)[:300]
+                else:  # said in Degraded, tried next round
+                    failures[f"Job/{manifest['metadata']['name']}"] = refused
                     record = dict(prev.get("recovery") or {}) or None
-                    step = rcv.Step()
+                    step = rcv.RecoveryStep()
             if step.event is not None:
                 reason, message, warning = step.event
                 events.append(Event(reason, message, warning))
@@ -238,7 +231,32 @@ def observe(body: Mapping[str, Any], applied: Applied, cluster: Cluster,
     care = None
     if now_ms is not None:
         care = tend(wheel, body, cluster, shards, stages, now_ms, applied.events, applied.failures)
-    return compute(generation, stages, shards, previous, now, errors, applied.failures, care)
+    return compute(generation, stages, shards, previous, now, errors, applied.failures, care,
+                   blockers_of(wheel, cluster))
+
+
+def blockers_of(wheel: Wheel, cluster: Cluster) -> list[Blocker]:
+    """What Kubernetes says stops the TimerWheel's pods (``diagnosis``); none when it cannot be read."""
+    now = dt.datetime.now(dt.UTC)
+    try:
+        pods = cluster.pods(wheel.namespace, manifests.wheel_pods(wheel.name))
+        claim = wheel.live_claim
+        pending = claim is not None and diagnosis.claim_blocker(claim, [], now, wheel.access_modes) is not None
+        events = cluster.events(wheel.namespace, "PersistentVolumeClaim", wheel.claim) if pending else []
+    except Exception:  # noqa: BLE001 - a diagnosis is extra: the status stands without it
+        return []
+    return diagnosis.diagnose(pods, wheel.live_claim, events, now, wheel.access_modes)
+
+
+def blocker_events(previous: Sequence[Mapping[str, Any]], status: Mapping[str, Any]) -> list[Event]:
+    """A warning Event when ``Degraded`` turns to one of the diagnosis' reasons (once per change)."""
+    def degraded(conditions: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+        return next((c for c in conditions if c.get("type") == "Degraded" and c.get("status") == "True"), {})
+
+    now, before = degraded(status.get("conditions") or []), degraded(previous)
+    if now.get("reason") in diagnosis.ORDER and now.get("reason") != before.get("reason"):
+        return [Event(str(now["reason"]), str(now.get("message") or "")[:1000], True)]
+    return []
 
 
 #: The input queue of each autoscaled stage (its ``queue_depth{queue=...}``).
@@ -285,25 +303,8 @@ def autoscale(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, samples: 
 PAUSED = "window change: paused"
 
 
-def _job_outcome(wheel: Wheel, cluster: Cluster, job_name: str) -> tuple[int | None, str]:
-    """(exit code, log) of a finished Job's pod; the termination message stands in for a lost log."""
-    pods = cluster.pods(wheel.namespace, {"job-name": job_name})
-    pod = pods[-1] if pods else None
-    exit_code, message = None, ""
-    for cs in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
-        term = (cs.get("state") or {}).get("terminated") or {}
-        if term.get("exitCode") is not None:
-            exit_code, message = int(term["exitCode"]), str(term.get("message") or "")
-    if pod is None:
-        return exit_code, message
-    try:
-        return exit_code, cluster.pod_log(wheel.namespace, str(pod["metadata"]["name"]))
-    except Exception:  # noqa: BLE001 - the log may be gone
-        return exit_code, message
-
-
 def window_round(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, admin: ret.Admin | None, now_ms: int,
-                 failures: dict[str, str]) -> win.Step:
+                 failures: dict[str, str]) -> win.WindowStep:
     """The window's step this round (``window.decide``) from the status, the ConfigMap, the window
     Jobs, the owner pods and the timer topic's retention; starts the rebuild Job it asks for."""
     status = body.get("status") or {}
@@ -313,20 +314,14 @@ def window_round(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, admin:
     running = win.Window.of_env((live or {}).get("data")) or desired
     # The shards' window: the status's (unknown after a failed rebuild), else the ConfigMap's.
     current = None if prev.get("currentUnknown") else win.Window.of_spec(prev.get("current")) or running
-    newest: win.JobView | None = None
     try:
-        for job in cluster.jobs(wheel.namespace, manifests.selector(wheel.name, manifests.WINDOW)):
-            view = win.job_view(job)
-            if view is not None and (newest is None or view.serial > newest.serial):
-                newest = view
+        found: jobs.Found[str] = jobs.follow(cluster, wheel.namespace, manifests.selector(wheel.name, manifests.WINDOW),
+                                             lambda _job: manifests.WINDOW, lambda _key: win.recorded(prev))
     except Exception as exc:  # noqa: BLE001 - said in Degraded (ApplyFailed); no Job starts blind
         failures["Job/list"] = str(getattr(exc, "reason", None) or exc)[:300]
         return win.decide(desired, current, running, prev, None, None, None, False,
                           int(body.get("metadata", {}).get("generation") or 0), now_ms)
-    finished = None
-    if newest is not None and newest.phase != "Running" and prev.get("job") == newest.name \
-            and prev.get("phase") == "Rebuilding":
-        finished = _job_outcome(wheel, cluster, newest.name)
+    newest, finished = found.newest.get(manifests.WINDOW), found.finished.get(manifests.WINDOW)
     target = win.Window.of_spec(prev.get("target"))
     pending = not desired.same(current) and not (prev.get("phase") in ("Pausing", "Rebuilding")
                                                  and target is not None and target.same(desired))
@@ -347,13 +342,13 @@ def window_round(wheel: Wheel, body: Mapping[str, Any], cluster: Cluster, admin:
     if step.start_job is not None:
         serial, want = step.start_job
         job = manifests.window_job(wheel, serial, want.env(), want.annotation(), body)
-        try:
-            cluster.apply(job)
+        refused = jobs.start(cluster, job)
+        if refused is None:
             step.status["job"] = job["metadata"]["name"]
-        except Exception as exc:  # noqa: BLE001 - refused (RBAC, quota): said in Degraded, tried next round
-            failures[f"Job/{job['metadata']['name']}"] = str(getattr(exc, "reason", None) or exc)[:300]
+        else:  # said in Degraded, tried next round
+            failures[f"Job/{job['metadata']['name']}"] = refused
             step.status = {**prev, "phase": "Pausing"}
-            step.condition = (True, "Pausing", f"cannot start the rebuild Job: {exc}"[:300])
+            step.condition = (True, "Pausing", f"cannot start the rebuild Job: {refused}"[:300])
     return step
 
 
@@ -362,14 +357,14 @@ def _with_window(body: Mapping[str, Any], window: win.Window) -> dict[str, Any]:
     return {**body, "spec": {**(body.get("spec") or {}), **window.to_spec()}}
 
 
-def reconcile(body: Mapping[str, Any], cluster: Cluster, settings: Settings, now_ms: int,
+def reconcile(body: Mapping[str, Any], cluster: Cluster, config: OperatorConfig, now_ms: int,
               admin: ret.Admin | None = None) -> tuple[Applied, dict[str, Any]]:
     """One round: the window's step, scrape, decide the autoscaled replicas, apply, and the status
     to write. ``admin``: Kafka's admin API for the timer topic's retention (None: not checked)."""
     try:
-        wheel = read(body, settings.image, settings.pull_policy)
+        wheel = read_live(body, config, cluster)
     except SpecError:
-        applied = ensure(body, cluster, settings)
+        applied = ensure(body, cluster, config)
         return applied, observe(body, applied, cluster)
     failures: dict[str, str] = {}
     try:
@@ -379,11 +374,11 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, settings: Settings, now
         prev = (body.get("status") or {}).get("window") or {}
         kept = win.Window.of_spec(prev.get("current")) or win.Window(
             wheel.config.tick_ms, wheel.config.roll_window_ms, int(wheel.env["TW_WHEEL_SPAN_MS"]))
-        step = win.Step(kept, prev.get("phase") in (*win.ROLLING, "Failed"), dict(prev),
-                        (prev.get("phase") in win.ROLLING, str(prev.get("reason") or "Unknown"),
-                         str(prev.get("message") or "")))
+        step = win.WindowStep(kept, prev.get("phase") in (*win.ROLLING, "Failed"), dict(prev),
+                              (prev.get("phase") in win.ROLLING, str(prev.get("reason") or "Unknown"),
+                               str(prev.get("message") or "")))
     effective = _with_window(body, step.run)
-    applied, status = _round(effective, wheel, cluster, settings, now_ms,
+    applied, status = _round(effective, wheel, cluster, config, now_ms,
                              {s: 0 for s in SHARD_OWNERS} if step.pause else {})
     applied.failures.update(failures)
     if failures:
@@ -399,30 +394,31 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, settings: Settings, now
         before = (body.get("status") or {}).get(key) or {}
         if key in status:
             status[key].update({k: None for k in before if k not in status[key]})
+    applied.events.extend(blocker_events(previous, status))
     status["deliverySelector"] = ",".join(f"{k}={v}" for k, v in manifests.selector(wheel.name, "x").items()
                                           if k != "app.kubernetes.io/component") + \
         f",app.kubernetes.io/component in ({','.join(DELIVERY_STAGES)})"
     return applied, status
 
 
-def _round(body: Mapping[str, Any], wheel: Wheel, cluster: Cluster, settings: Settings, now_ms: int,
+def _round(body: Mapping[str, Any], wheel: Wheel, cluster: Cluster, config: OperatorConfig, now_ms: int,
            paused: Mapping[str, int]) -> tuple[Applied, dict[str, Any]]:
     """Scrape, autoscale, apply and observe ``body`` (the window it runs already in its spec);
     ``paused``: stages held at 0 replicas whatever else says."""
-    wheel = read(body, settings.image, settings.pull_policy)
+    wheel = read(body, config.image, config.pull_policy, config.pull_secrets)
     if not wheel.autoscale:
-        applied = ensure(body, cluster, settings, dict(paused) or None, {s: PAUSED for s in paused})
+        applied = ensure(body, cluster, config, dict(paused) or None, {s: PAUSED for s in paused})
         return applied, observe(body, applied, cluster, replicas=dict(paused) or None, now_ms=now_ms)
     stages = [*SHARD_OWNERS, *wheel.autoscale]
     try:
         scraped = scrape_all(wheel, cluster, stages)
     except Exception:  # noqa: BLE001 - cannot read the pods: keep the replicas as they are, observe says why
         kept = {**_kept(body, wheel), **paused}
-        applied = ensure(body, cluster, settings, kept, {s: PAUSED for s in paused})
+        applied = ensure(body, cluster, config, kept, {s: PAUSED for s in paused})
         return applied, observe(body, applied, cluster, replicas=kept, now_ms=now_ms)
     decisions = autoscale(wheel, body, cluster, scraped[0], now_ms)
     replicas = {**{s: d.replicas for s, d in decisions.items()}, **paused}
-    applied = ensure(body, cluster, settings, replicas, {**{s: f"autoscale: {d.message}" for s, d in decisions.items()},
+    applied = ensure(body, cluster, config, replicas, {**{s: f"autoscale: {d.message}" for s, d in decisions.items()},
                                                          **{s: PAUSED for s in paused}})
     status = observe(body, applied, cluster, scraped, replicas, now_ms)
     last = (body.get("status") or {}).get("autoscale") or {}

@@ -12,6 +12,8 @@ holds the shard's writer lock; dequeue-get starts only once ``recovery_needed`` 
 checkpoints are readable, and ``recover`` writes the dequeue checkpoint last, after the wheel is
 durable. Only errors ``recover`` repairs start a Job; other open errors stay ``ShardUnopenable``.
 
+The Job goes through the operator's one Job state machine (``jobs``: followed while it runs, its
+outcome read once when it ends, the next serial); this module decides what to do about it.
 One recovery Job per TimerWheel at a time (so one per shard): ``recover`` takes the data
 directory's lock, so a second Job beside it would fail with exit 3. A failed Job is not retried
 at once: attempt n+1 waits ``BACKOFF_S * 2**(n-1)``; after ``spec.recovery.maxAttempts`` failures
@@ -31,16 +33,28 @@ and its owner pod is deleted (restarted), at most once per ``stallAfterMs``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from timerwheel_operator.metrics import ShardStatus
+from timerwheel_operator.jobs import (
+    FAILED,
+    RUNNING,
+    SUCCEEDED,
+    JobView,
+    Outcome,
+    Recorded,
+    error_line,
+    next_serial,
+    reports,
+)
+from timerwheel_operator.stage_metrics import ShardStatus
 
+#: The label of a recovery Job naming the shard it repairs.
+SHARD_LABEL = "timerwheel.io/shard"
 #: The ``shard_open_failed`` error class that ``timerwheel recover`` repairs.
 RECOVERY_NEEDED = "RecoveryNeeded"
-#: Exit codes of ``timerwheel recover`` (timerwheel.repair).
+#: Exit codes of ``timerwheel recover`` (timerwheel.store.repair, timerwheel.cli).
 EXIT_MEANING = {0: "Repaired", 1: "RepairFailed", 2: "BadArgument", 3: "ShardInUse"}
 BACKOFF_S = 15
 SETTLE_S = 30
@@ -55,7 +69,7 @@ REPORT_KEYS = ("status", "enqueue_checkpoint", "dequeue_checkpoint", "set_aside"
 
 
 @dataclass(frozen=True, slots=True)
-class Policy:
+class RecoveryPolicy:
     """``spec.recovery``."""
 
     auto: bool = True
@@ -64,82 +78,49 @@ class Policy:
     restart_stalled: bool = True
 
     @classmethod
-    def of(cls, spec: Mapping[str, Any], tick_ms: int) -> Policy:
+    def of(cls, spec: Mapping[str, Any], tick_ms: int) -> RecoveryPolicy:
         own = spec.get("recovery") or {}
         stall = max(int(own.get("stallAfterMs", DEFAULT_STALL_AFTER_MS)), MIN_STALL_AFTER_MS, 10 * tick_ms + 1_000)
         return cls(bool(own.get("auto", True)), max(1, int(own.get("maxAttempts", DEFAULT_MAX_ATTEMPTS))), stall,
                    bool(own.get("restartStalled", True)))
 
 
-@dataclass(frozen=True, slots=True)
-class JobView:
-    """A recovery Job as observed: ``phase`` Running, Succeeded or Failed."""
-
-    name: str
-    shard: int
-    serial: int
-    phase: str
-
-
-def job_view(job: Mapping[str, Any]) -> JobView | None:
-    meta = job.get("metadata") or {}
-    labels = meta.get("labels") or {}
+def shard_of(job: JobView) -> int | None:
+    """The shard a recovery Job repairs (its label); None for a Job without one."""
     try:
-        shard, serial = int(labels["timerwheel.io/shard"]), int(labels["timerwheel.io/attempt"])
+        return int(job.labels[SHARD_LABEL])
     except (KeyError, ValueError):
         return None
-    return JobView(str(meta.get("name")), shard, serial, job_phase(job))
 
 
-def job_phase(job: Mapping[str, Any]) -> str:
-    """Running, Succeeded or Failed, from the Job's conditions."""
-    phase = "Running"
-    for cond in (job.get("status") or {}).get("conditions") or []:
-        if cond.get("status") == "True" and cond.get("type") in ("Complete", "SuccessCriteriaMet"):
-            phase = "Succeeded"
-        elif cond.get("status") == "True" and cond.get("type") in ("Failed", "FailureTarget"):
-            phase = "Failed"
-    return phase
+def recorded(record: Mapping[str, Any] | None) -> Recorded:
+    """What a shard's ``recovery`` record says of its Jobs, for ``jobs.follow``."""
+    record = record or {}
+    return Recorded(int(record.get("serial") or 0), record.get("state") == RUNNING)
 
 
-def parse_report(log: str) -> dict[str, Any] | None:
-    """The JSON report ``timerwheel recover`` prints (indented, from a line ``{`` to a line ``}``)
-    out of the pod's log, which may hold one-line JSON log records too; None if there is none."""
-    lines = log.splitlines()
-    try:
-        start = lines.index("{")
-        end = len(lines) - 1 - lines[::-1].index("}")
-        found = json.loads("\n".join(lines[start:end + 1]))
-    except (ValueError, json.JSONDecodeError):
-        return None
-    return found if isinstance(found, dict) else None
-
-
-def error_line(log: str) -> str:
-    """The ``timerwheel: error: ...`` line of a failed run, else the log's last line."""
-    lines = [x for x in log.splitlines() if x.strip()]
-    return next((x for x in reversed(lines) if x.startswith("timerwheel: error:")), lines[-1] if lines else "")[:300]
-
-
-def outcome(view: JobView, exit_code: int | None, log: str, pod: str | None) -> dict[str, Any]:
-    """The ``recovery`` record of a finished Job."""
-    record: dict[str, Any] = {"job": view.name, "state": view.phase}
-    if pod:
-        record["pod"] = pod
-    if exit_code is not None:
-        record["exitCode"] = exit_code
-    report = parse_report(log) if view.phase == "Succeeded" else None
+def result(job: JobView, outcome: Outcome) -> dict[str, Any]:
+    """The ``recovery`` record of a finished Job: its report (the JSON ``timerwheel recover``
+    prints) when it succeeded, else the reason its exit code means and its error line."""
+    record: dict[str, Any] = {"job": job.name, "state": job.phase}
+    if outcome.pod:
+        record["pod"] = outcome.pod
+    if outcome.exit_code is not None:
+        record["exitCode"] = outcome.exit_code
+    found = reports(outcome.log) if job.phase == SUCCEEDED else []
+    report = found[-1] if found else None
     if report is not None:
         record["report"] = {k: report[k] for k in REPORT_KEYS if k in report}
         record["reason"] = "Repaired" if report.get("status") == "repaired" else "Consistent"
         record["message"] = (f"timerwheel recover: {report.get('status')}, dequeue checkpoint "
                              f"{report.get('dequeue_checkpoint')}, may deliver {report.get('may_deliver_twice', 0)} "
                              "messages twice")
-    elif view.phase == "Succeeded":
+    elif job.phase == SUCCEEDED:
         record["reason"], record["message"] = "Repaired", "the Job succeeded; no report in its log"
     else:
-        record["reason"] = EXIT_MEANING.get(exit_code, "JobFailed") if exit_code is not None else "JobFailed"
-        record["message"] = error_line(log) or "the Job failed without a log (deadline, or the pod was deleted)"
+        code = outcome.exit_code
+        record["reason"] = EXIT_MEANING.get(code, "JobFailed") if code is not None else "JobFailed"
+        record["message"] = error_line(outcome.log) or "the Job failed without a log (deadline, or the pod was deleted)"
     return record
 
 
@@ -148,7 +129,7 @@ def needs_recovery(st: ShardStatus) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Step:
+class RecoveryStep:
     """What to do about one shard's recovery this round."""
 
     start_job: bool = False
@@ -158,51 +139,55 @@ class Step:
     event: tuple[str, str, bool] | None = None
 
 
-def decide(st: ShardStatus, previous: Mapping[str, Any] | None, newest: JobView | None, finished: Mapping[str, Any] | None,
-           policy: Policy, other_job_running: bool, now_ms: int) -> Step:
+def decide(st: ShardStatus, previous: Mapping[str, Any] | None, newest: JobView | None, finished: Outcome | None,
+           policy: RecoveryPolicy, other_job_running: bool, now_ms: int) -> RecoveryStep:
     """The recovery step of shard ``st``: ``previous`` its last record, ``newest`` its newest Job,
-    ``finished`` the outcome of that Job when it has finished and is not recorded yet."""
+    ``finished`` that Job's outcome when it has finished unrecorded (``jobs.follow``)."""
     prev = dict(previous or {})
     attempts = int(prev.get("attempts", 0))
-    if newest is not None and newest.phase == "Running":
-        record = {**prev, "job": newest.name, "state": "Running", "reason": "RecoveryJob",
+    if newest is not None and newest.running:
+        record = {**prev, "job": newest.name, "serial": max(int(prev.get("serial") or 0), newest.serial),
+                  "state": RUNNING, "reason": "RecoveryJob",
                   "message": f"Job {newest.name} runs timerwheel recover --shard {st.shard}"}
         record.setdefault("startedMs", now_ms)
-        return Step(record=record)
-    if finished is not None:
-        ok = finished["state"] == "Succeeded"
+        return RecoveryStep(record=record)
+    if newest is not None and finished is not None:
+        done = result(newest, finished)
+        ok = done["state"] == SUCCEEDED
         attempts = 0 if ok else attempts + 1
-        record = {**{k: v for k, v in prev.items() if k in ("serial", "startedMs")}, **finished,
-                  "attempts": attempts, "finishedMs": now_ms}
+        record = {**{k: v for k, v in prev.items() if k == "startedMs"}, **done,
+                  "serial": max(int(prev.get("serial") or 0), newest.serial), "attempts": attempts,
+                  "finishedMs": now_ms}
         if not ok and attempts >= policy.max_attempts:
             record["state"] = "GaveUp"
         reason = "RecoverySucceeded" if ok else "RecoveryFailed"
-        text = f"shard {st.shard}: {finished['message']} (Job {finished['job']}"
-        text += ")" if ok else f", attempt {attempts} of {policy.max_attempts}; read `kubectl logs {finished.get('pod') or 'job/' + finished['job']}`)"
-        return Step(record=record, event=(reason, text, not ok))
+        text = f"shard {st.shard}: {done['message']} (Job {newest.name}"
+        text += ")" if ok else (f", attempt {attempts} of {policy.max_attempts}; read `kubectl logs "
+                                f"{done.get('pod') or 'job/' + newest.name}`)")
+        return RecoveryStep(record=record, event=(reason, text, not ok))
     state = prev.get("state")
     if not needs_recovery(st) or not policy.auto:
         if state == "GaveUp" and st.owner is not None and not st.open_errors:
             # someone repaired it by hand: the next incident starts counting afresh
             prev.update(state="Resolved", attempts=0, reason="OpenedByOwner",
                         message="the shard's owners opened it after the failed attempts")
-        return Step(record=prev or None)
+        return RecoveryStep(record=prev or None)
     last = int(prev.get("finishedMs", 0))
     if state == "GaveUp":
-        return Step(record=prev)
-    if state == "Succeeded" and now_ms - last < SETTLE_S * 1000:
-        return Step(record=prev)  # its owners start it within seconds; give them that time
-    if state == "Failed" and now_ms - last < BACKOFF_S * 1000 * 2 ** max(0, attempts - 1):
-        return Step(record=prev)
+        return RecoveryStep(record=prev)
+    if state == SUCCEEDED and now_ms - last < SETTLE_S * 1000:
+        return RecoveryStep(record=prev)  # its owners start it within seconds; give them that time
+    if state == FAILED and now_ms - last < BACKOFF_S * 1000 * 2 ** max(0, attempts - 1):
+        return RecoveryStep(record=prev)
     if other_job_running:
-        return Step(record=prev or None)
-    serial = max(int(prev.get("serial", 0)), newest.serial if newest else 0) + 1
+        return RecoveryStep(record=prev or None)
+    serial = next_serial(int(prev.get("serial", 0)), newest)
     record = {"attempts": attempts, "serial": serial, "state": "Starting", "reason": "RecoveryJob",
               "message": f"starting timerwheel recover --shard {st.shard} (attempt {attempts + 1} of "
                          f"{policy.max_attempts})", "startedMs": now_ms}
-    return Step(start_job=True, record=record,
-                event=("RecoveryStarted", f"shard {st.shard}: {', '.join(st.open_errors)}; running timerwheel recover "
-                       f"--shard {st.shard} (attempt {attempts + 1} of {policy.max_attempts})", False))
+    return RecoveryStep(start_job=True, record=record,
+                        event=("RecoveryStarted", f"shard {st.shard}: {', '.join(st.open_errors)}; running timerwheel "
+                               f"recover --shard {st.shard} (attempt {attempts + 1} of {policy.max_attempts})", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +211,7 @@ def advanced(previous: Mapping[str, Any] | None, key: str, value: int | None, no
     return int(since)
 
 
-def stalled(st: ShardStatus, w_since: int | None, r_since: int | None, policy: Policy, now_ms: int,
+def stalled(st: ShardStatus, w_since: int | None, r_since: int | None, policy: RecoveryPolicy, now_ms: int,
             cap_ms: int, tick_ms: int, downstream_ready: bool) -> list[Stall]:
     """The stalls of one shard (see the module header); ``cap_ms``: how far W may run ahead of R."""
     limit = policy.stall_after_ms

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from timerwheel.errors import AccessError
-from timerwheel.security import check_kafka_access
+from timerwheel.transports.kafka.access import check_kafka_access
 
 from timerwheel_operator.kafka_access import Access, AccessUnknown
 from timerwheel_operator.spec import in_spec_words
@@ -139,7 +139,7 @@ class KafkaAdmin:
     """``Admin`` over kafka-python, one client per bootstrap, connected with the stages' TLS and SASL
     settings (``Access``; a client whose settings changed, e.g. a rotated password, is replaced).
     Before a secured client is made the broker is asked whether it accepts them
-    (``security.check_kafka_access``): a wrong password is one line naming the setting, not
+    (``transports.kafka.access.check_kafka_access``): a wrong password is one line naming the setting, not
     kafka-python's "Unable to bootstrap" after its timeout."""
 
     def __init__(self, timeout_ms: int = 10_000, attempts: int = 5) -> None:

@@ -18,9 +18,9 @@ from typing import Any
 from timerwheel.config import DAY_MS, DEFAULT_ALLOW_TOPICS, DEFAULT_DELAY_LEVELS, ENV_VARS, TimerConfig
 from timerwheel.errors import ConfigError
 
-from timerwheel_operator.autoscale import AUTOSCALED, Policy
+from timerwheel_operator.autoscale import AUTOSCALED, AutoscalePolicy
 from timerwheel_operator.crd import DELIVERY_STAGES, STAGES, stage_key
-from timerwheel_operator.recovery import Policy as RecoveryPolicy
+from timerwheel_operator.recovery import RecoveryPolicy
 
 #: Port of /healthz, /readyz and /metrics in every stage container (TW_HTTP_PORT).
 HTTP_PORT = 8080
@@ -65,6 +65,24 @@ class StageSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PodSettings:
+    """``spec.pods``: what every pod of the TimerWheel gets (the five stages' and the operator's
+    Jobs'), besides what the operator sets itself."""
+
+    annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    priority_class: str | None = None
+
+
+#: Access modes a claim shared by the five stages may have: ReadWriteMany (pods on any node) or
+#: ReadWriteOnce (one node: every pod of the TimerWheel goes where the first one is).
+SHARED_MODES = ("ReadWriteMany", "ReadWriteOnce")
+DEFAULT_ACCESS_MODES = ("ReadWriteOnce",)
+
+
+@dataclass(frozen=True, slots=True)
 class Wheel:
     """One TimerWheel, read and validated: what the manifest builders need."""
 
@@ -83,17 +101,40 @@ class Wheel:
     image: str
     pull_policy: str
     #: stage -> its autoscale policy, for the stages the operator autoscales (empty: off).
-    autoscale: Mapping[str, Policy] = dataclasses.field(default_factory=dict)
+    autoscale: Mapping[str, AutoscalePolicy] = dataclasses.field(default_factory=dict)
     #: ``spec.recovery``: recovery Jobs and stall detection (``recovery``).
     recovery: RecoveryPolicy = dataclasses.field(default_factory=RecoveryPolicy)
     #: ``spec.kafka.manageRetention``: the operator raises the timer topic's retention.ms (``retention``).
     manage_retention: bool = True
+    #: Secrets the stage pods and the Jobs pull the image with (``spec.image.pullSecrets``).
+    pull_secrets: tuple[str, ...] = ()
+    pods: PodSettings = dataclasses.field(default_factory=PodSettings)
+    #: The volume claim as the cluster has it (``with_claim``); None: not made yet, or not read.
+    live_claim: Mapping[str, Any] | None = None
 
     def stage(self, name: str) -> StageSpec:
         return next(s for s in self.stages if s.name == name)
 
+    @property
+    def access_modes(self) -> tuple[str, ...]:
+        """The claim's access modes: the bound claim's (what its volume offers), else the spec's."""
+        live = self.live_claim or {}
+        modes = (live.get("status") or {}).get("accessModes") or (live.get("spec") or {}).get("accessModes") \
+            or self.storage.get("accessModes") or DEFAULT_ACCESS_MODES
+        return tuple(str(m) for m in modes)
 
-def autoscale_policies(spec: Mapping[str, Any], stages: Mapping[str, StageSpec]) -> dict[str, Policy]:
+    @property
+    def single_node(self) -> bool:
+        """Every pod on one node (the claim's): its volume is not ReadWriteMany."""
+        return "ReadWriteMany" not in self.access_modes
+
+
+def with_claim(wheel: Wheel, claim: Mapping[str, Any] | None) -> Wheel:
+    """``wheel`` knowing its claim as the cluster has it (its access modes decide the layout)."""
+    return dataclasses.replace(wheel, live_claim=claim)
+
+
+def autoscale_policies(spec: Mapping[str, Any], stages: Mapping[str, StageSpec]) -> dict[str, AutoscalePolicy]:
     """``spec.autoscale`` read into a policy per autoscaled stage; none when disabled, and none
     for a stage whose replicas are managed externally (the operator never fights a user's HPA)."""
     auto = spec.get("autoscale") or {}
@@ -108,7 +149,7 @@ def autoscale_policies(spec: Mapping[str, Any], stages: Mapping[str, StageSpec])
         high = int(own.get("maxReplicas", auto.get("maxReplicas", 4)))
         if low > high:
             raise SpecError(f"spec.autoscale.{key}.minReplicas", f"must not exceed maxReplicas ({low} > {high})")
-        out[stage] = Policy(min_replicas=low, max_replicas=high, lead_ms=int(auto.get("lookAheadMs", 60_000)),
+        out[stage] = AutoscalePolicy(min_replicas=low, max_replicas=high, lead_ms=int(auto.get("lookAheadMs", 60_000)),
                             per_replica_per_s=float(auto.get("messagesPerSecondPerReplica", 2_000)),
                             scale_down_delay_ms=int(auto.get("scaleDownDelayMs", 120_000)))
     return out
@@ -191,7 +232,23 @@ def _checkable(env: Mapping[str, str]) -> dict[str, str]:
     return {k: stand_in if k in KAFKA_SECRET_FILES.values() else v for k, v in env.items()}
 
 
-def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str = "IfNotPresent") -> Wheel:
+def pod_settings(spec: Mapping[str, Any]) -> PodSettings:
+    """``spec.pods``, checked for what the schema cannot say (a toleration is an object)."""
+    pods = spec.get("pods") or {}
+    tolerations = list(pods.get("tolerations") or [])
+    for i, t in enumerate(tolerations):
+        if not isinstance(t, Mapping):
+            raise SpecError(f"spec.pods.tolerations[{i}]", f"must be an object, got {t!r}")
+    affinity = pods.get("affinity") or {}
+    if not isinstance(affinity, Mapping):
+        raise SpecError("spec.pods.affinity", f"must be an object, got {affinity!r}")
+    return PodSettings({str(k): str(v) for k, v in (pods.get("annotations") or {}).items()},
+                       {str(k): str(v) for k, v in (pods.get("nodeSelector") or {}).items()},
+                       tuple(dict(t) for t in tolerations), dict(affinity), pods.get("priorityClassName") or None)
+
+
+def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str = "IfNotPresent",
+         default_pull_secrets: tuple[str, ...] = ()) -> Wheel:
     """Read and validate one TimerWheel object. Raises ``SpecError`` naming the spec field."""
     meta = body.get("metadata", {})
     spec: Mapping[str, Any] = body.get("spec") or {}
@@ -234,6 +291,10 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
         stages.append(StageSpec(stage, replicas, dict(one.get("resources") or {}), managed == "operator"))
     storage = dict(spec.get("storage") or {})
     existing = storage.get("existingClaim")
+    modes = list(storage.get("accessModes") or DEFAULT_ACCESS_MODES)
+    if not set(modes) & set(SHARED_MODES):
+        raise SpecError("spec.storage.accessModes", f"{', '.join(modes)} cannot be shared by the five stages: "
+                        "use ReadWriteOnce (every pod on the claim's node) or ReadWriteMany (any node)")
     image_spec = spec.get("image") or {}
     image = default_image
     if image_spec.get("repository"):
@@ -256,4 +317,7 @@ def read(body: Mapping[str, Any], default_image: str, default_pull_policy: str =
         autoscale=autoscale_policies(spec, {s.name: s for s in stages}),
         recovery=RecoveryPolicy.of(spec, config.tick_ms),
         manage_retention=bool((spec.get("kafka") or {}).get("manageRetention", True)),
+        pull_secrets=tuple(str(x["name"]) for x in image_spec["pullSecrets"] if x.get("name"))
+        if image_spec.get("pullSecrets") is not None else tuple(default_pull_secrets),
+        pods=pod_settings(spec),
     )

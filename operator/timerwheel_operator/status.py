@@ -15,13 +15,16 @@ status changes) and ``observedGeneration``.
   next one is taking it (lease, recovery of the TimerLog). Normal for seconds after a scale, a
   rollout or a crash.
 - ``Degraded``: the spec is invalid (``InvalidSpec``), the API server refused an object
-  (``ApplyFailed``), an owner reports it cannot open a shard (``ShardUnopenable``: a torn
+  (``ApplyFailed``), Kubernetes cannot run the pods (``diagnosis``: ``ClaimPending``,
+  ``ImagePullFailed``, ``CrashLooping``, ``PodConfigError``, ``Unschedulable``; ``Ready`` then
+  names the same reason, and the operator posts it as a warning Event when ``Ready`` turns to
+  it), an owner reports it cannot open a shard (``ShardUnopenable``: a torn
   checkpoint, a lost file, a failed recovery; the error's class, the pod's log has the rest)
   or a shard stayed without an owner for ``RECOVERY_GRACE_S`` (``ShardUnowned``:
   its owner cannot open it, or no replica runs); recovery Jobs failed ``maxAttempts`` times in a
   row on a shard still unopenable (``RecoveryFailed``, naming the shard and the Job's pod); a
   shard's W or R stopped advancing while it should (``ShardStalled``). In order of precedence:
-  ApplyFailed, RecoveryFailed, ShardStalled, ShardUnopenable, ShardUnowned.
+  ApplyFailed, the diagnosis' reasons, RecoveryFailed, ShardStalled, ShardUnopenable, ShardUnowned.
 - ``WindowRolling``: True while a change of tickMs, rollWindowMs or wheelSpanMs is rolled
   (``Pausing``, ``Rebuilding``, ``Resuming``; see ``window``), False otherwise (``AsSpec``,
   ``WindowRolled`` after one, ``WindowChangeRefused`` naming the setting, ``WindowRollFailed``;
@@ -37,8 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from timerwheel_operator.crd import DELIVERY_STAGES, SHARD_OWNERS, STAGES
-from timerwheel_operator.metrics import ShardStatus
+from timerwheel_operator.diagnosis import Blocker, summary
 from timerwheel_operator.recovery import Stall, stall_message
+from timerwheel_operator.stage_metrics import ShardStatus
 
 #: A shard without an owner this long after Recovering turned True is Degraded.
 RECOVERY_GRACE_S = 60
@@ -161,9 +165,12 @@ def unobserved_status(generation: int, error: str, previous: Sequence[Mapping[st
 
 def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[ShardStatus],
             previous: Sequence[Mapping[str, Any]], now: str, scrape_errors: Mapping[str, str] | None = None,
-            apply_failures: Mapping[str, str] | None = None, care: Care | None = None) -> dict[str, Any]:
-    """The whole status (a merge patch of ``.status``) from what was observed."""
+            apply_failures: Mapping[str, str] | None = None, care: Care | None = None,
+            blockers: Sequence[Blocker] = ()) -> dict[str, Any]:
+    """The whole status (a merge patch of ``.status``) from what was observed; ``blockers``: what
+    Kubernetes says stops the pods (``diagnosis.diagnose``)."""
     care = care or Care()
+    blocked = summary(blockers)
     waiting = [s for s in STAGES if not stages[s].rolled_out]
     unowned = []
     for st in shards:
@@ -188,7 +195,8 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
                                previous, now)
     stuck = taking_over and _seconds_between(recovering["lastTransitionTime"], now) >= RECOVERY_GRACE_S
     unopenable = [f"shard {st.shard} ({'; '.join(st.open_errors)})" for st in shards if st.open_errors]
-    degraded = bool(apply_failures) or stuck or bool(unopenable) or bool(gave_up) or bool(care.stalls)
+    degraded = (bool(apply_failures) or blocked is not None or stuck or bool(unopenable) or bool(gave_up)
+                or bool(care.stalls))
     ready = not progressing and not degraded and not taking_over and not jobs
     if progressing:
         progress = condition("Progressing", True, "RollingOut", "waiting for " + ", ".join(
@@ -200,6 +208,8 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
         failed = "; ".join(f"{k}: {v}" for k, v in sorted(apply_failures.items()))
         degrade = condition("Degraded", True, "ApplyFailed", f"the API server refused {failed}",
                             generation, previous, now)
+    elif blocked is not None:
+        degrade = condition("Degraded", True, *blocked, generation, previous, now)
     elif gave_up:
         degrade = condition("Degraded", True, "RecoveryFailed", "; ".join(
             f"shard {n}: timerwheel recover failed {r.get('attempts')} times, the last: {r.get('reason')}: "
@@ -220,6 +230,8 @@ def compute(generation: int, stages: Mapping[str, StageState], shards: Sequence[
     if ready:
         ready_c = condition("Ready", True, "AllStagesReady", "every stage is ready and every shard owned",
                             generation, previous, now)
+    elif blocked is not None and not apply_failures:
+        ready_c = condition("Ready", False, *blocked, generation, previous, now)
     elif degraded:
         ready_c = condition("Ready", False, "Degraded", degrade["message"], generation, previous, now)
     elif jobs:

@@ -55,6 +55,13 @@ _QUANTITIES: Schema = {"type": "object", "additionalProperties": json_schema_of(
 #: A size as Spark reads it (spark.executor.memory): a number of MiB, or with a unit (512m, 2g).
 _SPARK_SIZE = r"[0-9]+([kKmMgGtTpP][bB]?|[bB])?"
 _PORT: Schema = {"type": "integer", "minimum": 1024, "maximum": 65535}
+#: A Prometheus duration (30s, 5m, 1h30m).
+_DURATION: Schema = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h|d|w|y))+$"}
+_MS: Schema = {"type": "integer", "minimum": 0}
+
+
+def _alert(thresholds: Schema) -> Schema:
+    return _obj({"for": _DURATION, **thresholds}, ["for"])
 
 
 def values_schema() -> Schema:
@@ -133,6 +140,46 @@ def values_schema() -> Schema:
                     "rejects": {"type": "string", "minLength": 1},
                 }),
             }, None, "optional Spark jobs: the audit and forecast CronJobs and the bulk-schedule Job"),
+            "console": _obj({
+                "enabled": {"type": "boolean"},
+                "actionToken": _obj({
+                    "secretName": {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"},
+                    "key": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$"},
+                }, None, "the Secret holding the token that unlocks the console's actions (empty: read-only)"),
+                "port": _PORT,
+                "sampleEverySeconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 600},
+                "resources": _obj({"requests": _QUANTITIES, "limits": _QUANTITIES}),
+                "podAnnotations": _STRING_MAP,
+                "nodeSelector": _STRING_MAP,
+                "tolerations": {"type": "array", "items": {"type": "object"}},
+                "affinity": _FREE_MAP,
+            }, None, "the web console (docs/console.md), a Deployment of the stage image"),
+            "monitoring": _obj({
+                "podMonitor": _obj({
+                    "enabled": {"type": "boolean"},
+                    "interval": _DURATION,
+                    "labels": _STRING_MAP,
+                }, None, "a PodMonitor of the stage pods (with the Prometheus Operator's CRDs)"),
+                "prometheusRule": _obj({
+                    "enabled": {"type": "boolean"},
+                    "labels": _STRING_MAP,
+                    "alerts": _obj({
+                        "writeWatermarkBehind": _alert({"lagMs": _MS}),
+                        "readTimeBehind": _alert({"lagMs": _MS}),
+                        "inputWait": _alert({"waitMs": _MS}),
+                        "shardUnowned": _alert({}),
+                        "deadLetters": _alert({"perSecond": {"type": "number", "minimum": 0}}),
+                        "earlyDelivery": _alert({}),
+                        "deadQueueEntries": _alert({}),
+                        "stageStalled": _alert({"window": _DURATION}),
+                    }, None, "each alert's for: and threshold (docs/runbook.md)"),
+                }, None, "a PrometheusRule of the alerts (with the Prometheus Operator's CRDs)"),
+                "dashboards": _obj({
+                    "enabled": {"type": "boolean"},
+                    "labels": _STRING_MAP,
+                    "annotations": _STRING_MAP,
+                }, None, "Grafana dashboards as ConfigMaps for Grafana's sidecar"),
+            }, None, "Prometheus Operator objects and Grafana dashboards (docs/runbook.md)"),
             "tests": _obj({
                 "enabled": {"type": "boolean"},
                 "topic": {"type": "string", "pattern": r"^[a-zA-Z0-9._-]{1,249}$"},

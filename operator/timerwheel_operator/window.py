@@ -14,7 +14,8 @@ started with another refuses. So the operator changes it as a human would, one l
 3. **Rebuild** (``Rebuilding``), once no owner pod is left: a Job (the stages' image, volume claim
    and settings, the new window in its env) runs ``timerwheel rebuild-wheel --shard N
    --change-window`` for every shard, then stores the window in the deployment file. Its name
-   carries a serial and its annotation the window it builds, so a restarted operator finds it.
+   carries a serial and its annotation the window it builds, so a restarted operator finds it
+   (the operator's one Job state machine, ``jobs``, follows it as it does the recovery Jobs).
 4. **Resume** (``Resuming``): the ConfigMap gets the new values, which rolls every stage (the
    settings hash), and the owners come back to their replicas. ``WindowRolling`` turns False
    (``WindowRolled``) once the TimerWheel is Ready, with the figures in ``status.window``.
@@ -33,18 +34,26 @@ built with; ``target``, ``phase``, the Job, the times) and in the Jobs themselve
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from timerwheel_operator import retention as ret
-from timerwheel_operator.recovery import error_line, job_phase
+from timerwheel_operator.jobs import (
+    RUNNING,
+    SUCCEEDED,
+    JobView,
+    Outcome,
+    Recorded,
+    error_line,
+    next_serial,
+    reports,
+)
 from timerwheel_operator.spec import in_spec_words
 
 #: The component label of the window Jobs and their pods.
 COMPONENT = "window"
-#: Job exit code of a shard still owned by a live process (timerwheel.repair.EXIT_IN_USE): tried again.
+#: Job exit code of a shard still owned by a live process (timerwheel.cli.EXIT_IN_USE): tried again.
 EXIT_IN_USE = 3
 #: Job exit code when ``rebuild-wheel --change-window --check`` refused a shard (exit 2, e.g. a span
 #: too small for the records ahead): every shard is checked before any is changed, so the old
@@ -110,41 +119,19 @@ class Window:
             return None
 
 
-@dataclass(frozen=True, slots=True)
-class JobView:
-    name: str
-    serial: int
-    phase: str  # Running, Succeeded, Failed
-    target: Window | None
+#: The annotation of a window Job naming the window it builds (``Window.annotation``).
+WINDOW_ANNOTATION = "timerwheel.io/window"
 
 
-def job_view(job: Mapping[str, Any]) -> JobView | None:
-    meta = job.get("metadata") or {}
-    try:
-        serial = int((meta.get("labels") or {})["timerwheel.io/attempt"])
-    except (KeyError, ValueError):
-        return None
-    target = Window.of_annotation((meta.get("annotations") or {}).get("timerwheel.io/window"))
-    return JobView(str(meta.get("name")), serial, job_phase(job), target)
+def target_of(job: JobView) -> Window | None:
+    """The window a window Job builds (its annotation); None for a Job without one."""
+    return Window.of_annotation(job.annotations.get(WINDOW_ANNOTATION))
 
 
-def parse_reports(log: str) -> list[dict[str, Any]]:
-    """Every indented JSON report (a line ``{`` to a line ``}``) a Job's pod printed."""
-    out, block = [], None
-    for line in log.splitlines():
-        if line == "{":
-            block = [line]
-        elif block is not None:
-            block.append(line)
-            if line == "}":
-                try:
-                    found = json.loads("\n".join(block))
-                except json.JSONDecodeError:
-                    found = None
-                if isinstance(found, dict):
-                    out.append(found)
-                block = None
-    return out
+def recorded(status: Mapping[str, Any] | None) -> Recorded:
+    """What ``status.window`` says of the window Jobs, for ``jobs.follow``."""
+    status = status or {}
+    return Recorded(int(status.get("serial") or 0), status.get("phase") == "Rebuilding")
 
 
 def summary(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -157,7 +144,7 @@ def summary(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
-class Step:
+class WindowStep:
     """What this round does about the window."""
 
     #: the window the ConfigMap and the stages get now
@@ -181,14 +168,14 @@ class Step:
 
 
 def decide(desired: Window, current: Window | None, running: Window, previous: Mapping[str, Any] | None,
-           newest: JobView | None, finished_log: tuple[int | None, str] | None, retention: ret.Check | None,
-           owners_stopped: bool, generation: int, now_ms: int) -> Step:
+           newest: JobView | None, finished: Outcome | None, retention: ret.Check | None,
+           owners_stopped: bool, generation: int, now_ms: int) -> WindowStep:
     """One round of the window's state (see the module header).
 
     ``current``: the window the shards have (None: unknown, after a failed Job); ``running``: the
     one the stages' ConfigMap holds (kept while the shards' is unknown); ``previous``:
-    the last ``status.window``; ``newest``: the newest window Job; ``finished_log``: (exit code,
-    log) of that Job when it has finished; ``retention``: this round's check, for the desired
+    the last ``status.window``; ``newest``: the newest window Job; ``finished``: its outcome
+    when it has finished unrecorded (``jobs.follow``); ``retention``: this round's check, for the desired
     roll window (None: not checked, e.g. no admin client configured)."""
     prev = dict(previous or {})
     phase = prev.get("phase")
@@ -199,20 +186,21 @@ def decide(desired: Window, current: Window | None, running: Window, previous: M
     old = current or running
 
     # A Job of ours that runs: wait for it, paused, whatever the spec says now.
-    if newest is not None and newest.phase == "Running" and newest.target is not None:
-        st = {**prev, **base, "phase": "Rebuilding", "target": newest.target.to_spec(), "job": newest.name,
+    building = None if newest is None else target_of(newest)
+    if newest is not None and newest.phase == RUNNING and building is not None:
+        st = {**prev, **base, "phase": "Rebuilding", "target": building.to_spec(), "job": newest.name,
               "serial": max(int(prev.get("serial") or 0), newest.serial), "reason": "RebuildJob",
-              "message": f"Job {newest.name} runs timerwheel rebuild-wheel --change-window ({newest.target.text()})"}
+              "message": f"Job {newest.name} runs timerwheel rebuild-wheel --change-window ({building.text()})"}
         st.setdefault("startedMs", now_ms)
-        return Step(old, True, st, (True, "Rebuilding", st["message"]))
+        return WindowStep(old, True, st, (True, "Rebuilding", st["message"]))
 
     # A Job finished that the status has not recorded yet.
-    if (newest is not None and newest.target is not None and finished_log is not None
-            and prev.get("job") == newest.name and phase == "Rebuilding"):
-        code, log = finished_log
-        if newest.phase == "Succeeded":
-            report = summary(parse_reports(log))
-            now_current = newest.target
+    if newest is not None and building is not None and finished is not None:
+        code, log = finished.exit_code, finished.log
+        base["serial"] = max(int(prev.get("serial") or 0), newest.serial)  # recorded: never read again
+        if newest.phase == SUCCEEDED:
+            report = summary(reports(log))
+            now_current = building
             base.pop("currentUnknown", None)
             st = {**base, "current": now_current.to_spec(), "target": now_current.to_spec(), "phase": "Resuming",
                   "job": newest.name, "serial": newest.serial, "attempts": 0, "report": report,
@@ -221,55 +209,55 @@ def decide(desired: Window, current: Window | None, running: Window, previous: M
                   "message": f"rebuilt {report['records']} records in {report['seconds']} s "
                              f"({report['recordsPerSecond']} records/s); the stages roll with {now_current.text()}"}
             st = {k: v for k, v in st.items() if v is not None}
-            return Step(now_current, False, st, (True, "Resuming", st["message"]),
-                        events=[("WindowRebuilt", f"Job {newest.name}: {st['message']}", False)], resumed_now=True)
+            return WindowStep(now_current, False, st, (True, "Resuming", st["message"]),
+                              events=[("WindowRebuilt", f"Job {newest.name}: {st['message']}", False)], resumed_now=True)
         line = error_line(log) or f"the Job failed (exit code {code}) without a log line"
         if code == EXIT_REFUSED_UNCHANGED:
             # Every shard was checked before any changed: the old window runs on, as it was.
             refused = in_spec_words(line.removeprefix("timerwheel: error: "))
-            st = {**base, "phase": "Refused", "target": newest.target.to_spec(), "job": newest.name,
+            st = {**base, "phase": "Refused", "target": building.to_spec(), "job": newest.name,
                   "failedGeneration": generation, "reason": "WindowChangeRefused", "message": refused,
                   "finishedMs": now_ms}
             st.pop("currentUnknown", None)
             text = f"{refused}; the shards keep running {old.text()}"
-            return Step(old, False, st, (False, "WindowChangeRefused", text),
-                        events=[("WindowChangeRefused", text, True)])
+            return WindowStep(old, False, st, (False, "WindowChangeRefused", text),
+                              events=[("WindowChangeRefused", text, True)])
         attempts = int(prev.get("attempts") or 0) + 1
         if code == EXIT_IN_USE and attempts < MAX_IN_USE_RETRIES:
             st = {**prev, **base, "phase": "Pausing", "attempts": attempts, "reason": "ShardStillOwned",
                   "message": f"Job {newest.name}: {line}; trying again"}
-            return Step(old, True, st, (True, "Pausing", st["message"]),
-                        events=[("WindowRollRetry", st["message"], True)])
-        st = {**{k: v for k, v in prev.items() if k not in ("current",)}, "phase": "Failed",
+            return WindowStep(old, True, st, (True, "Pausing", st["message"]),
+                              events=[("WindowRollRetry", st["message"], True)])
+        st = {**{k: v for k, v in prev.items() if k not in ("current",)}, "serial": base["serial"], "phase": "Failed",
               "attempts": attempts, "failedGeneration": generation, "currentUnknown": True, "reason": "WindowRollFailed",
               "message": f"Job {newest.name} failed: {line}", "finishedMs": now_ms}
         st.pop("current", None)  # the shards may be half rebuilt: their window is unknown
         text = (f"{st['message']} (read `kubectl logs job/{newest.name}`); the shard owners stay stopped: change "
                 "the spec again once the cause is fixed")
-        return Step(old, True, st, (False, "WindowRollFailed", text), degraded=("WindowRollFailed", text),
-                    events=[("WindowRollFailed", text, True)])
+        return WindowStep(old, True, st, (False, "WindowRollFailed", text), degraded=("WindowRollFailed", text),
+                          events=[("WindowRollFailed", text, True)])
 
     if phase == "Failed" and (target is None or target.same(desired)) and int(prev.get("failedGeneration") or 0) == generation:
         text = f"{prev.get('message')}; the shard owners stay stopped: change the spec again once the cause is fixed"
-        return Step(old, True, prev, (False, "WindowRollFailed", text), degraded=("WindowRollFailed", text))
+        return WindowStep(old, True, prev, (False, "WindowRollFailed", text), degraded=("WindowRollFailed", text))
 
     if desired.same(current):
         if phase == "Resuming":
-            return Step(desired, False, {**prev, **base}, (True, "Resuming", str(prev.get("message") or "")))
+            return WindowStep(desired, False, {**prev, **base}, (True, "Resuming", str(prev.get("message") or "")))
         st = {**{k: v for k, v in prev.items() if k not in ("phase", "reason", "message")}, **base}
         if phase in ("Refused", "Pausing"):
             st.pop("target", None)  # back to the window it runs: nothing to do
         st.update(phase=phase if phase == "Done" else "Steady", reason=prev.get("reason") if phase == "Done"
                   else "AsSpec", message=prev.get("message") if phase == "Done" else f"the shards run {desired.text()}")
-        return Step(desired, False, st, (False, "WindowRolled" if phase == "Done" else "AsSpec", str(st["message"])))
+        return WindowStep(desired, False, st, (False, "WindowRolled" if phase == "Done" else "AsSpec", str(st["message"])))
 
     # The spec asks for another window than the shards have.
     if (phase == "Refused" and prev.get("job") and target is not None and target.same(desired)
             and int(prev.get("failedGeneration") or 0) == generation):
         # refused by the Job's check (the records ahead): stays so until the spec changes again
         said = str(prev.get("message") or "")
-        return Step(old, False, {**prev, **base}, (False, "WindowChangeRefused",
-                                                   f"{said}; the shards keep running {old.text()}"))
+        return WindowStep(old, False, {**prev, **base}, (False, "WindowChangeRefused",
+                                                         f"{said}; the shards keep running {old.text()}"))
     if phase not in ("Pausing", "Rebuilding") or target is None or not target.same(desired):
         why = ret.refusal(retention, desired.roll_window_ms) if retention is not None else None
         # Known too low: refused. Unknown (not readable): refused only when more is needed.
@@ -278,25 +266,25 @@ def decide(desired: Window, current: Window | None, running: Window, previous: M
             st = {**base, "phase": "Refused", "target": desired.to_spec(), "reason": "WindowChangeRefused",
                   "message": why}
             events = [] if phase == "Refused" and prev.get("message") == why else [("WindowChangeRefused", why, True)]
-            return Step(old, False, st, (False, "WindowChangeRefused", f"{why}; the shards keep running "
-                                         f"{old.text()}"), events=events)
+            return WindowStep(old, False, st, (False, "WindowChangeRefused", f"{why}; the shards keep running "
+                                               f"{old.text()}"), events=events)
         st = {**base, "phase": "Pausing", "target": desired.to_spec(), "startedMs": now_ms, "reason": "Pausing",
               "message": f"{old.text() if current else 'an unknown window'} -> {desired.text()}: stopping "
                          "enqueue-put and dequeue-get"}
-        return Step(old, True, st, (True, "Pausing", st["message"]),
-                    events=[("WindowRolling", st["message"], False)])
+        return WindowStep(old, True, st, (True, "Pausing", st["message"]),
+                          events=[("WindowRolling", st["message"], False)])
 
     st = {**prev, **base}
     if not owners_stopped:
-        return Step(old, True, st, (True, "Pausing", str(st.get("message") or "")))
-    serial = max(int(prev.get("serial") or 0), newest.serial if newest else 0) + 1
+        return WindowStep(old, True, st, (True, "Pausing", str(st.get("message") or "")))
+    serial = next_serial(int(prev.get("serial") or 0), newest)
     st.update(phase="Rebuilding", serial=serial, reason="RebuildJob", message=f"starting a Job of timerwheel "
               f"rebuild-wheel --change-window ({desired.text()})")
     st.setdefault("pausedMs", now_ms)
-    return Step(old, True, st, (True, "Rebuilding", st["message"]), start_job=(serial, desired))
+    return WindowStep(old, True, st, (True, "Rebuilding", st["message"]), start_job=(serial, desired))
 
 
-def apply_to_status(status: dict[str, Any], step: Step, generation: int, previous: Sequence[Mapping[str, Any]],
+def apply_to_status(status: dict[str, Any], step: WindowStep, generation: int, previous: Sequence[Mapping[str, Any]],
                     now: str, now_ms: int) -> list[tuple[str, str, bool]]:
     """Put the window's state into ``status`` (computed from the stages as usual): the
     ``WindowRolling`` condition, ``Ready`` False while rolling, ``Degraded`` when the Job failed,

@@ -8,6 +8,8 @@ built these tests fail, saying what is missing."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,9 @@ def test_rbac_is_namespaced_unless_cluster_wide(helm: str) -> None:
     assert {"jobs", "pods/log"} <= resources  # recovery Jobs and their reports
     verbs = {v for rule in main["rules"] for v in rule["verbs"]}
     assert "*" not in verbs
+    # a Pending claim's Events are read (what its provisioner said); Events are never deleted
+    events = [rule["verbs"] for rule in main["rules"] if "events" in rule["resources"]]
+    assert events == [["create", "patch", "get", "list"]], events
     # garbage collection deletes what the operator made; it deletes only a stalled shard's owner pod
     deleting = [rule["resources"] for rule in main["rules"] if "delete" in rule["verbs"]]
     assert deleting == [["pods"]], deleting
@@ -184,6 +189,10 @@ def test_the_helm_test_job_schedules_through_kafka_and_waits(helm: str) -> None:
     docs = template(helm, "-f", str(FULL))
     (job,) = [d for d in docs if d["kind"] == "Job"]
     assert job["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    # `helm uninstall` never deletes hooks: a test that passed is deleted by helm at once, a failed
+    # one is kept for its log until the next `helm test` or its TTL
+    assert job["metadata"]["annotations"]["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0
     (c,) = job["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["BOOTSTRAP"] == "10.0.0.5:9092,10.0.0.6:9092" and env["TIMER_TOPIC"] == "timers"
@@ -196,10 +205,85 @@ def test_the_helm_test_job_schedules_through_kafka_and_waits(helm: str) -> None:
     assert not [d for d in template(helm, "--set", "tests.enabled=false") if d["kind"] == "Job"]
 
 
-def test_notes_say_how_to_schedule_a_first_message() -> None:
-    notes = (CHART / "templates" / "NOTES.txt").read_text()
-    assert "tw-topic" in notes and "tw-delay-ms" in notes and "timerwheel schedule" in notes
-    assert "--for=condition=Ready" in notes and "helm test" in notes
+def notes(helm: str, tmp_path: Path, *args: str) -> str:
+    """What `helm install` prints (NOTES.txt), rendered offline: `helm template` of a copy of the
+    chart with a template that holds the notes."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "zz-notes.yaml").write_text('notes: {{ include "timerwheel.notes" . | toJson }}\n')
+    out = run(helm, "template", "tw", str(chart), "--namespace", "timers", "--kube-version", KUBE_VERSION,
+              "--show-only", "templates/zz-notes.yaml", *args)
+    assert out.returncode == 0, out.stderr
+    text: str = yaml.safe_load(out.stdout)["notes"]
+    return text
+
+
+def first_message(text: str) -> dict[str, str]:
+    """The flags of the `timerwheel schedule` command the notes print."""
+    command = text.split("timerwheel schedule", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
+    words = command.split()
+    return {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--") and i + 1 < len(words)}
+
+
+@pytest.mark.parametrize(("values", "topic"), [
+    ((), "timerwheel-helm-test"),
+    (("--set", "timerwheel.spec.timerTopic=timers", "--set", "timerwheel.spec.allowTopics[0]=e2e-dest-x-.*",
+      "--set", "tests.topic=e2e-dest-x-helm-test"), "e2e-dest-x-helm-test"),
+    (("-f", str(FULL)), "billing"),  # tests.topic is not allowed there: the plain name in the list is
+])
+def test_the_first_message_the_notes_print_goes_where_the_values_allow(helm: str, tmp_path: Path,
+                                                                       values: tuple[str, ...], topic: str) -> None:
+    text = notes(helm, tmp_path, *values)
+    assert "tw-topic" in text and "tw-delay-ms" in text and "--for=condition=Ready" in text and "helm test" in text
+    (wheel,) = [d for d in template(helm, *values) if d["kind"] == "TimerWheel"]
+    spec = wheel["spec"]
+    flags = first_message(text)
+    # the timer topic the TimerWheel reads, a destination its allow-list allows (checked with the
+    # stages' own rule), the Kafka it uses
+    assert flags["--timer-topic"] == spec.get("timerTopic", "__timer") and flags["--topic"] == topic
+    assert flags["--kafka"] == spec["kafka"]["bootstrap"]
+    assert any(re.fullmatch(p, flags["--topic"]) for p in spec.get("allowTopics", ["(?!__).+"]))
+    assert f'--topic {topic} --follow' in text  # and where to read it
+
+
+def test_the_notes_name_the_pull_secrets_and_say_when_no_destination_can_be_checked(helm: str,
+                                                                                   tmp_path: Path) -> None:
+    text = notes(helm, tmp_path, "--set", "imagePullSecrets[0].name=regcred", "--set",
+                 "timerwheel.spec.allowTopics[0]=orders\\..*")
+    assert text.count('--overrides=\'{"spec":{"imagePullSecrets":[{"name":"regcred"}]}}\'') == 2
+    assert first_message(text)["--topic"] == "DESTINATION" and "none of its patterns could be" in text
+
+
+def test_image_pull_secrets_reach_the_operator_the_stages_and_the_operator_s_jobs(helm: str) -> None:
+    from timerwheel_operator.manifests import build_all, recovery_job, window_job
+
+    docs = template(helm, "--set", "imagePullSecrets[0].name=regcred")
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TIMERWHEEL_IMAGE_PULL_SECRETS"] == "regcred"
+    (wheel_doc,) = [d for d in docs if d["kind"] == "TimerWheel"]
+    assert wheel_doc["spec"]["image"]["pullSecrets"] == [{"name": "regcred"}]
+    body = {**wheel_doc, "metadata": {**wheel_doc["metadata"], "uid": "u", "generation": 1}}
+    wheel = read(body, "unused")
+    pods = [m["spec"]["template"]["spec"] for m in build_all(wheel, body) if m["kind"] in ("Deployment", "StatefulSet")]
+    pods += [recovery_job(wheel, 0, 1, body)["spec"]["template"]["spec"],
+             window_job(wheel, 1, {}, "100/1000/0", body)["spec"]["template"]["spec"]]
+    assert len(pods) == 7 and all(p["imagePullSecrets"] == [{"name": "regcred"}] for p in pods)
+    # none set: none anywhere
+    docs = template(helm)
+    assert "pullSecrets" not in next(d for d in docs if d["kind"] == "TimerWheel")["spec"]["image"]
+
+
+def test_the_default_claim_binds_anywhere_and_keeps_the_pods_on_its_node(helm: str) -> None:
+    from timerwheel_operator.manifests import build_all
+
+    (wheel_doc,) = [d for d in template(helm) if d["kind"] == "TimerWheel"]
+    assert wheel_doc["spec"]["storage"]["accessModes"] == ["ReadWriteOnce"]
+    body = {**wheel_doc, "metadata": {**wheel_doc["metadata"], "uid": "u", "generation": 1}}
+    for m in build_all(read(body, "unused"), body):
+        if m["kind"] in ("Deployment", "StatefulSet"):
+            assert m["spec"]["template"]["spec"]["affinity"]["podAffinity"], m["metadata"]["name"]
 
 
 def test_helm_sh_says_what_is_missing_when_it_cannot_build(tmp_path: Path) -> None:

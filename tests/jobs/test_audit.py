@@ -240,3 +240,28 @@ def test_audit_of_an_unreachable_kafka_is_one_line_and_exit_2(capsys: pytest.Cap
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert err == ["timerwheel: error: --kafka: cannot reach Kafka at 127.0.0.1:1: KafkaTimeoutError"]
+
+
+def test_the_jobs_read_only_committed_records_as_the_stages_do(spark: Any, kafka_bootstrap: str) -> None:
+    """A timer record of an aborted transaction was never scheduled, a delivery of one never
+    delivered: ``read_topics`` (audit, forecast) sees what a read_committed stage sees."""
+    from kafka import KafkaProducer
+    from timerwheel.config import TimerConfig
+    from timerwheel.jobs.spark import read_topics
+
+    topic = unique("committed")
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=unique("tx"), acks="all")
+    try:
+        producer.init_transactions()
+        for committed in (True, False, True):
+            producer.begin_transaction()
+            producer.send(topic, value=b"kept" if committed else b"aborted", partition=0)
+            producer.flush()  # on the broker before the abort: a read_uncommitted reader would see it
+            if committed:
+                producer.commit_transaction()
+            else:
+                producer.abort_transaction()
+    finally:
+        producer.close()
+    rows = read_topics(spark, TimerConfig(kafka_bootstrap=kafka_bootstrap), [topic]).select("value").collect()
+    assert sorted(bytes(r["value"]) for r in rows) == [b"kept", b"kept"]

@@ -3,9 +3,9 @@ delay and below a lower band (hysteresis), always within [min, max]."""
 
 from __future__ import annotations
 
-from timerwheel_operator.autoscale import Load, Policy, decide
+from timerwheel_operator.autoscale import AutoscalePolicy, Load, decide
 
-POLICY = Policy(min_replicas=1, max_replicas=6, lead_ms=60_000, per_replica_per_s=1_000, scale_down_delay_ms=120_000)
+POLICY = AutoscalePolicy(min_replicas=1, max_replicas=6, lead_ms=60_000, per_replica_per_s=1_000, scale_down_delay_ms=120_000)
 NOW = 1_700_000_000_000
 
 
@@ -41,14 +41,14 @@ def test_a_load_between_the_bands_keeps_the_count() -> None:
 
 def test_the_count_stays_within_min_and_max() -> None:
     assert decide(POLICY, 2, Load(1e9, 10**9), NOW, None).replicas == 6
-    bounded = Policy(min_replicas=2, max_replicas=3)
+    bounded = AutoscalePolicy(min_replicas=2, max_replicas=3)
     assert decide(bounded, 1, Load(0, 0), NOW, NOW).replicas == 2  # below min: raised at once
     d = decide(bounded, 5, Load(0, 0), NOW, NOW)
     assert (d.replicas, d.reason) == (3, "ScaleDown")  # above max: lowered at once, no delay
 
 
 def test_the_horizon_read_is_the_narrowest_covering_the_lead_time() -> None:
-    assert Policy(lead_ms=30_000).horizon_s() == 60
-    assert Policy(lead_ms=60_000).horizon_s() == 60
-    assert Policy(lead_ms=90_000).horizon_s() == 300
-    assert Policy(lead_ms=3_600_000).horizon_s() == 300
+    assert AutoscalePolicy(lead_ms=30_000).horizon_s() == 60
+    assert AutoscalePolicy(lead_ms=60_000).horizon_s() == 60
+    assert AutoscalePolicy(lead_ms=90_000).horizon_s() == 300
+    assert AutoscalePolicy(lead_ms=3_600_000).horizon_s() == 300

@@ -66,6 +66,19 @@ def test_the_default_spec_passes_every_check() -> None:
     assert api_server_errors({"kafka": {"bootstrap": "k:9092"}, "redis": {"url": "redis://r:6379/0"}}) == []
 
 
+def test_placement_and_pull_secrets_pass_and_the_claim_defaults_to_one_node() -> None:
+    spec = {**GOOD, "image": {"pullSecrets": [{"name": "regcred"}]},
+            "pods": {"annotations": {"a": "b"}, "nodeSelector": {"pool": "timers"}, "priorityClassName": "",
+                     "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                     "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}}}
+    assert api_server_errors(spec) == []
+    storage = spec_schema()["properties"]["storage"]["properties"]
+    # ReadWriteOnce binds on every cluster's default storage class (README: why the default changed)
+    assert storage["accessModes"]["default"] == ["ReadWriteOnce"]
+    assert crd_schema()["properties"]["spec"]["properties"]["pods"]["properties"]["affinity"][
+        "x-kubernetes-preserve-unknown-fields"] is True
+
+
 GOOD = {"kafka": {"bootstrap": "k:9092"}, "redis": {"url": "redis://r:6379/0"}}
 
 
@@ -85,6 +98,10 @@ GOOD = {"kafka": {"bootstrap": "k:9092"}, "redis": {"url": "redis://r:6379/0"}}
     ({"storage": {"accessModes": ["Sometimes"]}}, "spec.storage.accessModes"),
     ({"autoscale": {"minReplicas": 5, "maxReplicas": 2}}, "spec.autoscale.minReplicas"),
     ({"surprise": 1}, "spec"),  # unknown fields: pruned by the server, refused by kubectl --strict
+    ({"pods": {"tolerations": [{"key": "k", "effect": "Sometimes"}]}}, "spec.pods.tolerations.0.effect"),
+    ({"pods": {"priorityClassName": "Bad_Name"}}, "spec.pods.priorityClassName"),
+    ({"pods": {"nodeSelector": {"pool": 3}}}, "spec.pods.nodeSelector.pool"),
+    ({"image": {"pullSecrets": [{}]}}, "spec.image.pullSecrets.0"),
 ])
 def test_a_bad_spec_is_refused_naming_the_field(change: dict[str, object], named: str) -> None:
     errors = api_server_errors({**GOOD, **change})

@@ -141,7 +141,8 @@ def test_secrets_tracing_and_storage_options_reach_the_pods() -> None:
 def test_the_claim_is_kept_by_default_and_an_existing_claim_is_used_as_is() -> None:
     (pvc,) = by_kind(built(), "PersistentVolumeClaim").values()
     assert "ownerReferences" not in pvc["metadata"]  # survives the TimerWheel's deletion
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and "storageClassName" not in pvc["spec"]
+    # ReadWriteOnce: what every cluster's default storage class offers (the pods then share its node)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"] and "storageClassName" not in pvc["spec"]
     for m in built():
         if m["kind"] != "PersistentVolumeClaim":
             assert m["metadata"]["ownerReferences"][0]["kind"] == "TimerWheel"
@@ -169,3 +170,95 @@ def test_a_settings_change_rolls_the_pods() -> None:
 def test_a_bad_spec_that_slipped_past_the_api_server_is_named(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError, match=rf"^{field}: "):
         read(wheel_body(**spec), "i")
+
+
+PLACED: dict[str, Any] = {
+    "image": {"repository": "registry.example/timerwheel", "tag": "0.1.0", "pullPolicy": "Always",
+              "pullSecrets": [{"name": "regcred"}]},
+    "pods": {"annotations": {"sidecar.istio.io/inject": "false"}, "nodeSelector": {"pool": "timers"},
+             "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "timers", "effect": "NoSchedule"}],
+             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                 {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+             "priorityClassName": "timers-high"},
+}
+
+
+def every_pod(body: dict[str, Any], claim: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The pod templates of the five stages, a recovery Job and a window Job of ``body``."""
+    from timerwheel_operator.manifests import recovery_job, window_job
+    from timerwheel_operator.spec import with_claim
+
+    wheel = with_claim(read(body, "timerwheel:dev", "Never"), claim)
+    out = {m["metadata"]["name"]: m["spec"]["template"] for m in build_all(wheel, body)
+           if m["kind"] in ("Deployment", "StatefulSet")}
+    for job in (recovery_job(wheel, 0, 1, body), window_job(wheel, 1, {"TW_TICK_MS": "200"}, "200/2000/0", body)):
+        out[job["metadata"]["name"]] = job["spec"]["template"]
+    assert len(out) == 7
+    return out
+
+
+def test_pull_secrets_and_placement_reach_every_stage_pod_and_the_operator_s_jobs() -> None:
+    body = wheel_body(**PLACED, storage={"accessModes": ["ReadWriteMany"]})
+    for name, template in every_pod(body).items():
+        spec = template["spec"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}], name
+        assert spec["nodeSelector"] == {"pool": "timers"} and spec["priorityClassName"] == "timers-high", name
+        assert spec["tolerations"] == PLACED["pods"]["tolerations"], name
+        assert spec["affinity"] == PLACED["pods"]["affinity"], name  # ReadWriteMany: nothing added
+        assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false", name
+        assert spec["containers"][0]["image"] == "registry.example/timerwheel:0.1.0", name
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": spec},
+                                     K8S_VERSION, strict=True)
+    # the operator's own pull secrets when the TimerWheel names none
+    wheel = read(wheel_body(), "timerwheel:dev", "Never", ("from-operator",))
+    assert wheel.pull_secrets == ("from-operator",)
+    assert read(wheel_body(image={"pullSecrets": []}), "i", "Never", ("from-operator",)).pull_secrets == ()
+
+
+def test_a_read_write_once_claim_keeps_every_pod_of_the_timerwheel_on_its_node() -> None:
+    term = {"labelSelector": {"matchLabels": {"app.kubernetes.io/name": "timerwheel",
+                                              "app.kubernetes.io/instance": "orders",
+                                              "app.kubernetes.io/managed-by": "timerwheel-operator"}},
+            "topologyKey": "kubernetes.io/hostname"}
+    # the default claim is ReadWriteOnce: the pods go where the first one is, and each matches
+    # the term itself (so the first one may start the group)
+    for name, template in every_pod(wheel_body(pods=PLACED["pods"])).items():
+        affinity = template["spec"]["affinity"]
+        assert affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [term], name
+        assert affinity["nodeAffinity"] == PLACED["pods"]["affinity"]["nodeAffinity"], name  # the user's kept
+        labels = template["metadata"]["labels"]
+        assert all(labels[k] == v for k, v in term["labelSelector"]["matchLabels"].items()), name
+    # the claim as the cluster has it decides: a bound ReadWriteMany claim spreads them (an
+    # existing claim the spec knows nothing of, too), a ReadWriteOnce one keeps them together
+    rwx = {"spec": {"accessModes": ["ReadWriteMany"]}, "status": {"phase": "Bound", "accessModes": ["ReadWriteMany"]}}
+    for template in every_pod(wheel_body(storage={"existingClaim": "nfs"}), rwx).values():
+        assert "affinity" not in template["spec"]
+    rwo = {"spec": {"accessModes": ["ReadWriteOnce"]}, "status": {"phase": "Bound", "accessModes": ["ReadWriteOnce"]}}
+    for template in every_pod(wheel_body(storage={"accessModes": ["ReadWriteMany"]}), rwo).values():
+        assert template["spec"]["affinity"]["podAffinity"], template["metadata"]["labels"]
+
+
+def test_a_made_claim_keeps_its_access_modes_and_class_a_spec_cannot_share_one_pod_only() -> None:
+    from timerwheel_operator.manifests import volume_claim
+    from timerwheel_operator.spec import with_claim
+
+    body = wheel_body(storage={"accessModes": ["ReadWriteOnce"], "size": "2Gi"})
+    live = {"spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "nfs"}, "status": {"phase": "Bound"}}
+    pvc = volume_claim(with_claim(read(body, "i"), live), None)
+    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "nfs",
+                           "resources": {"requests": {"storage": "2Gi"}}}
+    for modes in (["ReadWriteOncePod"], ["ReadOnlyMany"]):
+        with pytest.raises(SpecError, match="^spec.storage.accessModes: .* cannot be shared by the five stages"):
+            read(wheel_body(storage={"accessModes": modes}), "i")
+
+
+def test_a_stage_ends_its_log_into_the_termination_message() -> None:
+    for spec in pod_specs(built()).values():
+        assert spec["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_bad_placement_slipping_past_the_api_server_is_named() -> None:
+    with pytest.raises(SpecError, match=r"^spec.pods.tolerations\[0\]: "):
+        read(wheel_body(pods={"tolerations": ["NoSchedule"]}), "i")
+    with pytest.raises(SpecError, match="^spec.pods.affinity: "):
+        read(wheel_body(pods={"affinity": ["x"]}), "i")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
-from timerwheel_operator.metrics import MetricsParseError, Sample, parse_prometheus, shard_status
+from timerwheel_operator.stage_metrics import MetricsParseError, Sample, parse_prometheus, shard_status
 
 
 def stage_metrics(stage: str, shard: int, epoch: int, **gauges: float) -> str:
@@ -14,7 +15,7 @@ def stage_metrics(stage: str, shard: int, epoch: int, **gauges: float) -> str:
     m.set("owner_epoch", epoch, shard=shard, stage=stage)
     for name, value in gauges.items():
         m.set(name, value, shard=shard)
-    return m.render_prometheus()
+    return render(m)
 
 
 def test_the_stages_own_exposition_parses() -> None:
@@ -66,6 +67,6 @@ def test_a_shard_an_owner_cannot_open_is_named_with_the_pod_and_error() -> None:
     m = Metrics()
     m.set("shard_open_failed", 1, shard=1, stage="enqueue-put", error="OSError")
     m.set("shard_open_failed", 0, shard=0, stage="enqueue-put", error="OSError")  # opened since
-    s0, s1 = shard_status({"put-0": parse_prometheus(m.render_prometheus())}, 2)
+    s0, s1 = shard_status({"put-0": parse_prometheus(render(m))}, 2)
     assert s0.open_errors == [] and "openError" not in s0.to_status()
     assert s1.to_status()["openError"] == "enqueue-put put-0: OSError"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from timerwheel_operator.crd import STAGES
-from timerwheel_operator.metrics import ShardStatus
+from timerwheel_operator.stage_metrics import ShardStatus
 from timerwheel_operator.status import StageState, compute, invalid_spec_status
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"

@@ -7,16 +7,15 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
 import pytest
 from k8s_helpers import wheel_body
+from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
 from timerwheel_operator import reconcile as rec
-from timerwheel_operator import runtime
 from timerwheel_operator.crd import STAGES
-from timerwheel_operator.main import SettingsError, settings_from_env
+from timerwheel_operator.main import OperatorConfigError, config_from_env
 
-SETTINGS = rec.Settings(image="timerwheel:dev", pull_policy="Never")
+SETTINGS = rec.OperatorConfig(image="timerwheel:dev", pull_policy="Never")
 
 
 class FakeCluster:
@@ -65,12 +64,21 @@ class FakeCluster:
     def delete_pod(self, namespace: str, name: str) -> None:
         self.deleted.append(name)
 
+    def events(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
+        return []
+
+    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
+                     status: Mapping[str, Any]) -> None:
+        obj = self.objects[(kind, name)]
+        merged = {**(obj.get("status") or {}), **status}
+        obj["status"] = {k: v for k, v in merged.items() if v is not None}
+
 
 def owner_metrics(stage: str, epoch: int) -> str:
     m = Metrics()
     m.set("owner_epoch", epoch, shard=0, stage=stage)
     m.set("write_ms" if stage == "enqueue-put" else "read_ms", 1_700_000_000_000, shard=0)
-    return m.render_prometheus()
+    return render(m)
 
 
 def test_ensure_applies_everything_and_again_changes_nothing() -> None:
@@ -139,43 +147,14 @@ def test_status_is_read_from_the_stage_pods_metrics() -> None:
     assert status["observedGeneration"] == 3
 
 
-def test_the_handlers_and_the_startup_hook_are_registered() -> None:
-    import timerwheel_operator.main  # noqa: F401 - registers
-
-    registry = kopf.get_default_registry()
-    ids = {h.id for h in registry._spawning.get_all_handlers()} | {
-        h.id for h in registry._changing.get_all_handlers()}
-    assert any("spec_changed" in i for i in ids) and any(i.endswith("level") for i in ids)
-    assert any("configure" in h.id for h in registry._activities.get_all_handlers())
-
-
-def test_no_handler_puts_a_finalizer_on_a_timerwheel() -> None:
-    """Else `helm uninstall`, which deletes the operator with the TimerWheel, leaves the
-    TimerWheel (and its namespace) Terminating forever."""
-    import timerwheel_operator.main  # noqa: F401 - registers
-
-    registry = kopf.get_default_registry()
-    handlers = [*registry._spawning.get_all_handlers(), *registry._changing.get_all_handlers()]
-    assert any(h.id.endswith("level") for h in handlers)
-    assert [h.id for h in handlers if h.requires_finalizer] == []
-
-
-def test_the_spec_handler_writes_the_status_through_kopf_s_patch() -> None:
-    from timerwheel_operator.handlers.timerwheel import spec_changed
-
-    cluster = FakeCluster()
-    runtime.install(cluster, SETTINGS)
-    patch = kopf.Patch()
-    spec_changed(body=kopf.Body(wheel_body()), patch=patch, logger=None)  # type: ignore[arg-type]
-    assert patch["status"]["observedGeneration"] == 3
-    assert ("ConfigMap", "timerwheel-orders-settings") in cluster.objects
-
-
-def test_operator_settings_are_validated() -> None:
-    assert settings_from_env({}) == rec.Settings("timerwheel:dev", "IfNotPresent")
-    assert settings_from_env({"TIMERWHEEL_IMAGE": "x:1", "TIMERWHEEL_IMAGE_PULL_POLICY": "Never"}).pull_policy == "Never"
-    with pytest.raises(SettingsError, match="^TIMERWHEEL_IMAGE_PULL_POLICY: "):
-        settings_from_env({"TIMERWHEEL_IMAGE_PULL_POLICY": "Sometimes"})
+def test_the_operator_s_configuration_is_validated() -> None:
+    assert config_from_env({}) == rec.OperatorConfig("timerwheel:dev", "IfNotPresent")
+    assert config_from_env({"TIMERWHEEL_IMAGE": "x:1", "TIMERWHEEL_IMAGE_PULL_POLICY": "Never"}).pull_policy == "Never"
+    with pytest.raises(OperatorConfigError, match="^TIMERWHEEL_IMAGE_PULL_POLICY: "):
+        config_from_env({"TIMERWHEEL_IMAGE_PULL_POLICY": "Sometimes"})
+    assert config_from_env({"TIMERWHEEL_IMAGE_PULL_SECRETS": "regcred, other"}).pull_secrets == ("regcred", "other")
+    with pytest.raises(OperatorConfigError, match="^TIMERWHEEL_IMAGE_PULL_SECRETS: 'Bad_Name' "):
+        config_from_env({"TIMERWHEEL_IMAGE_PULL_SECRETS": "Bad_Name"})
 
 
 def _reader_with_load(peak_60: float, epoch: int = 2) -> str:
@@ -184,13 +163,13 @@ def _reader_with_load(peak_60: float, epoch: int = 2) -> str:
     m.set("read_ms", 1_700_000_000_000, shard=0)
     m.set("due_peak_per_s", peak_60, shard=0, ahead_s=60)
     m.set("due_peak_per_s", 0, shard=0, ahead_s=300)
-    return m.render_prometheus()
+    return render(m)
 
 
 def _queue(queue: str, depth: int) -> str:
     m = Metrics()
     m.set("queue_depth", depth, queue=queue, partition=0)
-    return m.render_prometheus()
+    return render(m)
 
 
 AUTO = {"enabled": True, "minReplicas": 1, "maxReplicas": 5, "messagesPerSecondPerReplica": 1000,

@@ -9,15 +9,17 @@ from typing import Any
 
 from k8s_helpers import wheel_body
 from test_reconcile import SETTINGS, FakeCluster
+from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
 from timerwheel_operator import manifests
 from timerwheel_operator import reconcile as rec
 from timerwheel_operator import recovery as rcv
-from timerwheel_operator.metrics import ShardStatus
+from timerwheel_operator.jobs import JobView, Outcome, reports
 from timerwheel_operator.spec import read
+from timerwheel_operator.stage_metrics import ShardStatus
 
 NOW = 1_700_000_000_000
-POLICY = rcv.Policy()
+POLICY = rcv.RecoveryPolicy()
 REPORT = {"command": "recover", "shard": 0, "status": "repaired", "enqueue_checkpoint": "kept",
           "dequeue_checkpoint": "rebuilt", "set_aside": [], "read_ms": NOW - 60_000, "write_ms": NOW,
           "records": 120, "truncated_bytes": 0, "relinked": 0, "repaired_slots": 0, "may_deliver_twice": 17,
@@ -28,8 +30,8 @@ def unopenable(shard: int = 0, error: str = rcv.RECOVERY_NEEDED) -> ShardStatus:
     return ShardStatus(shard, open_errors=[f"enqueue-put enqueue-put-0: {error}"])
 
 
-def job(name: str, phase: str = "Running") -> rcv.JobView:
-    return rcv.JobView(name, 0, int(name.rsplit("-", 1)[1]), phase)
+def job(name: str, phase: str = "Running") -> JobView:
+    return JobView(name, int(name.rsplit("-", 1)[1]), phase, {rcv.SHARD_LABEL: "0"})
 
 
 # --- the Job as rendered --------------------------------------------------------------------------
@@ -75,7 +77,7 @@ def test_a_shard_needing_recovery_starts_a_job_and_one_needing_something_else_do
     assert step.event is not None and step.event[0] == "RecoveryStarted"
     other = rcv.decide(unopenable(error="PermissionError"), None, None, None, POLICY, False, NOW)
     assert not other.start_job and other.event is None
-    off = rcv.decide(unopenable(), None, None, None, rcv.Policy(auto=False), False, NOW)
+    off = rcv.decide(unopenable(), None, None, None, rcv.RecoveryPolicy(auto=False), False, NOW)
     assert not off.start_job
 
 
@@ -89,7 +91,7 @@ def test_one_job_at_a_time_a_running_job_is_followed_not_repeated() -> None:
 def test_a_finished_job_is_recorded_with_its_report_and_an_event() -> None:
     log = '{"level": "info", "msg": "recovered"}\n' + json.dumps(REPORT, indent=2) + "\n"
     view = job("x-recover-0-1", "Succeeded")
-    finished = rcv.outcome(view, 0, log, "x-recover-0-1-abcde")
+    finished = Outcome(0, log, "x-recover-0-1-abcde")
     step = rcv.decide(unopenable(), {"serial": 1, "state": "Running", "job": view.name}, view, finished, POLICY,
                       False, NOW)
     assert step.record is not None and step.record["state"] == "Succeeded" and step.record["attempts"] == 0
@@ -105,9 +107,10 @@ def test_a_failed_job_backs_off_then_retries_then_gives_up() -> None:
     t = NOW
     for attempt in range(1, POLICY.max_attempts + 1):
         view = job(f"x-recover-0-{record['serial']}", "Failed")
-        finished = rcv.outcome(view, 3, "timerwheel: error: shard 0 is owned by enqueue-put 'p' (lease epoch 4)\n",
-                               f"{view.name}-pod")
-        assert finished["reason"] == "ShardInUse" and "lease epoch 4" in finished["message"]
+        finished = Outcome(3, "timerwheel: error: shard 0 is owned by enqueue-put 'p' (lease epoch 4)\n",
+                           f"{view.name}-pod")
+        failed = rcv.result(view, finished)
+        assert failed["reason"] == "ShardInUse" and "lease epoch 4" in failed["message"]
         step = rcv.decide(unopenable(), record, view, finished, POLICY, False, t)
         assert step.event is not None and step.event[0] == "RecoveryFailed" and step.event[2]
         assert f"kubectl logs {view.name}-pod" in step.event[1]
@@ -132,9 +135,11 @@ def test_a_failed_job_backs_off_then_retries_then_gives_up() -> None:
 
 def test_the_report_is_found_among_log_lines_and_a_log_without_one_gives_none() -> None:
     log = '{"ts": 1, "msg": "x"}\n' + json.dumps(REPORT, indent=2) + '\n{"ts": 2}\n'
-    assert rcv.parse_report(log) == REPORT
-    assert rcv.parse_report("timerwheel: error: no shard at /data/shard-0009\n") is None
-    assert rcv.error_line("a\ntimerwheel: error: boom\n") == "timerwheel: error: boom"
+    assert reports(log) == [REPORT]
+    assert rcv.result(job("x-recover-0-1", "Succeeded"), Outcome(0, log, "p"))["report"]["records"] == 120
+    assert reports("timerwheel: error: no shard at /data/shard-0009\n") == []
+    failed = rcv.result(job("x-recover-0-1", "Failed"), Outcome(1, "a\ntimerwheel: error: boom\n", "p"))
+    assert failed["message"] == "timerwheel: error: boom" and failed["reason"] == "RepairFailed"
 
 
 # --- stalls ---------------------------------------------------------------------------------------
@@ -176,9 +181,9 @@ def test_a_frozen_w_or_r_with_work_due_is_a_stall_and_the_conservative_cases_are
 
 
 def test_the_stall_threshold_is_never_shorter_than_the_floor() -> None:
-    assert rcv.Policy.of({"recovery": {"stallAfterMs": 1_000}}, 100).stall_after_ms == rcv.MIN_STALL_AFTER_MS
-    assert rcv.Policy.of({"recovery": {"stallAfterMs": 30_000}}, 10_000).stall_after_ms == 101_000
-    assert rcv.Policy.of({}, 100).stall_after_ms == rcv.DEFAULT_STALL_AFTER_MS
+    assert rcv.RecoveryPolicy.of({"recovery": {"stallAfterMs": 1_000}}, 100).stall_after_ms == rcv.MIN_STALL_AFTER_MS
+    assert rcv.RecoveryPolicy.of({"recovery": {"stallAfterMs": 30_000}}, 10_000).stall_after_ms == 101_000
+    assert rcv.RecoveryPolicy.of({}, 100).stall_after_ms == rcv.DEFAULT_STALL_AFTER_MS
 
 
 def test_advanced_keeps_the_time_of_the_last_change() -> None:
@@ -233,7 +238,7 @@ def serving(shard_errors: Mapping[int, str] | None = None, write_ms: int = NOW, 
             m.set("pending", 3, shard=shard)
         for shard, error in (shard_errors or {}).items():
             m.set("shard_open_failed", 1, shard=shard, stage=stage, error=error)
-        out[ip] = m.render_prometheus()
+        out[ip] = render(m)
     return out
 
 
@@ -317,3 +322,20 @@ def test_a_stalled_shard_is_degraded_and_its_owner_restarted_once() -> None:
     cluster.metrics = serving(write_ms=later + 20_000, read_ms=later + 20_000, shards=1)
     _, status = round_(body, cluster, later + 20_000)
     assert conditions(status)["Degraded"][0] == "False"
+
+
+def test_a_finished_job_whose_start_was_never_recorded_is_recorded_not_run_again() -> None:
+    cluster = JobCluster()
+    body = wheel_body()
+    cluster.metrics = serving({0: rcv.RECOVERY_NEEDED}, shards=1)
+    round_(body, cluster, NOW)
+    (name,) = [n for k, n in cluster.objects if k == "Job"]
+    cluster.finish(name, True, json.dumps(REPORT, indent=2) + "\n", 0)
+    body["status"]["shards"][0].pop("recovery")  # that round's status was never written
+    applied, status = round_(body, cluster, NOW + 10_000)
+    assert [n for k, n in cluster.objects if k == "Job"] == [name]
+    record = status["shards"][0]["recovery"]
+    assert (record["job"], record["state"], record["serial"]) == (name, "Succeeded", 1)
+    assert [e.reason for e in applied.events] == ["RecoverySucceeded"]
+    applied, status = round_(body, cluster, NOW + 20_000)
+    assert applied.events == [] and [n for k, n in cluster.objects if k == "Job"] == [name]

@@ -12,6 +12,7 @@ from typing import Any
 
 from k8s_helpers import wheel_body
 from test_reconcile import SETTINGS, FakeCluster
+from timerwheel.exposition import render
 from timerwheel.metrics import Metrics
 from timerwheel_operator import reconcile as rec
 from timerwheel_operator import window as win
@@ -69,7 +70,7 @@ def owners(stage: str) -> str:
     for shard in (0, 1):
         m.set("owner_epoch", 1, shard=shard, stage=stage)
         m.set("write_ms" if stage == "enqueue-put" else "read_ms", NOW, shard=shard)
-    return m.render_prometheus()
+    return render(m)
 
 
 class Admin:
@@ -327,3 +328,37 @@ def test_delivery_replicas_scale_both_delivery_stages_unless_a_stage_sets_its_ow
     body, _ = run(body, cluster, NOW + 1)
     assert cluster.replicas("dequeue-getmsg") == 3 and cluster.replicas("dequeue-put") == 2
     assert body["status"]["deliveryReplicas"] == 2
+
+
+def test_a_finished_job_whose_start_was_never_recorded_is_adopted_not_run_again() -> None:
+    cluster = Cluster()
+    body = change(installed(cluster), rollWindowMs=20_000)
+    paused, _ = run(body, cluster, NOW + 1_000)
+    run(paused, cluster, NOW + 2_000)
+    (job,) = cluster.window_jobs()
+    cluster.finish(job, True, REPORT % (0, 10))
+    # The status of the round that started the Job was never written: its successor sees Pausing
+    # and a Job that already finished. The shards have the new window: no second rebuild.
+    done, events = run(paused, cluster, NOW + 3_000)
+    assert cluster.window_jobs() == [job] and "WindowRebuilt" in events
+    assert done["status"]["window"]["phase"] == "Resuming" and done["status"]["window"]["serial"] == 1
+    assert cluster.env()["TW_ROLL_WINDOW_MS"] == "20000"
+    again, events = run(done, cluster, NOW + 4_000)
+    assert "WindowRebuilt" not in events and again["status"]["window"]["phase"] == "Done"
+
+
+def test_the_next_change_never_records_the_last_change_s_job_again() -> None:
+    cluster = Cluster()
+    body = change(installed(cluster), rollWindowMs=20_000)
+    for t in range(1, 6):
+        if t == 3:
+            (job,) = cluster.window_jobs()
+            cluster.finish(job, True, REPORT % (0, 10))
+        body, _ = run(body, cluster, NOW + t * 1_000)
+    assert body["status"]["window"]["phase"] == "Done"
+    body = change(body, rollWindowMs=40_000)
+    body, events = run(body, cluster, NOW + 10_000)
+    assert body["status"]["window"]["phase"] == "Pausing" and "WindowRebuilt" not in events and "WindowRolling" in events
+    assert cluster.env()["TW_ROLL_WINDOW_MS"] == "20000" and cluster.replicas("enqueue-put") == 0
+    body, _ = run(body, cluster, NOW + 11_000)
+    assert body["status"]["window"]["phase"] == "Rebuilding" and len(cluster.window_jobs()) == 2

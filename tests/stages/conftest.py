@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from timerwheel import SimulatedClock
-from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
 START = 1_700_000_000_000
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from timerwheel import SimulatedClock
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import Record
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
 
 def step_through(tw: EmbeddedTimerwheel, clock: SimulatedClock, due_times: list[int], end_ms: int) -> None:

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from scenario import header, step_through
 from timerwheel import SimulatedClock
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import OutRecord
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
 CASES = {
     "no-topic": ((("tw-delay-ms", b"5"),), "missing tw-topic"),

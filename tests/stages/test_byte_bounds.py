@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from timerwheel import SimulatedClock, Timer
-from timerwheel.embedded import EmbeddedTimerwheel
 from timerwheel.records import OutRecord, Record
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 from timerwheel.stages.codec import Q_DELIVER, Q_FETCH, FetchEntry
 
 N = 60

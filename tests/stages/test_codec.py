@@ -1,5 +1,4 @@
-"""Work-queue entries round-trip, and entries written before a field was added still decode
-(Redis may hold them across an upgrade)."""
+"""Work-queue entries round-trip, with their trace context."""
 
 from __future__ import annotations
 
@@ -21,21 +20,7 @@ def test_a_put_entry_round_trips_with_its_trace_context() -> None:
     assert decoded.requests == requests
 
 
-def test_put_entries_of_the_first_form_still_decode() -> None:
-    """Requests with their trace context inline, with (9 fields) or without (8) tracestate."""
-    old = msgpack.packb([3, 10, 12, [[10, 120, 1_000, 2_000, False, 7, 9, TP], [11, 80, 1_001, 2_001, True, 0, 9, None]]])
-    entry = PutEntry.decode(old)
-    assert entry.requests == (PutRequest(10, 120, 1_000, 2_000, False, 7, 9, TP, None),
-                              PutRequest(11, 80, 1_001, 2_001, True, 0, 9, None, None))
-    nine = msgpack.packb([3, 10, 12, [[10, 120, 1_000, 2_000, False, 7, 9, TP, "vendor=v1"],
-                                      [11, 80, 1_001, 2_001, True, 0, 9, None, None]]])
-    entry = PutEntry.decode(nine)
-    assert entry.rows == [(10, 120, 1_000, 2_000, False, 7, 9), (11, 80, 1_001, 2_001, True, 0, 9)]
-    assert entry.traces == ((0, TP, "vendor=v1"),)
-    assert entry.next_offset == 12
-
-
-def test_a_fetch_entry_carries_dequeue_gets_context_and_old_entries_decode() -> None:
+def test_a_fetch_entry_carries_dequeue_gets_context_and_without_it_keeps_four_elements() -> None:
     items = (FetchItem(0, 1, 2, 30, 5_000, 4_000), FetchItem(64, 1, 2, 31, 5_000, 4_000, 2, 40))
     traced = FetchEntry(1, 7, 5_000, items, TP)
     assert FetchEntry.decode(traced.encode()) == traced

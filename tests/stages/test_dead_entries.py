@@ -22,7 +22,7 @@ from timerwheel.stages.dequeue_put import DequeuePut
 from timerwheel.stages.enqueue_put import EnqueuePut
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store.layout import open_shard
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 from timerwheel.transports.redisq import RedisWorkQueue
 

@@ -1,6 +1,5 @@
-"""dequeue-getmsg builds a plain entry's deliver items column-wise: they must equal the items
-of the item-at-a-time path, and an entry with a roll hop, a missing record or a cancel takes
-that path."""
+"""dequeue-getmsg builds deliver items column-wise: a plain entry's are all deliveries, and in an
+entry with a roll hop, a missing record or a cancel each item gets its own kind."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DeliverEntry, DeliverItem, FetchEntry, FetchItem
 from timerwheel.stages.dequeue_getmsg import DequeueGetMsg
 from timerwheel.store import Flag
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryWorkQueue
 
 START = 1_700_000_000_000
@@ -50,7 +49,7 @@ def test_plain_and_mixed_entries_give_the_same_deliver_items(tmp_path: Path) -> 
 
     assert [e.slot_time for e in out] == [START, START + 100, START + 200, START + 300]
     assert list(out[0].items) == [expect(codec.DELIVER, i) for i in plain.items]
-    assert all(type(i) is DeliverItem for i in out[0].items)
+    assert all(type(i) is DeliverItem for e in out for i in e.items)
     assert list(out[1].items) == [expect(codec.DELIVER, rolled.items[0]), expect(codec.ROLL, rolled.items[1])]
     assert list(out[2].items) == [expect(codec.DELIVER, missing.items[0]), expect(codec.MISSING, missing.items[1])]
     # the marker names 1-2: that one is cancelled; 1-3 only shares the (simulated) id hash

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 
 from timerwheel import SimulatedClock, Timer
-from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
 N = 1_000_000
 
@@ -28,7 +28,7 @@ def test_a_million_messages_due_in_one_tick_flow_through_bounded_queues(
         while not stop.is_set():
             for name, q in tw.queues.items():
                 peaks[name] = max(peaks[name], max(q.depth(p) for p in range(q.partitions)))
-            flying = sum(sum(st.pending.values()) for st in list(tw.dequeue_get.owned.values()))
+            flying = sum(st.messages_in_flight() for st in list(tw.dequeue_get.owned.values()))
             peak_in_flight = max(peak_in_flight, flying)
             stop.wait(0.002)
 

@@ -22,14 +22,14 @@ from timerwheel.client import TimerClient
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.metrics import Metrics
-from timerwheel.production import checkpoint_offsets_of
-from timerwheel.runtime import WAIT_ON_INPUTS_S, StageRunner, wait_until
+from timerwheel.runtime.runner import WAIT_ON_INPUTS_S, StageRunner, wait_until
+from timerwheel.runtime.wiring import checkpoint_offsets_of
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages import enqueue_put as enqueue_put_module
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store.layout import open_reader_if_exists, open_shard
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 
 START = 1_700_000_000_000

@@ -108,8 +108,12 @@ def test_no_request_unless_asked(setup: tuple[InputWatermark, Ends, StageContext
     assert ends.requests == 1
 
 
-def test_close_stops_the_thread(setup: tuple[InputWatermark, Ends, StageContext]) -> None:
-    wm, _, _ = setup
-    assert wm._thread is not None and wm._thread.is_alive()
+def test_close_stops_the_thread(tmp_path: object) -> None:
+    clock = SimulatedClock(START)
+    ctx = StageContext(TimerConfig(data_dir=str(tmp_path), fsync=False), clock, consumer="me")
+    before = set(threading.enumerate())
+    wm = InputWatermark(ctx, Ends(clock), interval_s=0.0, background=True)
+    started = [t for t in threading.enumerate() if t not in before and t.name == "tw-input-ends"]
+    assert len(started) == 1 and started[0].is_alive()
     wm.close()
-    assert not wm._thread.is_alive()
+    assert not started[0].is_alive()

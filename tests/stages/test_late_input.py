@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.client import TimerClient
-from timerwheel.embedded import local_transports
 from timerwheel.records import OutRecord
+from timerwheel.runtime.wiring import local_transports
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.ownership import Ownership
@@ -45,7 +45,7 @@ class Stages:
         self.ends_ahead = 0
         self.put = EnqueuePut(ctx, [0], lambda s: open_shard(cfg, s, writer=True), q[Q_PUT],
                               Ownership(t.leases, "enqueue-put", "me", cfg.lease_ttl_ms),
-                              input_ends=self._ends if watermark else None)
+                              input_ends=self.timer_topic_ends if watermark else None)
         reader = open_shard(cfg, 0, writer=False)
 
         def offsets(_shard: int) -> dict[int, int]:
@@ -59,7 +59,7 @@ class Stages:
         self.dput = DequeuePut(ctx, self.log, q[Q_DELIVER], q[Q_DONE], [0])
         self.client = TimerClient(self.log, cfg, self.clock)
 
-    def _ends(self) -> dict[int, int]:
+    def timer_topic_ends(self) -> dict[int, int]:
         if self.ends_fail:
             raise ConnectionError("broker unreachable")
         return {p: e + self.ends_ahead for p, e in self.log.end_offsets(self.config.timer_topic).items()}
@@ -269,7 +269,7 @@ def test_a_restarted_owner_counts_its_input_complete_only_to_w_less_the_lead(tmp
         s.put.close()
         s.put = EnqueuePut(s.ctx, [0], lambda i: open_shard(s.config, i, writer=True), s.put.queue,
                            Ownership(local_transports(s.config, s.clock).leases, "enqueue-put", "next", s.config.lease_ttl_ms),
-                           input_ends=s._ends)
+                           input_ends=s.timer_topic_ends)
         s.put.step(0)
         st = s.put.owned[0]
         assert st.input_ms == START

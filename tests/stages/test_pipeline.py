@@ -8,7 +8,7 @@ from collections.abc import Callable
 from scenario import by_id, header, step_through
 from test_rolling import hops
 from timerwheel import SimulatedClock, Timer
-from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 
 DAY = 86_400_000
 TICK = 100

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from scenario import by_id, step_through
 from timerwheel import SimulatedClock, Timer, TimerConfig
-from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 from timerwheel.store.layout import open_shard
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.wire import id_hash
 
 TICK = 100
@@ -125,7 +125,7 @@ def test_graceful_stops_and_restarts_under_load_lose_nothing(
 CHILD = r"""
 import json, sys, time
 from timerwheel import SimulatedClock, Timer
-from timerwheel.embedded import EmbeddedTimerwheel
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
 data, seed = sys.argv[1], int(sys.argv[2])
 state = json.load(open(data + ".clock")) if __import__("os").path.exists(data + ".clock") else {"now": 1_700_000_000_000}
 clock = SimulatedClock(state["now"])

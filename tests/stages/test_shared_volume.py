@@ -154,7 +154,7 @@ def test_the_mounts_really_are_two_caches(mounts: TwoMounts) -> None:
 def test_inspect_through_a_second_mount_counts_what_the_writer_published(mounts: TwoMounts) -> None:
     """The status an operator reads (``timerwheel inspect``, the ``pending`` gauge) from another
     node counts the records the checkpoint publishes, not the wheel as that node cached it."""
-    from timerwheel.embedded import inspect_shards
+    from timerwheel.runtime.inspect import inspect_shards
 
     writer = open_at(mounts.a, writer=True)
     writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=START, epoch=0))

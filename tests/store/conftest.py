@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from timerwheel.store import Flag, Shard, TimerRecord
+from timerwheel.store.format import records_from_array
 
 _ids = itertools.count(1)
 
@@ -22,6 +23,12 @@ def rec(deliver_ms: int, *, flags: int = Flag.NORMAL, src_partition: int = 0, sr
 
 
 OpenShard = Callable[..., Shard]
+
+
+def slot_records(shard: Shard, slot_time: int, limit: int | None = None) -> list[tuple[int, TimerRecord]]:
+    """(position, record) of the slot's records, newest first, as ``Shard.read_slot`` gives them column-wise."""
+    return [(pos, record) for positions, records in shard.read_slot(slot_time, limit)
+            for pos, record in zip(positions.tolist(), records_from_array(records), strict=True)]
 
 
 def segment_path(shard: Shard, pos: int) -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from timerwheel.errors import FencedError, FormatMismatchError
+from timerwheel.files import atomic_write
 from timerwheel.store import FORMAT_VERSION, CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store import checkpoint as ckpt_module
 
@@ -122,31 +123,9 @@ def test_a_flushed_position_that_is_not_a_record_boundary_is_refused(open_shard:
     body = json.loads(path.read_text())
     body["flushed_pos"] = 100
     del body["crc32"]
-    path.write_bytes(ckpt_module._encode("enqueue", {k: v for k, v in body.items() if k != "kind"}))
+    path.write_bytes(ckpt_module.encode("enqueue", {k: v for k, v in body.items() if k != "kind"}))
     with pytest.raises(CorruptCheckpointError, match="not a TimerLog position"):
         shard.load_enqueue_checkpoint()
-
-
-def _legacy(path: Path, kind: str, body: dict[str, object]) -> None:
-    """A checkpoint in the earlier layout: one file named ``<kind>.ckpt``, replaced by rename."""
-    path.write_bytes(ckpt_module._encode(kind, {"version": FORMAT_VERSION, **body}))
-
-
-def test_a_checkpoint_of_the_earlier_single_file_layout_is_read_then_replaced(open_shard: OpenShard) -> None:
-    shard = open_shard()
-    directory = Path(shard.directory)
-    _legacy(directory / "enqueue.ckpt", "enqueue",
-            {"flushed_pos": 640, "write_ms": 7, "next_offsets": {"1": 3}, "epoch": 2})
-    _legacy(directory / "dequeue.ckpt", "dequeue", {"read_ms": 5, "epoch": 2})
-    assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(640, 7, {1: 3}, 2)
-    assert shard.load_dequeue_checkpoint() == DequeueCheckpoint(5, 2)
-    with pytest.raises(FencedError, match="epoch 2"):
-        shard.save_enqueue_checkpoint(EnqueueCheckpoint(640, 8, {}, epoch=1))
-    shard.save_enqueue_checkpoint(EnqueueCheckpoint(704, 8, {1: 4}, epoch=3))
-    shard.save_dequeue_checkpoint(DequeueCheckpoint(6, epoch=2))
-    assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(704, 8, {1: 4}, 3)
-    assert shard.load_dequeue_checkpoint() == DequeueCheckpoint(6, 2)
-    assert not (directory / "enqueue.ckpt").exists() and not (directory / "dequeue.ckpt").exists()
 
 
 def test_a_superseded_owner_s_late_save_is_never_what_readers_load(open_shard: OpenShard) -> None:
@@ -158,9 +137,9 @@ def test_a_superseded_owner_s_late_save_is_never_what_readers_load(open_shard: O
     ckpt_module.save_enqueue(path, EnqueueCheckpoint(1280, 2, {}, epoch=2))
     assert not os.path.exists(ckpt_module.epoch_file(path, 1)), "the newer owner removes older files"
     # The old owner passed its check before the new owner saved, and writes now (the race).
-    ckpt_module.atomic_write(ckpt_module.epoch_file(path, 1),
-                             ckpt_module._encode("enqueue", {"version": FORMAT_VERSION, "flushed_pos": 64,
-                                                             "write_ms": 9, "next_offsets": {}, "epoch": 1}))
+    atomic_write(ckpt_module.epoch_file(path, 1),
+                 ckpt_module.encode("enqueue", {"version": FORMAT_VERSION, "flushed_pos": 64,
+                                                "write_ms": 9, "next_offsets": {}, "epoch": 1}))
     assert shard.load_enqueue_checkpoint() == EnqueueCheckpoint(1280, 2, {}, 2)
     with pytest.raises(FencedError, match="epoch 2"):
         ckpt_module.save_enqueue(path, EnqueueCheckpoint(64, 10, {}, epoch=1))

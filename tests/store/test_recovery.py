@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from timerwheel.store import EnqueueCheckpoint, Shard
 
-from .conftest import OpenShard, crash_copy, flip_bit, rec, reopen, segment_path
+from .conftest import OpenShard, crash_copy, flip_bit, rec, reopen, segment_path, slot_records
 
 TICK = 100
 
 
 def chain(shard: Shard, t: int) -> list[int]:
-    return [pos for pos, _ in shard.read_slot(t)]
+    return [pos for pos, _ in slot_records(shard, t)]
 
 
 def checkpoint(shard: Shard) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from timerwheel.store import Shard
 
+from .conftest import slot_records
 from .crash_writer import SETTINGS, fire_ms
 
 KILLS = 22
@@ -42,7 +43,7 @@ def check(directory: Path, flushed: int) -> int:
         for k, pos in positions.items():
             by_slot[shard.slot_time(fire_ms(k))].append(pos)
         for slot_time, expected in by_slot.items():
-            got = [pos for pos, _ in shard.read_slot(slot_time)]
+            got = [pos for pos, _ in slot_records(shard, slot_time)]
             assert got == sorted(expected, reverse=True), f"slot {slot_time}"
             assert shard.wheel.get(slot_time).num == len(expected)
         assert shard.wheel.count_range(0, 2**62) == written

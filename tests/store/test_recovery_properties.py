@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from timerwheel.store import EnqueueCheckpoint, Flag, Shard, TimerRecord
 
+from .conftest import slot_records
+
 TICK = 10
 SLOTS = 16
 WINDOW = SLOTS // 2  # records go at most this many slots past W, so no stale revolution is written
@@ -96,7 +98,7 @@ class ShardAgainstModel(RuleBasedStateMachine):
         return runs
 
     def check_slot(self, slot_time: int, positions: list[int]) -> None:
-        got = list(self.live.read_slot(slot_time))
+        got = slot_records(self.live, slot_time)
         expected = [p for p in reversed(positions) if p not in self.flipped]
         assert [p for p, _ in got] == expected, f"slot {slot_time}"
         for pos, record in got:
@@ -111,7 +113,7 @@ class ShardAgainstModel(RuleBasedStateMachine):
             self.check_slot(slot_time, positions)
         live_times = {slot_time for slot_time, _ in runs.values()}
         for slot_time in self.slot_times_used - live_times:
-            assert list(self.live.read_slot(slot_time)) == [], f"past revolution {slot_time} still readable"
+            assert slot_records(self.live, slot_time) == [], f"past revolution {slot_time} still readable"
         linked = sum(len(p) for _, p in runs.values())
         valid = sum(1 for _, p in runs.values() for pos in p if pos not in self.flipped)
         assert valid <= self.live.wheel.count_range(-(10**9), 10**9) <= linked

@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 from timerwheel.errors import FencedError, FormatMismatchError, TimerwheelError
 from timerwheel.store import EnqueueCheckpoint, Flag, Shard, Slot, records_array, shard_dir
+from timerwheel.store import shard as shard_module
 
-from .conftest import OpenShard, flip_bit, rec
+from .conftest import OpenShard, flip_bit, rec, slot_records
 
 TICK = 100
 
 
 def chain(shard: Shard, t: int, limit: int | None = None) -> list[int]:
-    return [pos for pos, _ in shard.read_slot(t, limit)]
+    return [pos for pos, _ in slot_records(shard, t, limit)]
 
 
 def test_open_creates_the_documented_layout(open_shard: OpenShard, tmp_path: Path) -> None:
@@ -115,10 +116,12 @@ def test_a_reader_sees_published_slots_but_never_past_the_published_flushed_posi
         reader.append([rec(1000)])
 
 
+@pytest.mark.parametrize("dense_slot_min", [10**9, 1], ids=["by-links", "by-a-scan"])
 def test_a_bit_flip_in_the_middle_of_a_segment_is_reported_and_its_neighbours_still_read(
-    open_shard: OpenShard, caplog: pytest.LogCaptureFixture
+    open_shard: OpenShard, caplog: pytest.LogCaptureFixture, dense_slot_min: int
 ) -> None:
     shard = open_shard(segment_bytes=64 * 64)
+    shard.dense_slot_min = dense_slot_min
     positions = shard.append([rec(1000 + i % 3) for i in range(20)])
     shard.flush()
     victim = positions[10]
@@ -184,7 +187,7 @@ def test_a_dense_slot_read_by_a_scan_gives_what_its_links_give(open_shard: OpenS
     for dense_slot_min in (10**9, 1):
         shard.dense_slot_min = dense_slot_min
         for limit in (None, positions[450]):
-            results[dense_slot_min, limit] = list(shard.read_slot(1000, limit))
+            results[dense_slot_min, limit] = slot_records(shard, 1000, limit)
     by_links = results[10**9, None]
     assert [p for p, _ in by_links] == [p for p, t in zip(positions, fire, strict=True)
                                         if t == 1000 and p != positions[301]][::-1]
@@ -193,35 +196,41 @@ def test_a_dense_slot_read_by_a_scan_gives_what_its_links_give(open_shard: OpenS
         (p, r) for p, r in by_links if p < positions[450]]
 
 
-def test_a_dense_slot_read_column_wise_gives_what_read_slot_gives(open_shard: OpenShard) -> None:
+def test_read_slot_gives_the_slots_records_column_wise_by_a_scan_or_by_links(
+    open_shard: OpenShard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The records of slot 1000, newest first, whichever way it is read, cancel markers and roll
+    hops included, in pieces of at most SLOT_PIECE_RECORDS."""
+    monkeypatch.setattr(shard_module, "SLOT_PIECE_RECORDS", 64)
     shard = open_shard(segment_bytes=64 * 128)  # the slot's stretch crosses segments
     fire = [1000 if i % 3 else 1000 + (i % 7) * TICK for i in range(600)]
     flags = [Flag.DELETE if i % 50 == 0 else Flag.ROLL if i % 40 == 0 else Flag.NORMAL for i in range(600)]
     positions = shard.append([rec(t, flags=f) for t, f in zip(fire, flags, strict=True)])
     shard.flush()
+    written = list(shard.log.iter_range(0, shard.log.end_pos))  # the oracle: every record, in log order
     for limit in (None, positions[450]):
-        dense = shard.read_dense_slot(1000, limit)
-        assert dense is not None
-        got_pos, got = dense
-        expected = list(shard.read_slot(1000, limit))
-        assert got_pos.tolist() == [p for p, _ in expected]
-        assert (got["magic"] & 0xFF).tolist() == [r.flags for _, r in expected]
-        assert got["src_offset"].tolist() == [r.src_offset for _, r in expected]
-        assert got["id_hash"].tolist() == [r.id_hash for _, r in expected]
-        assert got["deliver_ms"].tolist() == [r.deliver_ms for _, r in expected]
-    shard.dense_columns_min = 10**9
-    assert shard.read_dense_slot(1000) is None  # the caller's fallback is read_slot, by links
+        expected = [(p, r) for p, r in reversed(written) if r.deliver_ms == 1000 and (limit is None or p < limit)]
+        assert any(r.flags == Flag.DELETE for _, r in expected) and any(r.flags == Flag.ROLL for _, r in expected)
+        for dense_slot_min in (1, 10**9):
+            shard.dense_slot_min = dense_slot_min
+            pieces = list(shard.read_slot(1000, limit))
+            assert all(0 < len(p) == len(r) <= 64 for p, r in pieces)
+            assert slot_records(shard, 1000, limit) == expected
     sparse = open_shard("sparse")
-    sparse.append([rec(1000 + (i % 20) * TICK) for i in range(400)])  # 1 in 20: not dense
+    sparse.append([rec(1000 + (i % 20) * TICK) for i in range(400)])  # 1 in 20: not dense, read by links
     sparse.flush()
-    assert sparse.read_dense_slot(1000) is None
+    assert [r.deliver_ms for _, r in slot_records(sparse, 1000)] == [1000] * 20
 
 
-def test_a_dense_slot_with_a_corrupt_record_is_left_to_read_slot(open_shard: OpenShard) -> None:
+def test_a_corrupt_record_of_another_slot_inside_a_dense_slots_stretch_is_reported_and_skipped(
+    open_shard: OpenShard
+) -> None:
     shard = open_shard(segment_bytes=64 * 128)
     positions = shard.append([rec(1000 if i % 2 else 1100) for i in range(100)])
     shard.flush()
-    assert shard.read_dense_slot(1000) is not None
     flip_bit(shard, positions[50])  # a record of another slot, inside this one's stretch
-    assert shard.read_dense_slot(1000) is None
-    assert len(list(shard.read_slot(1000))) == 50  # by its links, which do not pass the bad record
+    assert len(slot_records(shard, 1000)) == 50  # scanned: the bad record is reported, its slot's records read
+    assert shard.corrupt_seen == 1
+    shard.dense_slot_min = 10**9
+    assert len(slot_records(shard, 1000)) == 50  # by its links, which do not pass the bad record
+    assert shard.corrupt_seen == 1

@@ -179,3 +179,24 @@ def test_append_packed_refuses_a_partial_record(tmp_path: Path) -> None:
         log.append_packed(arr.tobytes()[:50])
     assert log.append_packed(arr) == 0
     log.close()
+
+
+def test_read_segment_gives_a_segment_whole_with_its_torn_tail_as_the_file_holds_it(tmp_path: Path) -> None:
+    writer = TimerLog(tmp_path, SEG)
+    writer.append([rec(i) for i in range(6)])
+    writer.flush()
+    writer.close()
+    with open(tmp_path / f"{256:020d}.tlog", "ab") as f:
+        f.write(b"torn")  # a partial record at the end: a reader must not cut it
+    log = TimerLog(tmp_path, SEG, readonly=True)
+    buf = bytearray(SEG)
+    assert log.segment_bases() == [0, 256]
+    records, data = log.read_segment(0, buf)
+    assert [int(t) for t in records["deliver_ms"]] == [0, 1, 2, 3] and len(data) == SEG
+    records, data = log.read_segment(256, buf)
+    assert [int(t) for t in records["deliver_ms"]] == [4, 5] and bytes(data[-4:]) == b"torn" and len(data) == 132
+    records["deliver_ms"][0] = 99  # the records are a writable view of the bytes returned
+    assert int.from_bytes(bytes(data[24:32]), "little") == 99
+    with pytest.raises(ValueError, match="not a segment's base"):
+        log.read_segment(64, buf)
+    log.close()

@@ -7,14 +7,16 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
+import kafka.errors as kafka_errors
 import pytest
 from infra import ServerControl
-from kafka import KafkaAdminClient, TopicPartition
+from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
 from timerwheel.clock import SimulatedClock
 from timerwheel.records import OutRecord
-from timerwheel.transports.kafka import KafkaCommitLog, KafkaLogError
+from timerwheel.transports.kafka import internals
+from timerwheel.transports.kafka.errors import KafkaLogError
+from timerwheel.transports.kafka.log import KafkaCommitLog
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +43,6 @@ def fill(log: KafkaCommitLog, topic: str, partition: int, n: int, size: int = 10
     return log.append(
         [OutRecord(topic, b"k%d" % i, b"%06d" % i + b"x" * (size - 6), partition=partition) for i in range(n)]
     )
-
-
-def count_fetches(log: KafkaCommitLog) -> list[int]:
-    """From now on ``[n]``: how many reads of ``log`` went to the broker (not served from its cache)."""
-    fetches = [0]
-    real = log._read_locked
-
-    def counting(*args: Any) -> None:
-        fetches[0] += 1
-        real(*args)
-
-    log._read_locked = counting  # type: ignore[method-assign]
-    return fetches
 
 
 def test_append_then_read_round_trips_key_value_and_headers(log: KafkaCommitLog) -> None:
@@ -169,20 +158,20 @@ def test_records_walked_past_are_kept_and_served_without_a_fetch(kafka_bootstrap
         # Wanted offsets 10 apart: the read walks through the records between them, in order.
         first = cached.read(topic, [(0, o) for o in range(0, 100, 10)])
         assert [r.offset for r in first if r] == list(range(0, 100, 10))
-        fetches = count_fetches(cached)
+        fetched = cached.reader.fetches  # reads that went to the broker
         # The newest 40 walked past are kept (81..89 among them); a position asked twice gets
         # the record twice.
         again = cached.read(topic, [(0, 85), (0, 81), (0, 85)])
-        assert fetches[0] == 0
+        assert cached.reader.fetches == fetched
         assert [(r.offset, r.value[:6]) for r in again if r and r.value] == [
             (85, b"000085"), (81, b"000081"), (85, b"000085")]
         # A record served from the cache leaves it; the next read of it fetches again.
         assert [r.offset for r in cached.read(topic, [(0, 85)]) if r] == [85]
-        assert fetches[0] == 1
+        assert cached.reader.fetches == fetched + 1
         # Offset 1 was walked past first, so it was dropped when the cache was full.
         assert [r.offset for r in cached.read(topic, [(0, 1)]) if r] == [1]
-        assert fetches[0] == 2
-        assert 0 < len(cached._passed) <= 40
+        assert cached.reader.fetches == fetched + 2
+        assert 0 < cached.read_cache.records <= 40
     finally:
         cached.close()
 
@@ -193,36 +182,36 @@ def test_follow_reads_a_topic_ahead_into_the_cache(kafka_bootstrap: str) -> None
         topic = new_topic(ahead, partitions=2)
         fill(ahead, topic, 0, 10)  # before following: not read ahead
         ahead.follow(topic)
-        follower = ahead._follower
+        follower = ahead.follower
         assert follower is not None
         deadline = time.monotonic() + 20
         while follower.kept < 1 and time.monotonic() < deadline:  # wait until it is at the end
             fill(ahead, topic, 1, 1)
             time.sleep(0.2)
         written = fill(ahead, topic, 0, 50) + fill(ahead, topic, 1, 50)
-        while len(ahead._passed) < follower.kept or follower.kept < 100:
+        while ahead.read_cache.records < follower.kept or follower.kept < 100:
             assert time.monotonic() < deadline, f"follower kept {follower.kept}"
             time.sleep(0.05)
-        fetches = count_fetches(ahead)
+        fetched = ahead.reader.fetches  # reads that went to the broker
         got = ahead.read(topic, written)
-        assert fetches[0] == 0 and [(r.partition, r.offset) for r in got if r] == written
+        assert ahead.reader.fetches == fetched and [(r.partition, r.offset) for r in got if r] == written
         assert follower.hits >= 100
         # Records written before following started are fetched as usual.
-        assert [r.offset for r in ahead.read(topic, [(0, 3)]) if r] == [3] and fetches[0] == 1
+        assert [r.offset for r in ahead.read(topic, [(0, 3)]) if r] == [3] and ahead.reader.fetches == fetched + 1
     finally:
         ahead.close()
-    assert ahead._follower is None
+    assert ahead.follower is None
 
 
 def test_a_follower_whose_records_are_not_asked_for_pauses(kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from timerwheel.transports import kafka as kafka_module
+    from timerwheel.transports.kafka.follower import Follower
 
-    monkeypatch.setattr(kafka_module._Follower, "JUDGE_EVERY", 50)
+    monkeypatch.setattr(Follower, "JUDGE_EVERY", 50)
     ahead = KafkaCommitLog(kafka_bootstrap, read_cache_records=1_000)
     try:
         topic = new_topic(ahead, partitions=1)
         ahead.follow(topic)
-        follower = ahead._follower
+        follower = ahead.follower
         assert follower is not None
         deadline = time.monotonic() + 20
         while follower.paused == 0:  # nobody reads: after 50 records kept it judges itself useless
@@ -362,8 +351,11 @@ def test_appends_work_again_after_records_in_flight_expired_during_a_broker_outa
     kafka_bootstrap: str, kafka_control: ServerControl
 ) -> None:
     """Seen in e2e: records in flight when the broker went away expired, and kafka-python's
-    idempotent producer then held every later record of the partition for good."""
+    idempotent producer then held every later record of the partition for good. The producer the
+    log replaces then is closed with ``internals.force_close``: checked on a producer of its own
+    during the outage, that it stops one whose records cannot be sent, I/O thread and all."""
     commit_log = KafkaCommitLog(kafka_bootstrap, request_timeout_s=4)
+
     topic = new_topic(commit_log, partitions=1)
     done: list[float] = []
     failures: list[str] = []
@@ -378,12 +370,27 @@ def test_appends_work_again_after_records_in_flight_expired_during_a_broker_outa
                 failures.append(str(exc))
                 time.sleep(0.2)
 
+    stuck_id = f"stuck-{uuid.uuid4().hex[:8]}"
+    stuck = KafkaProducer(bootstrap_servers=kafka_bootstrap, client_id=stuck_id, acks="all",
+                          delivery_timeout_ms=120_000)
+    assert stuck.partitions_for(topic) == {0}  # its metadata known: a send goes to its accumulator
+
+    def stuck_thread_alive() -> bool:
+        return any(t.name == f"{stuck_id}-network-thread" and t.is_alive() for t in threading.enumerate())
+
     writer = threading.Thread(target=keep_appending, daemon=True)
     writer.start()
     try:
         time.sleep(1)
         kafka_control.stop()
-        time.sleep(6)  # past the delivery timeout: what was in flight expires
+        down = time.monotonic()
+        unsent = stuck.send(topic, b"v")
+        with pytest.raises(kafka_errors.KafkaTimeoutError):
+            stuck.close(timeout=0.5)  # kafka-python's own close gives up before it stops its I/O thread
+        assert stuck_thread_alive() and not unsent.is_done
+        internals.force_close(stuck, 0.5)
+        assert unsent.is_done and unsent.failed() and not stuck_thread_alive()
+        time.sleep(max(0.0, 6 - (time.monotonic() - down)))  # past the delivery timeout: what was in flight expires
         kafka_control.start()
         back = time.monotonic()
         deadline = back + 60
@@ -404,10 +411,10 @@ def test_large_records_are_read_with_fetches_of_batch_bytes(kafka_bootstrap: str
     try:
         topic = new_topic(big, partitions=1)
         written = [pos for _ in range(8) for pos in fill(big, topic, 0, 1, size=300_000)]
+        assert big.reader.fetch_bytes == 64 * 1024
         first = big.read(topic, written[:2])
-        assert big._large_reader is None
+        assert big.reader.fetch_bytes == 4 * 2**20
         rest = big.read(topic, written[2:])
-        assert big._large_reader is not None
         for (_partition, offset), rec in zip(written, first + rest, strict=True):
             assert rec is not None and rec.offset == offset and rec.value is not None and len(rec.value) == 300_000
     finally:

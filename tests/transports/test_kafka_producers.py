@@ -20,8 +20,10 @@ from confluent_kafka import Producer
 from infra import RUN
 from kafka import KafkaAdminClient, TopicPartition, codec
 from timerwheel.records import OutRecord
-from timerwheel.transports import kafka as kafka_transport
-from timerwheel.transports.kafka import KafkaCodecError, KafkaCommitLog, KafkaLogError, check_codecs
+from timerwheel.transports.kafka import consumers as kafka_consumers
+from timerwheel.transports.kafka.codecs import KafkaCodecError, check_codecs
+from timerwheel.transports.kafka.errors import KafkaLogError
+from timerwheel.transports.kafka.log import KafkaCommitLog
 
 CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 
@@ -113,7 +115,7 @@ def test_a_batch_that_cannot_be_decoded_sets_only_its_partition_aside(
         later = poll_all(consumer, {1: 11}, timeout_s=30)
         assert [r.value for r in later] == [b"later"]
         assert list(consumer.undecodable) == [0]  # type: ignore[attr-defined]
-        # The README's way out for a batch corrupt everywhere: move the partition's start past it.
+        # docs/operations.md's way out for a batch corrupt everywhere: move the partition's start past it.
         producer.produce(topic, value=b"after", partition=0)
         producer.flush(30)
         admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
@@ -121,7 +123,7 @@ def test_a_batch_that_cannot_be_decoded_sets_only_its_partition_aside(
             admin.delete_records({TopicPartition(topic, 0): 10})
         finally:
             admin.close()
-        monkeypatch.setattr(kafka_transport, "UNDECODABLE_RETRY_S", 0.0)  # try it again now
+        monkeypatch.setattr(kafka_consumers, "UNDECODABLE_RETRY_S", 0.0)  # try it again now
         resumed = poll_all(consumer, {0: 11}, timeout_s=30)
         assert [r.value for r in resumed if r.partition == 0] == [b"after"]
         assert not consumer.undecodable  # type: ignore[attr-defined]
@@ -150,7 +152,7 @@ def test_append_writes_the_rest_and_returns_records_for_a_missing_topic(kafka_no
         assert log.partition_count(missing) is None and log.partition_count(there) == 1
         assert log.end_offsets(there) == {0: 2}
         # Found missing lately: not waited for again, whatever the metadata wait is.
-        log._metadata_wait_s = 30.0
+        log.appender.metadata_wait_s = 30.0
         began = time.monotonic()
         with pytest.raises(KafkaLogError):
             log.append([OutRecord(missing, None, b"x", ())])
@@ -163,33 +165,22 @@ def test_new_topics_of_a_batch_are_looked_up_together(log: KafkaCommitLog) -> No
     """300 new destinations (auto-created): kafka-python's ``send`` alone waits for each new
     topic's metadata in turn (minutes); here their metadata is asked for together before any
     send, so no send waits for a topic's metadata."""
-    producer = log._get_producer()
-    waits: list[str] = []
-    real = producer._wait_on_metadata
-
-    def watching(topic: str, max_wait_ms: int) -> object:
-        if producer._metadata.partitions_for_topic(topic) is None:
-            waits.append(topic)
-        return real(topic, max_wait_ms)
-
-    producer._wait_on_metadata = watching
+    waits = log.appender.metadata_waits
     topics = [f"t-fan-{uuid.uuid4().hex[:10]}" for _ in range(300)]
     left = [OutRecord(t, None, b"v", ()) for t in topics]
     deadline = time.monotonic() + 120
-    try:
-        while left:  # a broker that creates 300 topics slowly (a loaded machine): the rest later,
-            # as the stages' append_until_written does
-            try:
-                log.append(left)
-                left = []
-            except KafkaLogError as exc:
-                left = [r for r, w in zip(left, exc.written, strict=True) if w is None]  # retry what did not land
-                assert time.monotonic() < deadline, f"{len(left)} auto-created topics still unknown after 120 s"
-                time.sleep(1)
-    finally:
-        producer._wait_on_metadata = real
+    while left:  # a broker that creates 300 topics slowly (a loaded machine): the rest later,
+        # as the stages' append_until_written does
+        try:
+            log.append(left)
+            left = []
+        except KafkaLogError as exc:
+            left = [r for r, w in zip(left, exc.written, strict=True) if w is None]  # retry what did not land
+            assert time.monotonic() < deadline, f"{len(left)} auto-created topics still unknown after 120 s"
+            time.sleep(1)
     assert all(log.end_offsets(t) == {0: 1} for t in topics[:5] + topics[-5:])
-    assert waits == [], f"{len(waits)} sends waited for their topic's metadata one at a time"
+    waited = log.appender.metadata_waits - waits
+    assert waited == 0, f"{waited} sends waited for their topic's metadata one at a time"
 
 
 def test_a_missing_codec_library_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:

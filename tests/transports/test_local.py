@@ -20,14 +20,10 @@ from hypothesis import strategies as st
 from timerwheel.clock import SimulatedClock
 from timerwheel.errors import TimerwheelError
 from timerwheel.records import OutRecord, Record
-from timerwheel.transports.local import (
-    CorruptLogRecordError,
-    InvalidTopicError,
-    LocalCommitLog,
-    kafka_partition,
-    kafka_partitions,
-    murmur2,
-)
+from timerwheel.transports.local.frames import CorruptLogRecordError
+from timerwheel.transports.local.layout import InvalidTopicError
+from timerwheel.transports.local.log import LocalCommitLog
+from timerwheel.transports.local.partitioner import kafka_partition, kafka_partitions, murmur2
 
 
 def _drain(log: LocalCommitLog, topic: str, offsets: dict[int, int] | None = None) -> list[Record]:
@@ -51,7 +47,7 @@ _WRITER = textwrap.dedent(
     """
     import json, sys
     from timerwheel.records import OutRecord
-    from timerwheel.transports.local import LocalCommitLog
+    from timerwheel.transports.local.log import LocalCommitLog
 
     directory, writer, batches = sys.argv[1], sys.argv[2], int(sys.argv[3])
     log = LocalCommitLog(directory, default_partitions=3, segment_bytes=4096)
@@ -155,7 +151,7 @@ _ENDLESS_WRITER = textwrap.dedent(
     """
     import sys
     from timerwheel.records import OutRecord
-    from timerwheel.transports.local import LocalCommitLog
+    from timerwheel.transports.local.log import LocalCommitLog
 
     log = LocalCommitLog(sys.argv[1], segment_bytes=256 * 1024, fsync=False)
     n = 0
@@ -529,8 +525,8 @@ def test_read_serves_a_followed_topics_records_from_what_its_consumers_read(tmp_
     assert got[2] is by_pos[positions[8]]
     again = log.read("t", [positions[3]])[0]  # served once: now read from the file, equal
     assert again is not None and again is not got[0] and again == got[0]
-    assert set(log._cache["t"].positions()) == {p for p in positions if p not in (positions[3], positions[8])}
-    assert "other" not in log._cache  # only followed topics are kept
+    assert set(log.read_cache.positions("t")) == {p for p in positions if p not in (positions[3], positions[8])}
+    assert log.read_cache.positions("other") == []  # only followed topics are kept
     log.close()
 
 
@@ -543,12 +539,12 @@ def test_the_read_cache_keeps_the_newest_records_within_its_bounds(tmp_path: Pat
     consumer = log.consumer("t", {0: 0})
     while consumer.poll(3, 0):
         pass
-    cache = log._cache["t"]
-    kept = sorted(o for _p, o in cache.positions())
+    cache = log.read_cache
+    kept = sorted(o for _p, o in cache.positions("t"))
     assert kept == list(range(20 - len(kept), 20)) and 3 <= len(kept) <= 5  # whole batches of 3 go
     assert cache.records == len(kept) and 0 < cache.bytes <= 5 * 960
     assert all(r is not None for r in log.read("t", [(0, o) for o in range(20)]))  # the rest from the file
-    assert cache.positions() == [] and cache.records == 0 and cache.bytes == 0
+    assert cache.positions("t") == [] and cache.records == 0 and cache.bytes == 0
     log.close()
 
 
@@ -563,7 +559,7 @@ def test_the_read_cache_finds_records_across_partitions_blocks_and_a_seek_back(t
     consumer.seek(0, 5)
     polled_again = consumer.poll(4, 0)  # offsets 5..8 of partition 0 again: a block overlapping older ones
     assert [(r.partition, r.offset) for r in polled_again] == [(0, o) for o in range(5, 9)]
-    cache = log._cache["t"]
+    cache = log.read_cache
     assert cache.records == 44
     wanted = [(1, 19), (0, 6), (0, 0), (1, 3), (0, 6), (0, 19), (1, 0), (0, 42), (2, 0), (0, 20)]
     got = log.read("t", wanted)
@@ -573,7 +569,7 @@ def test_the_read_cache_finds_records_across_partitions_blocks_and_a_seek_back(t
     assert got[7] is None and got[8] is None and got[9] is None  # never written; no partition 2; past the end
     assert got[3] is by_pos[(1, 3)] and got[6] is by_pos[(1, 0)]
     assert cache.records == 44 - 6  # six distinct records served: they left
-    held = cache.positions()
+    held = cache.positions("t")
     assert held.count((0, 6)) == 1 and held.count((0, 5)) == 2  # the older block keeps its copy
     log.close()
 
@@ -581,5 +577,5 @@ def test_the_read_cache_finds_records_across_partitions_blocks_and_a_seek_back(t
 def test_no_read_cache_when_it_is_sized_zero(tmp_path: Path) -> None:
     log = LocalCommitLog(tmp_path, fsync=False, read_cache_records=0)
     log.follow("t")
-    assert log._cache == {}
+    assert not log.read_cache.enabled and log.followed == set()
     log.close()

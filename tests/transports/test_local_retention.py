@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.config import DAY_MS
-from timerwheel.embedded import EmbeddedTimerwheel, Transports
 from timerwheel.errors import ConfigError
 from timerwheel.records import OutRecord
+from timerwheel.runtime.embedded import EmbeddedTimerwheel
+from timerwheel.runtime.wiring import Transports
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
-from timerwheel.transports.local import LocalCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 
 START = 1_700_000_000_000

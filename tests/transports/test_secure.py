@@ -20,8 +20,9 @@ from infra import sasl_ssl_env
 from timerwheel.config import TimerConfig
 from timerwheel.errors import AccessError
 from timerwheel.records import OutRecord
-from timerwheel.security import check_kafka_access, check_redis_access, redis_client
-from timerwheel.transports.kafka import KafkaCommitLog
+from timerwheel.security import check_redis_access, redis_client
+from timerwheel.transports.kafka.access import check_kafka_access
+from timerwheel.transports.kafka.log import KafkaCommitLog
 from timerwheel.transports.redisq import RedisLeaseStore, RedisWorkQueue
 
 #: A stage that does not give up within this long is retrying a refusal: the test fails.

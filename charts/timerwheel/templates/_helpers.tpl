@@ -51,3 +51,33 @@ app.kubernetes.io/component: operator
 {{- define "timerwheel.serviceAccountName" -}}
 {{- default (include "timerwheel.operatorName" .) .Values.operator.serviceAccount.name -}}
 {{- end -}}
+
+{{/* The names of imagePullSecrets, comma-separated (the operator's TIMERWHEEL_IMAGE_PULL_SECRETS). */}}
+{{- define "timerwheel.pullSecretNames" -}}
+{{- $names := list -}}
+{{- range .Values.imagePullSecrets -}}{{- $names = append $names .name -}}{{- end -}}
+{{- join "," $names -}}
+{{- end -}}
+
+{{/*
+A destination for the first message NOTES.txt prints, that timerwheel.spec.allowTopics allows:
+tests.topic when a pattern matches it (the default pattern "(?!__).+" is checked by hand: Go's
+regular expressions have no look-ahead), else a pattern that is a plain topic name; empty when
+none can be checked here.
+*/}}
+{{- define "timerwheel.exampleTopic" -}}
+{{- $candidate := .Values.tests.topic | default "timerwheel-helm-test" -}}
+{{- $patterns := .Values.timerwheel.spec.allowTopics | default (list "(?!__).+") -}}
+{{- $found := "" -}}
+{{- range $patterns -}}
+{{- if and (not $found) (or (and (eq . "(?!__).+") (not (hasPrefix "__" $candidate))) (regexMatch (printf "^(?:%s)$" .) $candidate)) -}}
+{{- $found = $candidate -}}
+{{- end -}}
+{{- end -}}
+{{- range $patterns -}}
+{{- if and (not $found) (regexMatch "^[a-zA-Z0-9_-]+(\\.[a-zA-Z0-9_-]+)*$" .) -}}
+{{- $found = . -}}
+{{- end -}}
+{{- end -}}
+{{- $found -}}
+{{- end -}}

@@ -4,16 +4,18 @@
 ``TimerRules.parse`` gives (tests/jobs/test_records.py checks the two agree on generated records,
 edge cases included):
 
-- The common record (what ``TimerRules.common`` accepts: an absolute ``tw-deliver-at``, none of the other control headers, size, id and max delay within the limits, an
-  allowed destination) is read by Spark SQL expressions, with no Python per row. The headers are
-  read as one map (``header_map``: code Spark compiles), not by a lambda per header.
+- The common record (what ``TimerRules.parse`` takes its short path for: an absolute
+  ``tw-deliver-at``, none of the other control headers, size, id and max delay within the limits,
+  an allowed destination) is read by Spark SQL expressions, with no Python per row. The headers
+  are read as one map (``header_map``: code Spark compiles), not by a lambda per header.
 - Destinations are few: the distinct ``tw-topic`` values are judged on the driver by
   ``TimerRules.destination_error`` (allow-list, topic names, not the timer topic) and joined back.
   A record that passes every other check of the short path but names a refused destination is
   refused with that verdict, as ``parse`` refuses it, also with no Python per row.
 - Every other record (cancels, roll hops, ``tw-delay-ms``, ``tw-delay-level``, anything else
-  invalid or odd) goes through ``TimerRules.parse_sized`` in a pandas UDF; when there is none
-  (found in the same pass that judges the destinations), the UDF branch is left out of the plan.
+  invalid or odd) goes through ``TimerRules.parse`` (given the record's size) in a pandas UDF;
+  when there is none (found in the same pass that judges the destinations), the UDF branch is
+  left out of the plan.
 
 The record's own timestamp stands for "now" in the max-delay check (the service checks against
 its clock when it reads the record, moments later). Only the control headers and the size are
@@ -183,7 +185,7 @@ def _parse_udf(config: TimerConfig) -> Any:
             hdr = {name: bytes(col[i]) for name, col in zip(CONTROL, columns, strict=True) if col[i] is not None}
             record = Record("", int(p), int(o), int(t), None, None, tuple(hdr.items()))
             try:
-                req = rules.parse_sized(record, int(t), hdr, int(s))
+                req = rules.parse(record, int(t), hdr, int(s))
             except InvalidTimerMessage as exc:
                 out.append((exc.reason, None, None, None, None, None))
                 continue
@@ -206,8 +208,8 @@ def judged_requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = Tru
     """``requests`` with what the pass that judges the destinations learnt (``Judged``).
 
     Each record is read once from ``narrowed`` into a compact cache: partition, offset,
-    timestamp, raw tw-topic, whether it passes ``TimerRules.common``'s checks but the
-    destination's, then either its id and delivery time (it does) or its size and control
+    timestamp, raw tw-topic, whether it passes the checks of ``TimerRules.parse``'s short path but
+    the destination's, then either its id and delivery time (it does) or its size and control
     headers (it does not: the parser's input). The destinations are judged on the driver, one
     verdict per distinct tw-topic; a record that passes every other check is valid if its
     destination is allowed, else refused with the destination's verdict, as ``parse`` says."""
@@ -217,8 +219,8 @@ def judged_requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = Tru
     h = {name: F.col(f"h.{field(name)}") for name in CONTROL}
     at = h[H_DELIVER_AT].cast("string")
     raw_id = h[H_ID]
-    # TimerRules.common takes a run of at most 20 ASCII digits (int() of it; a longer one, even
-    # zero-padded, is refused by parse's grammar). One past a long is null here and one past
+    # TimerRules.parse's short path takes a run of at most 20 ASCII digits (int() of it; a longer
+    # one, even zero-padded, is refused by parse's grammar). One past a long is null here and one past
     # MAX_EPOCH_MS refused below: both go to parse for its reason.
     deliver = digits_as_long(at, 20)
     off_common_absent = F.lit(True)

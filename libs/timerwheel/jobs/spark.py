@@ -27,7 +27,8 @@ from typing import Any
 
 from timerwheel.config import TimerConfig
 from timerwheel.errors import TimerwheelError
-from timerwheel.security import check_kafka_access, kafka_client_options, spark_kafka_options
+from timerwheel.security import kafka_client_options, spark_kafka_options
+from timerwheel.transports.kafka.access import check_kafka_access
 
 #: The connector's Maven coordinate, at the PySpark version (pyproject.toml pins it).
 CONNECTOR = "org.apache.spark:spark-sql-kafka-0-10_2.13"
@@ -146,6 +147,9 @@ def read_topics(spark: Any, config: TimerConfig, topics: list[str]) -> Any:
               .option("subscribe", ",".join(sorted(topics))).option("includeHeaders", "true")
               .option("startingOffsets", "earliest").option("endingOffsets", "latest")
               .option("failOnDataLoss", "false")
+              # as every stage reads: a record of an aborted transaction was never scheduled (timer
+              # topic) nor delivered (destination), so the audit counts only committed ones
+              .option("kafka.isolation.level", "read_committed")
               .option("minPartitions", str(spark.sparkContext.defaultParallelism)).load())
     return df.withColumn("timestamp_ms", F.unix_millis("timestamp"))
 

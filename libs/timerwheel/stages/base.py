@@ -45,16 +45,26 @@ class StageContext:
     #: enqueue-put then publishes an unchanged W at most every IDLE_PUBLISH_S, at once when a
     #: slot that holds records becomes readable.
     wait_on_inputs: bool = False
+    #: An idle installation does only what is due (always with ``wait_on_inputs``; the embedded
+    #: runtime on the system clock): enqueue-put publishes an unchanged W at most every
+    #: IDLE_PUBLISH_S (at once when a slot that holds records becomes readable), and an idle
+    #: enqueue-put or dequeue-get waits (``idle_wait``, ended early by ``wake``) until its next
+    #: deadline rather than for the runner's idle timeout. Off on a simulated clock: time moves
+    #: when a test says so, and W follows it at once.
+    frugal: bool = False
     #: Called every ``release_every`` bytes of records handled (``processed``); stage processes
     #: give freed memory back with it (``timerwheel.heap.release``).
     release: Callable[[], None] | None = None
     release_every: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        self.frugal = self.frugal or self.wait_on_inputs
         self.rules = TimerRules(self.config)
         self._activity = threading.Condition()
         self._wakes: dict[str, int] = {}
         self._idle: dict[str, int] = {}
+        #: stage -> its wake count when its current step began (``step_begins``).
+        self._begun: dict[str, int] = {}
         #: Bumped by a shard's enqueue-put when it publishes a new W (see ``published``).
         self.published_w: dict[int, int] = {}
         self._handled = 0
@@ -76,12 +86,21 @@ class StageContext:
                 self._wakes[stage] = self._wakes.get(stage, 0) + 1
             self._activity.notify_all()
 
+    def step_begins(self, stage: str) -> None:
+        """``stage`` begins a step: a wake from now on ends its next ``idle_wait`` at once, also one
+        that comes after the step found nothing to do and before the wait begins (else that wake
+        would be lost, and the work wait for the whole idle timeout)."""
+        with self._activity:
+            self._begun[stage] = self._wakes.setdefault(stage, 0)
+
     def idle_wait(self, stage: str, seconds: float) -> None:
-        """Sleep up to ``seconds`` when ``stage`` had nothing to do; a wake for it ends the wait."""
+        """Sleep up to ``seconds`` when ``stage`` had nothing to do; a wake for it (since its step
+        began, see ``step_begins``) ends the wait."""
         if self.stop.is_set():
             return
         with self._activity:
-            seen = self._idle[stage] = self._wakes.setdefault(stage, 0)
+            current = self._wakes.setdefault(stage, 0)
+            seen = self._idle[stage] = self._begun.pop(stage, current)
             try:
                 self._activity.wait_for(lambda: self._wakes[stage] != seen or self.stop.is_set(), seconds)
             finally:
@@ -230,10 +249,10 @@ class Unopenable:
       RECOVERY_NEEDED), logged once per reason as "shard needs recovery"; ``refused`` holds why.
     """
 
-    def __init__(self, ctx: StageContext, stage: str, log: StageLogger) -> None:
+    def __init__(self, ctx: StageContext, stage: str, logger: StageLogger) -> None:
         self.ctx = ctx
         self.stage = stage
-        self.log = log
+        self.logger = logger
         self.failing: dict[int, str] = {}
         #: Shards left unstarted because their state needs ``timerwheel recover``: shard -> why.
         self.refused: dict[int, str] = {}
@@ -241,7 +260,7 @@ class Unopenable:
     def report(self, shard: int, exc: BaseException) -> None:
         error = type(exc).__name__
         if self._fail(shard, error):
-            self.log.error("shard cannot be opened, retrying", shard=shard, error=f"{error}: {exc}"[:500])
+            self.logger.error("shard cannot be opened, retrying", shard=shard, error=f"{error}: {exc}"[:500])
 
     def refuse(self, shard: int, why: str) -> None:
         self._fail(shard, RECOVERY_NEEDED)

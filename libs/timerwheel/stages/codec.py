@@ -40,7 +40,7 @@ def wire(queue: WorkQueue, entry: Entry) -> bytes:
     """What to put into ``queue``: the entry's msgpack bytes, or, for an in-process queue
     (``in_process = True``), the entry object itself — no encoding, no copy. Every
     ``decode`` accepts both."""
-    if getattr(queue, "in_process", False):
+    if queue.in_process:
         return cast(bytes, entry)
     return entry.encode()
 
@@ -81,9 +81,7 @@ class PutEntry:
 
     ``rows`` are the valid records' requests in offset order; ``traces`` the trace context of
     those that carry one: (row index, traceparent, tracestate). Encoded as
-    ``[partition, from, next, rows, traces]``; an entry of the first form
-    ``[partition, from, next, requests]`` (PutRequest arrays of 7 to 9 fields, written before
-    the rows; Redis may hold them across an upgrade) still decodes."""
+    ``[partition, from, next, rows, traces]``."""
 
     src_partition: int
     from_offset: int
@@ -111,11 +109,7 @@ class PutEntry:
     def decode(cls, data: bytes) -> PutEntry:
         if isinstance(data, cls):
             return data  # an in-process queue passes the entry itself
-        fields = _unpack(data)
-        if len(fields) == 4:  # the first form: requests with their trace context inline
-            p, lo, hi, reqs = fields
-            return cls.of(p, lo, hi, [PutRequest(*r) for r in reqs])
-        p, lo, hi, rows, traces = fields
+        p, lo, hi, rows, traces = _unpack(data)
         return cls(p, lo, hi, [tuple(r) for r in rows], tuple(tuple(t) for t in traces))
 
 

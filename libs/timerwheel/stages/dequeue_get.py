@@ -3,7 +3,7 @@
 Owns shards. From its cursor on, for each non-empty slot ``s`` with ``s + tick <= W``
 (invariant 2: a slot is read only once every record in it is written and flushed — ``W``
 and the flushed TimerLog position come from ``enqueue.ckpt``, the only thing a reader
-trusts), walks the slot's chain:
+trusts), reads the slot (``Shard.read_slot``: its records column-wise, a bounded piece at a time):
 
 * DELETE markers (not ROLL) are collected first; a message whose id hash matches one is
   sent with a reference to the marker so dequeue-getmsg can confirm on the full id (a hash
@@ -16,9 +16,9 @@ trusts), walks the slot's chain:
 
 ``R`` (``dequeue.ckpt``) advances past a slot only when dequeue-put has reported every
 message of it done (invariant 3), so after a crash the slots from ``R`` on are read again:
-delivery is at-least-once: what was delivered from slots at or after ``R`` is delivered again. Empty slots are
-skipped in bulk (``TimerWheel.next_nonempty``), so catching up after a long outage is fast
-and never skips a slot (PITFALLS: RocketMQ's 7-day catch-up cap).
+delivery is at-least-once: what was delivered from slots at or after ``R`` is delivered again.
+Empty slots are skipped in bulk (``TimerWheel.next_nonempty``), so catching up after a long
+outage is fast and never skips a slot (PITFALLS: RocketMQ's 7-day catch-up cap).
 
 A slot whose messages stop coming back (their work-queue entries lost, e.g. Redis flushed)
 is re-sent after ``STALL_S`` under a new generation; reports of an older generation are
@@ -38,20 +38,14 @@ import numpy.typing as npt
 
 from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
-from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, Unopenable, decoded, get_by
+from timerwheel.log import stage_logger
+from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
+from timerwheel.stages.owner import OwnedShard, ShardOwner
 from timerwheel.stages.ownership import Ownership
-from timerwheel.store import (
-    CorruptCheckpointError,
-    DequeueCheckpoint,
-    EnqueueCheckpoint,
-    Flag,
-    Shard,
-    TimerRecord,
-)
+from timerwheel.store import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
 from timerwheel.store.format import RecordArray
-from timerwheel.store.shard import recovery_needed
+from timerwheel.store.shard import SlotPiece, recovery_needed
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "dequeue-get"
@@ -70,54 +64,121 @@ GENERATION_BITS = 20
 DRAIN_S = 10.0
 #: ... and on stop (SIGTERM) after this: the pod's grace period is 30 s.
 STOP_DRAIN_S = 5.0
-
-
-@dataclass
-class SlotReader:
-    slot_time: int
-    markers: dict[int, tuple[int, int]]
-    items: Iterator[FetchItem]
-    matched: set[int] = field(default_factory=set)
-    #: The source records' sizes (``src_size``), aligned with what ``items`` has yet to yield.
-    sizes: deque[int] = field(default_factory=deque)
-
-
-@dataclass
-class GetShard:
-    shard_id: int
-    shard: Shard
-    log: StageLogger
-    epoch: int
-    generation: int
-    read_ms: int
-    cursor: int
-    pending: dict[int, int] = field(default_factory=dict)
-    reader: SlotReader | None = None
-    outbox: list[FetchEntry] = field(default_factory=list)
-    last_progress: float = field(default_factory=time.monotonic)
-    write_ms: int = 0
-    ckpt: EnqueueCheckpoint | None = None
-    ckpt_version: int = -1
-    ckpt_read: float = 0.0
-    #: The shard view shows every record below ``ckpt``'s flushed position (Shard.refresh).
-    visible: bool = False
-    #: Done entries a previous owner took and never acked are still to be claimed (e2e fix).
-    reclaim: bool = True
-
-    def settled(self) -> bool:
-        """No slot open, nothing waiting to be sent, nothing sent and not yet done."""
-        return self.reader is None and not self.pending and not self.outbox
-    #: Being handed over (monotonic time it began): no new slot is opened, the shard is
-    #: released once what was sent came back done (or after DRAIN_S).
-    draining: float | None = None
-
+#: Fetch items built at a time from a slot's records (a piece of up to SLOT_PIECE_RECORDS is
+#: converted in parts: memory stays bounded by this, not by the piece).
+ITEMS_AT_ONCE = 4096
 
 _DELETE = int(Flag.DELETE)
 _ROLL = int(Flag.ROLL)
 
 
-def _is_marker(flags: int) -> bool:
-    return flags & (_DELETE | _ROLL) == _DELETE
+@dataclass
+class SlotReader:
+    """A slot being sent: its cancel markers, and its other records as fetch items."""
+
+    slot_time: int
+    #: id hash -> (source partition, offset) of the newest cancel marker of that hash in the slot.
+    markers: dict[int, tuple[int, int]]
+    items: Iterator[FetchItem]
+    #: Id hashes of the markers some message matched.
+    matched: set[int] = field(default_factory=set)
+    #: The source records' sizes (``src_size``), aligned with what ``items`` has yet to yield.
+    sizes: deque[int] = field(default_factory=deque)
+    #: The markers' id hashes as an array, once they are all collected (``fetch_items`` matches on it).
+    marker_hashes: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+
+
+def open_slot(shard: Shard, slot_time: int, limit_pos: int) -> SlotReader:
+    """The slot's reader: its cancel markers collected first, then its other records streamed as
+    fetch items. The slot is read once and held while it has at most SMALL_SLOT records; a larger
+    one is read again for its items, a piece at a time: memory stays bounded whatever its size."""
+    reader = SlotReader(slot_time, {}, iter(()))
+    held: list[SlotPiece] | None = []
+    count = 0
+    for piece in shard.read_slot(slot_time, limit_pos):
+        markers_of(piece[1], reader.markers)
+        count += len(piece[0])
+        if held is not None and count <= SMALL_SLOT:
+            held.append(piece)
+        else:
+            held = None
+    reader.marker_hashes = np.fromiter(reader.markers, dtype=np.uint64, count=len(reader.markers))
+    pieces = held if held is not None else shard.read_slot(slot_time, limit_pos)
+    reader.items = itertools.chain.from_iterable(
+        fetch_items(positions[k:k + ITEMS_AT_ONCE], records[k:k + ITEMS_AT_ONCE], reader)
+        for positions, records in pieces for k in range(0, len(positions), ITEMS_AT_ONCE))
+    return reader
+
+
+def markers_of(records: RecordArray, markers: dict[int, tuple[int, int]]) -> None:
+    """Add the cancel markers (DELETE, not ROLL) among ``records`` to ``markers``: id hash ->
+    (source partition, offset). Records come newest first: the newest marker of an id wins."""
+    is_marker = (records["magic"] & (_DELETE | _ROLL)) == _DELETE
+    if is_marker.any():
+        for id_hash, partition, offset in records[is_marker][["id_hash", "src_partition", "src_offset"]].tolist():
+            markers.setdefault(id_hash, (partition, offset))
+
+
+def fetch_items(positions: npt.NDArray[np.int64], records: RecordArray, reader: SlotReader) -> list[FetchItem]:
+    """The fetch items of a slot's records other than cancel markers, built column-wise; a
+    message (not a roll hop) whose id hash matches one of ``reader.markers`` carries that marker,
+    for dequeue-getmsg to confirm on the full id. Their sizes go to ``reader.sizes``."""
+    all_flags = records["magic"] & 0xFF
+    keep = (all_flags & (_DELETE | _ROLL)) != _DELETE
+    if keep.all():  # no cancel marker among them (most pieces): no copy
+        msgs, flags, msg_positions = records, all_flags, positions
+    else:
+        msgs, flags, msg_positions = records[keep], all_flags[keep], positions[keep]
+    reader.sizes.extend(msgs["src_size"].tolist())
+    n = len(msgs)
+    cancel_partition, cancel_offset = [-1] * n, [-1] * n
+    markers = reader.markers
+    if markers:
+        id_hashes = msgs["id_hash"]
+        may_match = np.isin(id_hashes, reader.marker_hashes) & (flags & _ROLL == 0)
+        for k in np.flatnonzero(may_match).tolist():
+            h = int(id_hashes[k])
+            cancel_partition[k], cancel_offset[k] = markers[h]
+            reader.matched.add(h)
+    # FetchItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop
+    return list(map(tuple.__new__, itertools.repeat(FetchItem), zip(
+        msg_positions.tolist(), flags.tolist(), msgs["src_partition"].tolist(), msgs["src_offset"].tolist(),
+        msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(), cancel_partition, cancel_offset, strict=True,
+    )))
+
+
+@dataclass
+class GetShard(OwnedShard):
+    #: Of the fetch and done entries: the epoch in the high bits, bumped by a re-send (``_resend``).
+    generation: int
+    #: R: every slot before it is delivered (dequeue.ckpt).
+    read_ms: int
+    #: The next slot to look at.
+    cursor: int
+    #: slot time -> messages sent from that slot and not reported done yet.
+    in_flight: dict[int, int] = field(default_factory=dict)
+    reader: SlotReader | None = None
+    outbox: list[FetchEntry] = field(default_factory=list)
+    last_progress: float = field(default_factory=time.monotonic)
+    #: W as enqueue.ckpt last said.
+    write_ms: int = 0
+    #: enqueue.ckpt as last read, the in-process publication count then, and when (time.monotonic()).
+    enqueue_ckpt: EnqueueCheckpoint | None = None
+    enqueue_ckpt_version: int = -1
+    enqueue_ckpt_read_at: float = 0.0
+    #: The shard view shows every record below ``enqueue_ckpt``'s flushed position (Shard.refresh).
+    visible: bool = False
+    #: Being handed over (monotonic time it began): no new slot is opened, the shard is
+    #: released once what was sent came back done (or after DRAIN_S).
+    draining: float | None = None
+
+    def messages_in_flight(self) -> int:
+        """Messages sent and not reported done yet."""
+        return sum(self.in_flight.values())
+
+    def settled(self) -> bool:
+        """No slot open, nothing waiting to be sent, nothing sent and not yet done."""
+        return self.reader is None and not self.in_flight and not self.outbox
 
 
 class DequeueGet:
@@ -130,64 +191,64 @@ class DequeueGet:
         self.ctx = ctx
         self.fetch_q = fetch_queue
         self.done_q = done_queue
-        self.ownership = ownership
         self.open_shard = open_shard
         self.logger = stage_logger(STAGE)
-        self.owned: dict[int, GetShard] = {}
+        #: Shard views opened so far, kept across owners (a view is only read).
         self._views: dict[int, Shard] = {}
-        self.shard_ids = frozenset(shard_ids)
-        self._waiting = set(self.shard_ids)
-        self._wanted = self.ownership.wanted(self.shard_ids)
-        self._unopenable = Unopenable(ctx, STAGE, self.logger)
         #: The last step did nothing (the next one may wait, see ``StageContext.wait_on_inputs``).
         self._idle = False
-        self.take_shards()
+        self.owner: ShardOwner[GetShard] = ShardOwner(ctx, STAGE, shard_ids, ownership, self._take, _keep_view,
+                                                      "reading")
+        self.owner.take_shards()
+
+    @property
+    def owned(self) -> dict[int, GetShard]:
+        """The shards this replica owns now, by id."""
+        return self.owner.owned
 
     @property
     def refused(self) -> dict[int, str]:
         """Shards left unstarted because their state needs ``timerwheel recover``: shard -> why."""
-        return self._unopenable.refused
+        return self.owner.refused
 
-    def take_shards(self) -> None:
-        for shard_id in sorted(self._waiting & self._wanted):
+    def _take(self, shard_id: int) -> GetShard | None:
+        """Open the shard's view and read R, then acquire the lease above R's epoch; None: not now."""
+        unopenable = self.owner.unopenable
+        try:
+            shard = self._views.get(shard_id) or self.open_shard(shard_id)
+            if shard is None:
+                return None  # enqueue-put has not created the shard yet
+            self._views[shard_id] = shard
             try:
-                shard = self._views.get(shard_id) or self.open_shard(shard_id)
-                if shard is None:
-                    continue  # enqueue-put has not created the shard yet
-                self._views[shard_id] = shard
-                try:
-                    ckpt = shard.load_dequeue_checkpoint()
-                except CorruptCheckpointError:
-                    ckpt = None
-            except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
-                self._unopenable.report(shard_id, exc)
-                continue
-            why = recovery_needed(shard.directory) if ckpt is None else None
-            if why is not None:
-                self._unopenable.refuse(shard_id, why)
-                continue
-            self._unopenable.clear(shard_id)
-            if ckpt is None:
-                continue  # enqueue-put has not started the shard yet
-            epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)
-            if epoch is None:
-                continue
-            # Read R again now that the lease is ours: a previous owner saves its last R before
-            # it releases, possibly after the read above.
-            ckpt = shard.load_dequeue_checkpoint() or ckpt
-            self._waiting.discard(shard_id)
-            log = stage_logger(STAGE, shard_id)
-            self.owned[shard_id] = GetShard(shard_id, shard, log, epoch, epoch << GENERATION_BITS,
-                                            ckpt.read_ms, ckpt.read_ms)
-            log.info("owning shard", epoch=epoch, read_ms=ckpt.read_ms)
-        self._count_owned()
+                ckpt = shard.load_dequeue_checkpoint()
+            except CorruptCheckpointError:
+                ckpt = None
+        except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
+            unopenable.report(shard_id, exc)
+            return None
+        why = recovery_needed(shard.directory) if ckpt is None else None
+        if why is not None:
+            unopenable.refuse(shard_id, why)
+            return None
+        unopenable.clear(shard_id)
+        if ckpt is None:
+            return None  # enqueue-put has not started the shard yet
+        epoch = self.owner.ownership.acquire(shard_id, floor=ckpt.epoch)
+        if epoch is None:
+            return None
+        # Read R again now that the lease is ours: a previous owner saves its last R before
+        # it releases, possibly after the read above.
+        ckpt = shard.load_dequeue_checkpoint() or ckpt
+        log = stage_logger(STAGE, shard_id)
+        log.info("owning shard", epoch=epoch, read_ms=ckpt.read_ms)
+        return GetShard(shard_id, shard, log, epoch, epoch << GENERATION_BITS, ckpt.read_ms, ckpt.read_ms)
 
     def step(self, timeout_s: float) -> int:
-        for shard_id in self.ownership.renew_due():
-            self._lose(shard_id, "lease lost")
+        owner = self.owner
+        owner.renew()
         self._balance()
-        if self._waiting:
-            self.take_shards()
+        if owner.waiting:
+            owner.take_shards()
         wait = self.ctx.wait_on_inputs and bool(self.owned)
         block = self._idle_wait_s(timeout_s) if wait and self._idle else 0
         done = get_by(self.ctx, self.done_q, list(self.owned), 1000, block) if self.owned else {}
@@ -198,10 +259,10 @@ class DequeueGet:
                 if st.draining is not None and self._drained(st):
                     self._hand_over(st)
             except FencedError as exc:
-                self._lose(st.shard_id, str(exc))
+                owner.lose(st.shard_id, str(exc))
         self._idle = not work
         if not work and not wait:
-            self.ctx.idle_wait(STAGE, timeout_s)
+            self.ctx.idle_wait(STAGE, self._idle_wait_s(timeout_s) if self.ctx.frugal and self.owned else timeout_s)
         return work
 
     def _idle_wait_s(self, timeout_s: float) -> float:
@@ -209,14 +270,15 @@ class DequeueGet:
         from another process, so enqueue.ckpt is looked at once a tick; more often from the end
         of the next slot this view knows to hold records until W passes it (a due message then
         waits for enqueue-put's publication only, not for our next look)."""
-        tick = self.ctx.config.tick_ms
         now = self.ctx.clock.now_ms()
-        wait = min(timeout_s, tick / 1000)
+        wait = timeout_s
         for st in self.owned.values():
-            if st.outbox or st.pending:
+            if st.outbox or st.in_flight:
                 # Messages in flight: looked after as often as before issue 13 (their done entries
                 # move R, and a full fetch queue makes room without one); idle means none in flight.
                 return BUSY_WAIT_S
+            tick = st.shard.tick_ms
+            wait = min(wait, tick / 1000)
             due = st.shard.next_nonempty(st.cursor, now + tick)
             # Read once W passes the slot's end; however late we are, unless W stood still for
             # seconds (enqueue-put down or held back by R: once a tick is enough then).
@@ -226,8 +288,8 @@ class DequeueGet:
 
     def _step_shard(self, st: GetShard, done: list[tuple[str, bytes]]) -> int:
         work = self._drain_done(st, done)
-        in_flight = sum(st.pending.values())
-        tick = self.ctx.config.tick_ms
+        in_flight = st.messages_in_flight()
+        tick = st.shard.tick_ms
         batch = self.ctx.config.batch_size
         ckpt = None
         while self._flush_outbox(st) and in_flight < self.ctx.config.max_in_flight:
@@ -245,7 +307,7 @@ class DequeueGet:
                 if slot is None:
                     st.cursor = end
                     break
-                st.reader = self._open(st, slot, ckpt.flushed_pos)
+                st.reader = open_slot(st.shard, slot, ckpt.flushed_pos)
                 st.cursor = slot + tick
             reader = st.reader
             items = tuple(itertools.islice(reader.items, batch))
@@ -258,7 +320,7 @@ class DequeueGet:
                 if telemetry.tracer() is not None:
                     tp = telemetry.dequeue_get_batch(st.shard_id, reader.slot_time, items, self.ctx.clock.now_ms(), _ROLL)
                 st.outbox.append(FetchEntry(st.shard_id, st.generation, reader.slot_time, items, tp))
-                st.pending[reader.slot_time] = st.pending.get(reader.slot_time, 0) + len(items)
+                st.in_flight[reader.slot_time] = st.in_flight.get(reader.slot_time, 0) + len(items)
                 in_flight += len(items)
                 work += len(items)
             if taken < batch:
@@ -280,18 +342,19 @@ class DequeueGet:
         not visible here yet) nothing new is read: a slot is never taken for empty on a stale view."""
         version = self.ctx.published_w.get(st.shard_id, 0)
         now = time.monotonic()
-        if st.ckpt is None or version != st.ckpt_version or now - st.ckpt_read >= CKPT_POLL_S:
+        if (st.enqueue_ckpt is None or version != st.enqueue_ckpt_version
+                or now - st.enqueue_ckpt_read_at >= CKPT_POLL_S):
             ckpt = st.shard.load_enqueue_checkpoint()
             if ckpt is None:
                 return None
-            st.ckpt_version, st.ckpt_read = version, now
-            if ckpt != st.ckpt or not st.visible:
-                st.ckpt = ckpt
+            st.enqueue_ckpt_version, st.enqueue_ckpt_read_at = version, now
+            if ckpt != st.enqueue_ckpt or not st.visible:
+                st.enqueue_ckpt = ckpt
                 st.visible = st.shard.refresh(ckpt)
                 if not st.visible:
                     self.ctx.metrics.inc("stale_views", shard=st.shard_id)
             st.write_ms = ckpt.write_ms
-        return st.ckpt if st.visible else None
+        return st.enqueue_ckpt if st.visible else None
 
     def _cut(self, reader: SlotReader, items: tuple[FetchItem, ...]) -> tuple[FetchItem, ...]:
         """``items`` up to TW_BATCH_BYTES of source records (at least one); the rest go back
@@ -310,72 +373,6 @@ class DequeueGet:
         reader.sizes.extendleft(reversed(sizes[k:]))
         return items[:k]
 
-    def _open(self, st: GetShard, slot: int, flushed_pos: int) -> SlotReader:
-        """Collect the slot's cancel markers, then stream its other records as fetch items."""
-        shard = st.shard
-        small = shard.slot(slot).num <= SMALL_SLOT
-        dense = shard.read_dense_slot(slot, flushed_pos) if small else None
-        if dense is not None:
-            reader = SlotReader(slot, {}, iter(()))
-            reader.items = iter(self._items_of(*dense, reader))  # sets reader.sizes
-            return reader
-        kept: list[tuple[int, TimerRecord]] = []
-        markers: dict[int, tuple[int, int]] = {}
-        for pos, rec in shard.read_slot(slot, flushed_pos):
-            if _is_marker(rec.flags):
-                markers.setdefault(rec.id_hash, (rec.src_partition, rec.src_offset))
-            elif small:
-                kept.append((pos, rec))
-        records = iter(kept) if small else shard.read_slot(slot, flushed_pos)
-        reader = SlotReader(slot, markers, iter(()))
-        reader.items = self._items(records, reader)
-        return reader
-
-    @staticmethod
-    def _items(records: Iterator[tuple[int, TimerRecord]], reader: SlotReader) -> Iterator[FetchItem]:
-        markers = reader.markers
-        new_tuple = tuple.__new__  # FetchItem(...) goes through a Python-level __new__: twice the cost
-        for pos, rec in records:
-            flags = rec.flags
-            if flags & (_DELETE | _ROLL) == _DELETE:
-                continue  # a cancel marker
-            reader.sizes.append(rec.src_size)
-            ref = markers.get(rec.id_hash) if markers and not flags & _ROLL else None
-            if ref is None:
-                yield new_tuple(FetchItem, (pos, flags, rec.src_partition, rec.src_offset, rec.deliver_ms,
-                                            rec.enqueue_ms, -1, -1))
-            else:
-                reader.matched.add(rec.id_hash)
-                yield FetchItem(pos, flags, rec.src_partition, rec.src_offset, rec.deliver_ms, rec.enqueue_ms,
-                                ref[0], ref[1])
-
-    @staticmethod
-    def _items_of(positions: npt.NDArray[np.int64], records: RecordArray, reader: SlotReader) -> list[FetchItem]:
-        """``_items`` of a slot read column-wise (``Shard.read_dense_slot``): its markers collected
-        into the reader, fetch items built without a TimerRecord each."""
-        all_flags = records["magic"] & 0xFF
-        is_marker = all_flags & (_DELETE | _ROLL) == _DELETE
-        markers = reader.markers
-        for rec in records[is_marker][["id_hash", "src_partition", "src_offset"]].tolist():
-            markers.setdefault(rec[0], (rec[1], rec[2]))  # newest first: the newest marker of an id wins
-        msgs, flags = records[~is_marker], all_flags[~is_marker]
-        reader.sizes.extend(msgs["src_size"].tolist())
-        n = len(msgs)
-        cancel_partition, cancel_offset = [-1] * n, [-1] * n
-        if markers:
-            id_hashes = msgs["id_hash"]
-            may_match = np.isin(id_hashes, np.array(list(markers), dtype=np.uint64)) & (flags & _ROLL == 0)
-            for k in np.flatnonzero(may_match).tolist():
-                h = int(id_hashes[k])
-                cancel_partition[k], cancel_offset[k] = markers[h]
-                reader.matched.add(h)
-        # FetchItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop
-        return list(map(tuple.__new__, itertools.repeat(FetchItem), zip(
-            positions[~is_marker].tolist(), flags.tolist(), msgs["src_partition"].tolist(),
-            msgs["src_offset"].tolist(), msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(),
-            cancel_partition, cancel_offset, strict=True,
-        )))
-
     def _flush_outbox(self, st: GetShard) -> bool:
         """Put what is waiting; False while the fetch queue is full."""
         if not st.outbox:
@@ -390,71 +387,67 @@ class DequeueGet:
 
     def _drain_done(self, st: GetShard, entries: list[tuple[str, bytes]]) -> int:
         """Count the done entries ``entries`` (taken by ``step`` for every shard at once)."""
-        if st.reclaim:
-            # e2e fix: a previous owner that died leaves the done entries it had taken pending for
-            # good; they count against the queue bound until dequeue-put blocks. Claim and ack them
-            # (their generation is old, so they are ignored below).
-            st.reclaim = False
-            claimed = self.done_q.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
+        claimed = st.take_over_pending(self.done_q, self.ctx)
+        if claimed:  # acked below; their generation is old, so they are ignored
             ids = {eid for eid, _ in claimed}  # idle 0 claims what step just took too
             entries = claimed + [e for e in entries if e[0] not in ids]
         if not entries:
-            if st.pending and time.monotonic() - st.last_progress > STALL_S:
+            if st.in_flight and time.monotonic() - st.last_progress > STALL_S:
                 self._resend(st)
             return 0
-        for done in decoded(self.ctx, self.done_q, st.shard_id, entries, DoneEntry.decode, st.log):
+        for done in decoded(self.ctx, self.done_q, st.shard_id, entries, DoneEntry.decode, st.logger):
             if done.generation != st.generation:
                 continue
             for slot, n in done.counts.items():
-                left = st.pending.get(slot, 0) - n
+                left = st.in_flight.get(slot, 0) - n
                 if left > 0:
-                    st.pending[slot] = left
+                    st.in_flight[slot] = left
                 else:
-                    st.pending.pop(slot, None)
+                    st.in_flight.pop(slot, None)
         self.done_q.ack(st.shard_id, [eid for eid, _ in entries])
         st.last_progress = time.monotonic()
         return len(entries)
 
     def _resend(self, st: GetShard) -> None:
-        st.log.warning("slots stalled, re-sending from R", read_ms=st.read_ms, pending=sum(st.pending.values()))
+        st.logger.warning("slots stalled, re-sending from R", read_ms=st.read_ms, in_flight=st.messages_in_flight())
         self.ctx.metrics.inc("resends", shard=st.shard_id)
         st.generation += 1
-        st.pending.clear()
+        st.in_flight.clear()
         st.reader = None
         st.outbox.clear()
         st.cursor = st.read_ms
         st.last_progress = time.monotonic()
 
     def _advance_r(self, st: GetShard) -> bool:
-        floor = [*st.pending]
+        floor = [*st.in_flight]
         if st.reader is not None:
             floor.append(st.reader.slot_time)
         read_ms = min(floor) if floor else st.cursor
         moved = read_ms > st.read_ms
         if moved:
-            self.ownership.check(st.shard_id)
+            self.owner.ownership.check(st.shard_id)
             st.shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=read_ms, epoch=st.epoch))
             st.read_ms = read_ms
             st.last_progress = time.monotonic()
             self.ctx.wake("enqueue-put")  # W may have been held back by R
         now = self.ctx.clock.now_ms()
         self.ctx.metrics.set("read_lag_ms", max(0, now - st.read_ms), shard=st.shard_id)
-        self.ctx.metrics.set("in_flight", sum(st.pending.values()), shard=st.shard_id)
+        self.ctx.metrics.set("in_flight", st.messages_in_flight(), shard=st.shard_id)
         self.ctx.metrics.set("read_ms", st.read_ms, shard=st.shard_id)
         self.ctx.metrics.set("owner_epoch", st.epoch, shard=st.shard_id, stage=STAGE)
         return moved
 
     def _balance(self) -> None:
         """Start handing over the shards another live replica ranks first for
-        (``Ownership.wanted``); keep one that became ours again."""
-        self._wanted = self.ownership.wanted(self.shard_ids)
+        (``ShardOwner.balance``); keep one that became ours again."""
+        unwanted = {st.shard_id for st in self.owner.balance()}
         for st in self.owned.values():
-            if st.shard_id not in self._wanted and st.draining is None:
+            if st.shard_id in unwanted and st.draining is None:
                 st.draining = time.monotonic()
-                st.log.info("handing shard over, draining", in_flight=sum(st.pending.values()))
-            elif st.shard_id in self._wanted and st.draining is not None:
+                st.logger.info("handing shard over, draining", in_flight=st.messages_in_flight())
+            elif st.shard_id not in unwanted and st.draining is not None:
                 st.draining = None
-                st.log.info("shard kept, ranked first again")
+                st.logger.info("shard kept, ranked first again")
 
     @staticmethod
     def _drained(st: GetShard) -> bool:
@@ -464,25 +457,8 @@ class DequeueGet:
     def _hand_over(self, st: GetShard) -> None:
         """Release a drained shard: R is saved already (``_advance_r``), so its next owner
         starts where this one stopped."""
-        self.ownership.check(st.shard_id)
-        del self.owned[st.shard_id]
-        self.ownership.release_all_of(st.shard_id)
-        self._waiting.add(st.shard_id)
-        self._count_owned()
-        self.ctx.metrics.inc("handovers", shard=st.shard_id, stage=STAGE)
-        st.log.info("shard handed over", epoch=st.epoch, read_ms=st.read_ms, in_flight=sum(st.pending.values()))
-
-    def _count_owned(self) -> None:
-        """``owned_shards``: what this replica owns now (readiness does not say, see health.py)."""
-        self.ctx.metrics.set("owned_shards", len(self.owned), stage=STAGE)
-
-    def _lose(self, shard_id: int, why: str) -> None:
-        st = self.owned.pop(shard_id, None)
-        if st is not None:
-            st.log.warning("shard ownership lost, stopped reading", reason=why)
-            self.ctx.metrics.inc("fenced", shard=shard_id, stage=STAGE)
-            self._waiting.add(shard_id)
-            self._count_owned()
+        self.owner.ownership.check(st.shard_id)
+        self.owner.hand_over(st, read_ms=st.read_ms, in_flight=st.messages_in_flight())
 
     def caught_up(self) -> bool:
         """Every owned shard has read and seen delivered every slot before W."""
@@ -491,7 +467,7 @@ class DequeueGet:
             end = st.shard.slot_time(ckpt.write_ms) if ckpt else st.cursor
             return st.settled() and st.cursor >= end
 
-        return not self._waiting and all(done(st) for st in list(self.owned.values()))
+        return not self.owner.waiting and all(done(st) for st in list(self.owned.values()))
 
     def close(self) -> None:
         """Stopping (SIGTERM): drain like a hand-over, for at most ``stop_drain_s``, so that the next
@@ -506,13 +482,17 @@ class DequeueGet:
                 try:
                     self._step_shard(st, done.get(st.shard_id, []))
                 except Exception as exc:  # noqa: BLE001 - best effort: the next owner reads from R
-                    st.log.warning("drain on stop ended", reason=str(exc)[:200])
+                    st.logger.warning("drain on stop ended", reason=str(exc)[:200])
                     self.owned.pop(st.shard_id, None)
                     continue
                 busy = busy or not st.settled()
             if not busy:
                 break
             time.sleep(0.005)
-        self.ownership.leave()
+        self.owner.leave()
         for shard in self._views.values():
             shard.close()
+
+
+def _keep_view(st: GetShard) -> None:
+    """A shard no longer owned keeps its view open (``DequeueGet._views``): taken again, it is read on."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 
 from timerwheel import telemetry
@@ -35,15 +35,16 @@ from timerwheel.stages.codec import (
     wire,
 )
 from timerwheel.store import Flag
-from timerwheel.transports.base import CommitLog, WorkQueue
+from timerwheel.transports.base import CommitLog, FollowingLog, WorkQueue
 from timerwheel.wire import H_CANCEL, message_id_of
 
 STAGE = "dequeue-getmsg"
 _ROLL = int(Flag.ROLL)
 #: C-level getters of fetch-item fields: a fetch item's (src_partition, src_offset), ...
 _POSITION = operator.itemgetter(FetchItem._fields.index("src_partition"), FetchItem._fields.index("src_offset"))
-_FLAGS, _FIRE_MS, _ENQUEUED_MS, _CANCEL_PARTITION = (
-    operator.itemgetter(FetchItem._fields.index(name)) for name in ("flags", "fire_ms", "enqueued_ms", "cancel_partition"))
+_FLAGS, _FIRE_MS, _ENQUEUED_MS, _SRC_PARTITION, _SRC_OFFSET, _CANCEL_PARTITION = (
+    operator.itemgetter(FetchItem._fields.index(name))
+    for name in ("flags", "fire_ms", "enqueued_ms", "src_partition", "src_offset", "cancel_partition"))
 #: Every flags value with the ROLL bit.
 _ROLLED = frozenset(f for f in range(2 * max(Flag)) if f & _ROLL)
 
@@ -54,16 +55,15 @@ class DequeueGetMsg(QueueStage):
     def __init__(self, ctx: StageContext, commit_log: CommitLog, fetch_queue: WorkQueue, deliver_queue: WorkQueue,
                  partitions: Sequence[int]) -> None:
         super().__init__(ctx, fetch_queue, partitions)
-        self.log = commit_log
+        self.commit_log = commit_log
         self.fetch_q = fetch_queue
         self.deliver_q = deliver_queue
         self.logger = stage_logger(STAGE)
         #: Mean bytes of a record in the last read (0: none yet), to cut reads at TW_BATCH_BYTES.
         self._record_bytes = 0
         # Kafka: read the timer topic ahead, so that short delays find their records in memory.
-        follow = getattr(commit_log, "follow", None)
-        if follow is not None:
-            follow(ctx.config.timer_topic)
+        if isinstance(commit_log, FollowingLog):
+            commit_log.follow(ctx.config.timer_topic)
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
         """The partitions' fetch entries served by one read of the commit log per TW_BATCH_BYTES
@@ -112,7 +112,7 @@ class DequeueGetMsg(QueueStage):
         positions = [pos for part in fetches.values() for f in part for pos in map(_POSITION, f.items)]
         markers = sorted({(i.cancel_partition, i.cancel_offset) for part in fetches.values() for f in part
                           for i in f.items if i.cancel_partition >= 0})
-        found = self.log.read(self.ctx.config.timer_topic, positions + markers)
+        found = self.commit_log.read(self.ctx.config.timer_topic, positions + markers)
         marker_records = dict(zip(markers, found[len(positions):], strict=True))
         sizes = [len(r.value or b"") for r in found[:len(positions)] if r is not None]  # the values dominate
         if sizes:
@@ -128,44 +128,48 @@ class DequeueGetMsg(QueueStage):
     def _pass_on(self, partition: int, fetches: list[FetchEntry], found: list[Record | None], start: int,
                  markers: dict[tuple[int, int], Record | None]) -> int:
         """Deliver entries of ``fetches``, whose records are ``found[start:]`` in item order;
-        returns where the next partition's records start."""
+        returns where the next partition's records start.
+
+        Each entry's items are built column by column in C (no Python step per item); their
+        kinds too when every item is a plain delivery (the common entry: no record missing, no
+        roll hop, no cancel marker to confirm), else item by item (``_kind``)."""
         out: list[bytes] = []
         missing = 0
-        new_tuple = tuple.__new__  # DeliverItem(...) goes through a Python-level __new__: twice the cost
         for f in fetches:
             end = start + len(f.items)
             records = found[start:end]
-            if (None not in records and max(map(_CANCEL_PARTITION, f.items), default=-1) < 0
-                    and _ROLLED.isdisjoint(map(_FLAGS, f.items))):
-                # Every item is a plain delivery (the common entry): its DeliverItems built column
-                # by column in C, with no Python step per item.
-                items = list(map(new_tuple, repeat(DeliverItem), zip(
-                    repeat(DELIVER), map(_FIRE_MS, f.items), map(_ENQUEUED_MS, f.items), records,
-                    *zip(*map(_POSITION, f.items), strict=True), repeat(None), strict=False)))
+            items = f.items
+            if (None in records or max(map(_CANCEL_PARTITION, items), default=-1) >= 0
+                    or not _ROLLED.isdisjoint(map(_FLAGS, items))):
+                each = [self._kind(item, rec, markers) for item, rec in zip(items, records, strict=True)]
+                missing += each.count(MISSING)
+                kinds: Iterable[int] = each
             else:
-                items = []
-                for item, rec in zip(f.items, records, strict=True):
-                    if rec is None:
-                        kind = MISSING
-                        missing += 1
-                    elif item.flags & _ROLL:
-                        kind = ROLL
-                    elif item.cancel_partition < 0:
-                        kind = DELIVER
-                    elif self._confirmed(rec, markers[(item.cancel_partition, item.cancel_offset)]):
-                        kind = CANCELLED
-                    else:
-                        self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
-                        kind = DELIVER
-                    # The record carries its own trace headers: DeliverItem.traceparent stays unset.
-                    items.append(new_tuple(DeliverItem, (kind, item.fire_ms, item.enqueued_ms, rec, item.src_partition,
-                                                         item.src_offset, None)))
+                kinds = repeat(DELIVER)
+            # DeliverItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop.
+            # The record carries its own trace headers: DeliverItem.traceparent stays unset.
+            delivered = tuple(map(tuple.__new__, repeat(DeliverItem), zip(
+                kinds, map(_FIRE_MS, items), map(_ENQUEUED_MS, items), records, map(_SRC_PARTITION, items),
+                map(_SRC_OFFSET, items), repeat(None))))
             start = end
-            out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, tuple(items))))
+            out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, delivered)))
         if missing:
             self.logger.warning("source records gone from the log", records=missing, partition=partition)
         put_blocking(self.ctx, self.deliver_q, partition, out, self.logger.bind(shard=partition))
         return start
+
+    def _kind(self, item: FetchItem, record: Record | None, markers: dict[tuple[int, int], Record | None]) -> int:
+        """What dequeue-put does with ``item``, whose source record is ``record`` (None: gone from the log)."""
+        if record is None:
+            return MISSING
+        if item.flags & _ROLL:
+            return ROLL
+        if item.cancel_partition < 0:
+            return DELIVER
+        if self._confirmed(record, markers[(item.cancel_partition, item.cancel_offset)]):
+            return CANCELLED
+        self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
+        return DELIVER
 
     @staticmethod
     def _confirmed(message: Record, marker: Record | None) -> bool:

@@ -71,7 +71,7 @@ class DequeuePut(QueueStage):
     def __init__(self, ctx: StageContext, commit_log: CommitLog, deliver_queue: WorkQueue, done_queue: WorkQueue,
                  partitions: Sequence[int]) -> None:
         super().__init__(ctx, deliver_queue, partitions)
-        self.log = commit_log
+        self.commit_log = commit_log
         self.deliver_q = deliver_queue
         self.done_q = done_queue
         self.logger = stage_logger(STAGE)
@@ -81,7 +81,7 @@ class DequeuePut(QueueStage):
         """The destination's partition count; None while it does not exist (never created here)."""
         n = self._partition_counts.get(topic)
         if n is None:
-            n = self.log.partition_count(topic)
+            n = self.commit_log.partition_count(topic)
             if n is not None:
                 self._partition_counts[topic] = n
         return n
@@ -225,7 +225,7 @@ class DequeuePut(QueueStage):
         dues = rules.valid_delivery_times(sent_records, sent_headers) if sent_records else []
         if dues and max(dues) > now:
             now = self._not_early(out, sent_out, dues, origins, delivered, rolled, not_sent, now)
-        append_until_written(ctx, self.log, out, self.logger, on_missing=hold)
+        append_until_written(ctx, self.commit_log, out, self.logger, on_missing=hold)
         ctx.processed(sum(len(r.value) for r in out if r.value))
         if held:
             self.logger.warning("destination topics missing, records held", topics=held)

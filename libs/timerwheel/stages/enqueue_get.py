@@ -33,7 +33,7 @@ from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import StageContext, append_until_written, put_blocking
 from timerwheel.stages.codec import PutEntry, PutRow, wire
-from timerwheel.transports.base import CommitLog, Consumer, WorkQueue
+from timerwheel.transports.base import CommitLog, Consumer, ReportsUndecodable, WorkQueue
 from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
 
 STAGE = "enqueue-get"
@@ -51,7 +51,7 @@ class EnqueueGet:
     ) -> None:
         """``checkpoint_offsets(shard)`` returns the shard's next source offset per partition."""
         self.ctx = ctx
-        self.log = commit_log
+        self.commit_log = commit_log
         self.queue = put_queue
         self.partitions = list(partitions)
         self.checkpoint_offsets = checkpoint_offsets
@@ -75,7 +75,7 @@ class EnqueueGet:
         return partition % self.ctx.config.shards
 
     def resume_offsets(self) -> dict[int, int]:
-        starts = self.log.start_offsets(self.ctx.config.timer_topic)
+        starts = self.commit_log.start_offsets(self.ctx.config.timer_topic)
         out: dict[int, int] = {}
         for p in self.partitions:
             ckpt = self.checkpoint_offsets(self.shard_of(p)).get(p, 0)
@@ -116,7 +116,7 @@ class EnqueueGet:
         ctx = self.ctx
         t0 = telemetry.batch_start()
         now = ctx.clock.now_ms()
-        parse, common = ctx.rules.parse, ctx.rules.common
+        parse = ctx.rules.parse
         dead: list[OutRecord] = []
         reasons: dict[str, int] = {}
         scheduled: dict[str, int] = {}
@@ -135,39 +135,29 @@ class EnqueueGet:
                 rows = batch[2]
             batch[1] = r.offset
             hdr = dict(r.headers)
-            found = common(r, hdr, now)
-            if found is not None and missing is not None and missing(found[1]):
-                found = None  # the full path below dead-letters it with the reason
-            if found is not None:  # most records: no TimerRequest
-                deliver, topic, message_id, size = found
-                row = (r.offset, size, r.timestamp_ms, deliver, False, topic_hashes.get(topic) or self._topic_hash(topic),
-                       id_hash(message_id))
+            try:
+                deliver, cancel, message_id, topic, roll, enqueued, _p, _o, size = parse(r, now, hdr)
+                if missing is not None and not cancel and roll == 0 and missing(topic):
+                    raise InvalidTimerMessage(f"destination topic {topic!r} does not exist (TW_MISSING_TOPIC=dlq)")
+            except InvalidTimerMessage as exc:
+                dead.append(OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)))
+                raw = hdr.get(H_TOPIC)
+                label = raw.decode("utf-8", "replace") if raw else "-"
+                reasons[label] = reasons.get(label, 0) + 1
+                continue
+            row = (r.offset, size, enqueued, deliver, cancel, topic_hashes.get(topic) or self._topic_hash(topic),
+                   id_hash(message_id))
+            if cancel:
+                cancels += 1
+            elif roll == 0:
                 scheduled[topic] = scheduled.get(topic, 0) + 1
-            else:
-                try:
-                    req = parse(r, now, hdr)
-                    if missing is not None and not req.cancel and req.roll == 0 and missing(req.topic):
-                        raise InvalidTimerMessage(f"destination topic {req.topic!r} does not exist "
-                                                  f"(TW_MISSING_TOPIC=dlq)")
-                except InvalidTimerMessage as exc:
-                    dead.append(OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)))
-                    raw = hdr.get(H_TOPIC)
-                    label = raw.decode("utf-8", "replace") if raw else "-"
-                    reasons[label] = reasons.get(label, 0) + 1
-                    continue
-                row = (r.offset, req.src_size, req.enqueued_ms, req.deliver_ms, req.cancel, self._topic_hash(req.topic),
-                       id_hash(req.message_id))
-                if req.cancel:
-                    cancels += 1
-                elif req.roll == 0:
-                    scheduled[req.topic] = scheduled.get(req.topic, 0) + 1
             tp = hdr.get("traceparent")
             if tp:
                 ts = hdr.get("tracestate")
                 batch[3].append((len(rows), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
             rows.append(row)
         if dead:
-            append_until_written(ctx, self.log, dead, self.logger)
+            append_until_written(ctx, self.commit_log, dead, self.logger)
             ctx.metrics.inc_many("dead_lettered", "topic", reasons)
             self.logger.info("dead-lettered", records=len(dead))
         by_shard: dict[int, list[bytes]] = {}
@@ -195,7 +185,7 @@ class EnqueueGet:
 
     def _missing(self, topic: str) -> bool:
         """The destination does not exist (the commit log caches the answer)."""
-        return self.log.partition_count(topic) is None
+        return self.commit_log.partition_count(topic) is None
 
     def _topic_hash(self, topic: str) -> int:
         """The destination's hash in the TimerLog (0 for a cancel), cached: destinations are few."""
@@ -208,8 +198,10 @@ class EnqueueGet:
 
     def _report_undecodable(self) -> None:
         """Metrics of partitions whose next batch cannot be decoded (the consumer logs each once)."""
-        found = getattr(self.consumer, "undecodable", None)
-        if found is None or (not found and not self._undecodable):
+        if not isinstance(self.consumer, ReportsUndecodable):
+            return
+        found = self.consumer.undecodable
+        if not found and not self._undecodable:
             return
         now = {p: u.offset for p, u in found.items()}
         if now == self._undecodable:
@@ -256,7 +248,7 @@ class EnqueueGet:
         self._suspects = suspects
 
     def caught_up(self) -> bool:
-        ends = self.log.end_offsets(self.ctx.config.timer_topic)
+        ends = self.commit_log.end_offsets(self.ctx.config.timer_topic)
         return all(self.consumer.position(p) >= ends.get(p, 0) for p in self.partitions)
 
     def close(self) -> None:

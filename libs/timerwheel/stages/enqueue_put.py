@@ -14,7 +14,8 @@ Owns shards. For each batch of entries of a shard:
 Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
 unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
 that holds records: dequeue-get reads a due slot in its tick, while an empty wheel costs one
-checkpoint a second.
+checkpoint a second. The embedded runtime does the same on the system clock
+(``StageContext.frugal``), waiting in ``idle_wait`` instead (a put by enqueue-get wakes it).
 
 A crash anywhere leaves either the old checkpoint (the entries are redelivered or re-read
 and the duplicates skipped by offset) or the new one (the entries were durable).
@@ -35,13 +36,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from timerwheel import telemetry
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError
-from timerwheel.log import StageLogger, stage_logger
-from timerwheel.stages.base import StageContext, Unopenable, decoded, get_by
+from timerwheel.log import stage_logger
+from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import PUT_ROW_FIELDS, PutEntry, PutRequest, PutRow
+from timerwheel.stages.owner import OwnedShard, ShardOwner
 from timerwheel.stages.ownership import Ownership
 from timerwheel.store import (
     CorruptCheckpointError,
@@ -51,7 +53,7 @@ from timerwheel.store import (
     Shard,
     shard_dir,
 )
-from timerwheel.store.format import RecordArray, records_array, records_from_array, valid_mask
+from timerwheel.store.format import RECORD_SIZE, RecordArray, records_array, records_from_array, valid_mask
 from timerwheel.store.layout import recovery_command
 from timerwheel.store.shard import recovery_needed
 from timerwheel.transports.base import WorkQueue
@@ -61,26 +63,45 @@ _NORMAL, _ROLL, _DELETE = int(Flag.NORMAL), int(Flag.ROLL), int(Flag.DELETE)
 RETAIN_EVERY_S = 30.0
 #: A shard refused for want of ``timerwheel recover`` is looked at again this often.
 RECOVERY_RETRY_S = 2.0
-#: With ``ctx.wait_on_inputs`` (production), an idle shard's W is published at most this often
-#: (R and the lag then move in steps of this size), but at once when a slot that holds records
-#: becomes readable: a due message waits for its tick, never for this.
+#: With ``ctx.frugal`` (production; embedded on the system clock), an idle shard's W is
+#: published at most this often (R and the lag then move in steps of this size), but at once
+#: when a slot that holds records becomes readable: a due message waits for its tick, never for this.
 IDLE_PUBLISH_S = 1.0
 #: The shortest idle wait (W held back by R: nothing to publish however often we look).
 MIN_WAIT_S = 0.01
 #: Observations of the timer topic's end a shard keeps while its input catches up with them.
-MAX_PENDING_ENDS = 64
+MAX_UNREACHED_ENDS = 64
 #: W waiting this long for the shard's input is logged (once until it moves again).
 INPUT_WAIT_LOG_S = 10.0
 
 
-def fire_time(deliver_ms: int, write_ms: int, roll_window_ms: int) -> tuple[int, bool]:
-    """Time whose slot a record is written to, given ``W``, and whether it is a roll hop."""
-    if deliver_ms - write_ms >= roll_window_ms:
-        beyond = deliver_ms - (write_ms + roll_window_ms)
-        if beyond < roll_window_ms // 3:
-            return write_ms + roll_window_ms // 2, True
-        return write_ms + roll_window_ms, True
-    return max(deliver_ms, write_ms), False
+def roll_targets(deliver_ms: npt.NDArray[np.int64], write_ms: int, base_ms: int,
+                 roll_window_ms: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """The roll rule, for a batch: the time whose slot each record is written to, and whether
+    that is a roll hop. A record due at least a roll window after ``base_ms`` (``_roll_base``)
+    rolls to ``base_ms + window/2`` when what remains beyond the window is under a third of it,
+    else to ``base_ms + window``; any other goes to its delivery time's slot, never one before W
+    (``write_ms``): an already due record goes to the slot of W."""
+    rolled = deliver_ms - base_ms >= roll_window_ms
+    beyond = deliver_ms - (base_ms + roll_window_ms)
+    fire = np.where(rolled, np.where(beyond < roll_window_ms // 3, base_ms + roll_window_ms // 2,
+                                     base_ms + roll_window_ms),
+                    np.maximum(deliver_ms, write_ms))
+    return fire, rolled
+
+
+def timerlog_records(partition: npt.NDArray[np.uint64], rows: list[PutRow], write_ms: int, base_ms: int,
+                     roll_window_ms: int) -> RecordArray:
+    """TimerLog records for a batch of put rows (``partition``: each row's source partition),
+    built column-wise, each written to the slot ``roll_targets`` gives."""
+    # fromiter over the flattened rows: a third faster than np.array(rows), which inspects each row
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.uint64, count=len(rows) * PUT_ROW_FIELDS)
+    offset, size, enqueued, deliver, cancel, thash, ihash = flat.reshape(len(rows), PUT_ROW_FIELDS).T
+    fire, rolled = roll_targets(deliver.astype(np.int64), write_ms, base_ms, roll_window_ms)
+    flags = np.where(cancel.astype(bool), _DELETE, _NORMAL) | np.where(rolled, _ROLL, 0)
+    return records_array(flags=flags, enqueue_ms=enqueued.astype(np.int64), deliver_ms=fire,
+                         src_partition=partition, src_offset=offset.astype(np.int64), src_size=size,
+                         topic_hash=thash, id_hash=ihash)
 
 
 class InputWatermark:
@@ -115,7 +136,7 @@ class InputWatermark:
         self._failed_at = -1e18
         #: Requests failed in a row (one warning a streak, one line when they work again).
         self._failures = 0
-        self._wanted = threading.Event()
+        self._asked = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if background:
@@ -127,7 +148,7 @@ class InputWatermark:
         (``interval_s`` of real time, or taken at this very clock time); None if Kafka did not
         answer. In the background: the newest answer, None before the first."""
         if self._thread is not None:
-            self._wanted.set()
+            self._asked.set()
             last = self._last
             return None if last is None else (last[1], last[2])
         mono, now = time.monotonic(), self.ctx.clock.now_ms()
@@ -162,39 +183,37 @@ class InputWatermark:
         """The background requests: one at most every ``interval_s``, each once ``observe``
         asked for it (an idle W that needs nothing costs no request)."""
         while not self._stop.is_set():
-            if not self._wanted.wait(0.5) or self._stop.is_set():
+            if not self._asked.wait(0.5) or self._stop.is_set():
                 continue
-            self._wanted.clear()
+            self._asked.clear()
             started = time.monotonic()
             self._request()
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def close(self) -> None:
         self._stop.set()
-        self._wanted.set()
+        self._asked.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
 
 @dataclass
-class PutShard:
-    shard_id: int
-    shard: Shard
-    log: StageLogger
+class PutShard(OwnedShard):
+    #: W: the time up to which the shard's slots may be read once published.
     write_ms: int = 0
+    #: How far W may run past R (the shard's own wheel less a roll window and a tick): a write,
+    #: at most W + roll window, never laps an unread slot.
+    headroom_ms: int = 0
     next_offsets: dict[int, int] = field(default_factory=dict)
     published_ms: int = -1
     #: When W was last published, or found with nothing new to publish (time.monotonic()).
     published_at: float = 0.0
-    epoch: int = 0
     #: R as last read from dequeue.ckpt (a lower bound of the real R).
     read_ms: int = -(2**62)
-    #: Entries a previous owner took and never acked are still to be claimed (e2e fix).
-    reclaim: bool = True
     #: The shard's input is complete up to here (``InputWatermark``); W never passes it.
     input_ms: int = 0
     #: Observations (t0, end offset per partition of this shard) the input has not reached yet, oldest first.
-    pending_ends: list[tuple[int, dict[int, int]]] = field(default_factory=list)
+    unreached_ends: list[tuple[int, dict[int, int]]] = field(default_factory=list)
     #: When W began to wait for the input (time.monotonic()), 0 if it does not; whether that was logged.
     input_wait_since: float = 0.0
     input_wait_logged: bool = False
@@ -217,91 +236,94 @@ class EnqueuePut:
             ctx, input_ends, ctx.config.tick_ms / 2000 if ctx.wait_on_inputs else 0.0,
             background=ctx.wait_on_inputs)
         self.queue = put_queue
-        cfg = ctx.config
-        #: How far W may run past R: a write (at most W + roll window) never laps an unread slot.
-        self._headroom = cfg.wheel_slots * cfg.tick_ms - cfg.roll_window_ms - cfg.tick_ms
-        self.ownership = ownership
         self.open_shard = open_shard
         self.logger = stage_logger(STAGE)
-        self.owned: dict[int, PutShard] = {}
-        self.shard_ids = frozenset(shard_ids)
-        self._waiting = set(self.shard_ids)
-        self._wanted = self.ownership.wanted(self.shard_ids)
         self._retained = time.monotonic()
+        #: Shards whose lease we hold while their previous owner still has them open (logged once).
         self._blocked: set[int] = set()
         #: When each shard waiting for ``timerwheel recover`` was last looked at.
         self._refused_at: dict[int, float] = {}
         #: The last step found no entry (the next one may wait on the queue).
         self._idle = False
-        self._unopenable = Unopenable(ctx, STAGE, self.logger)
-        self.take_shards()
+        self.owner: ShardOwner[PutShard] = ShardOwner(ctx, STAGE, shard_ids, ownership, self._take, self._close,
+                                                      "writing")
+        self.owner.take_shards()
 
-    def take_shards(self) -> None:
-        """Acquire the wanted shards we do not own yet; recover each before its first write."""
-        for shard_id in sorted(self._waiting & self._wanted):
-            if shard_id in self.refused and time.monotonic() - self._refused_at.get(shard_id, 0.0) < RECOVERY_RETRY_S:
-                continue
-            # A lease kept from an earlier try (below) is still ours.
-            epoch = self.ownership.epochs.get(shard_id) or self.ownership.acquire(shard_id)
-            if epoch is None:
-                continue
-            why = recovery_needed(self._dir(shard_id))  # before opening: Shard.open would fail or recover
-            if why is not None:
-                self._refuse(shard_id, why)
-                continue
-            try:
-                shard = self.open_shard(shard_id)
-            except FencedError as exc:
-                # e2e fix: the previous owner still holds the shard's writer lock (paused past its
-                # lease, or still closing). Keep the lease, which fences it, and retry next step;
-                # raising here killed the new owner while it held the lease.
-                if shard_id not in self._blocked:
-                    self._blocked.add(shard_id)
-                    self.logger.warning("shard still locked by its previous owner, waiting", shard=shard_id,
-                                        error=str(exc))
-                continue
-            except CorruptCheckpointError as exc:
-                self._refuse(shard_id, f"{exc}; the shard is not started: run `{recovery_command(self._dir(shard_id))}`")
-                continue
-            except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
-                # Keep the lease (nobody else writes a shard in this state) and retry next step;
-                # the operator marks the TimerWheel Degraded naming the shard and the error.
-                self._unopenable.report(shard_id, exc)
-                continue
-            self._unopenable.clear(shard_id)
-            self._blocked.discard(shard_id)
-            ckpt = shard.load_enqueue_checkpoint()
-            if ckpt is not None and ckpt.epoch >= epoch:
-                # The lease store forgot (Redis flushed): take an epoch above the checkpoint's.
-                self.ownership.release_all_of(shard_id)
-                epoch = self.ownership.acquire(shard_id, floor=ckpt.epoch)
-                if epoch is None:
-                    shard.close()
-                    continue
-            self._waiting.discard(shard_id)
-            self.owned[shard_id] = self._start(shard_id, shard, epoch)
-        self._count_owned()
-
-    def _dir(self, shard_id: int) -> str:
-        return shard_dir(self.ctx.config.data_dir, shard_id)
+    @property
+    def owned(self) -> dict[int, PutShard]:
+        """The shards this replica owns now, by id."""
+        return self.owner.owned
 
     @property
     def refused(self) -> dict[int, str]:
         """Shards left unstarted because their state needs ``timerwheel recover``: shard -> why."""
-        return self._unopenable.refused
+        return self.owner.refused
+
+    def _take(self, shard_id: int) -> PutShard | None:
+        """Acquire the shard's lease, then open it as its writer (recovering it), or None: not now."""
+        if shard_id in self.refused and time.monotonic() - self._refused_at.get(shard_id, 0.0) < RECOVERY_RETRY_S:
+            return None
+        ownership, unopenable = self.owner.ownership, self.owner.unopenable
+        # A lease kept from an earlier try (below) is still ours.
+        epoch = ownership.epochs.get(shard_id) or ownership.acquire(shard_id)
+        if epoch is None:
+            return None
+        why = recovery_needed(self._dir(shard_id))  # before opening: Shard.open would fail or recover
+        if why is not None:
+            self._refuse(shard_id, why)
+            return None
+        try:
+            shard = self.open_shard(shard_id)
+        except FencedError as exc:
+            # e2e fix: the previous owner still holds the shard's writer lock (paused past its
+            # lease, or still closing). Keep the lease, which fences it, and retry next step;
+            # raising here killed the new owner while it held the lease.
+            if shard_id not in self._blocked:
+                self._blocked.add(shard_id)
+                self.logger.warning("shard still locked by its previous owner, waiting", shard=shard_id,
+                                    error=str(exc))
+            return None
+        except CorruptCheckpointError as exc:
+            self._refuse(shard_id, f"{exc}; the shard is not started: run `{recovery_command(self._dir(shard_id))}`")
+            return None
+        except Exception as exc:  # noqa: BLE001 - one shard that cannot be opened must not stop the others
+            # Keep the lease (nobody else writes a shard in this state) and retry next step;
+            # the operator marks the TimerWheel Degraded naming the shard and the error.
+            unopenable.report(shard_id, exc)
+            return None
+        unopenable.clear(shard_id)
+        self._blocked.discard(shard_id)
+        ckpt = shard.load_enqueue_checkpoint()
+        if ckpt is not None and ckpt.epoch >= epoch:
+            # The lease store forgot (Redis flushed): take an epoch above the checkpoint's.
+            ownership.release_all_of(shard_id)
+            epoch = ownership.acquire(shard_id, floor=ckpt.epoch)
+            if epoch is None:
+                shard.close()
+                return None
+        return self._start(shard_id, shard, epoch)
+
+    @staticmethod
+    def _close(st: PutShard) -> None:
+        st.shard.close()
+
+    def _dir(self, shard_id: int) -> str:
+        return shard_dir(self.ctx.config.data_dir, shard_id)
 
     def _refuse(self, shard_id: int, why: str) -> None:
         """Leave a shard whose state needs ``timerwheel recover`` unstarted (its lease released, so the
         tool may run), saying why once; it is looked at again every RECOVERY_RETRY_S and starts once repaired."""
-        self.ownership.release_all_of(shard_id)
+        self.owner.ownership.release_all_of(shard_id)
         self._refused_at[shard_id] = time.monotonic()
-        self._unopenable.refuse(shard_id, why)
+        self.owner.unopenable.refuse(shard_id, why)
 
     def _start(self, shard_id: int, shard: Shard, epoch: int) -> PutShard:
         log = stage_logger(STAGE, shard_id)
         ckpt = shard.load_enqueue_checkpoint()
         now = self.ctx.clock.now_ms()
-        st = PutShard(shard_id, shard, log, epoch=epoch)
+        tick = shard.tick_ms
+        st = PutShard(shard_id, shard, log, epoch,
+                      headroom_ms=shard.slots * tick - self.ctx.config.roll_window_ms - tick)
         if ckpt is None:
             # A new shard starts at the clock; from here on W waits for its input.
             st.write_ms = now
@@ -337,51 +359,50 @@ class EnqueuePut:
 
     def step(self, timeout_s: float) -> int:
         """One pass over the owned shards; returns entries written plus W publications."""
-        for shard_id in self.ownership.renew_due():
-            self._lose(shard_id, "lease lost")
-        self._balance()
-        if self._waiting:
-            self.take_shards()
+        owner = self.owner
+        owner.renew()
+        for st in owner.balance():
+            self._hand_over(st)
+        self._blocked.intersection_update(owner.ownership.epochs)  # a lease let go: said again if blocked again
+        if owner.waiting:
+            owner.take_shards()
         self._retain()
         wait = self.ctx.wait_on_inputs and bool(self.owned)
         block, on_time = self._idle_wait_s(timeout_s) if wait and self._idle else (0.0, False)
         got: dict[int, list[tuple[str, bytes]]] = {}
         for st in self.owned.values():
-            if st.reclaim:
-                # e2e fix: a previous owner that died leaves the entries it had taken pending for
-                # good (only the shard's owner reads its partition), the queue never drains, and
-                # every later entry looks like a gap. Take them over first; offsets skip the rest.
-                st.reclaim = False
-                stale = self.queue.claim_stale(st.shard_id, self.ctx.consumer, 0, 4 * self.ctx.config.queue_bound)
-                if stale:
-                    got[st.shard_id] = stale
+            # Left pending by a previous owner, every later entry would look like a gap: taken
+            # over first (offsets skip what the shard holds already).
+            stale = st.take_over_pending(self.queue, self.ctx)
+            if stale:
+                got[st.shard_id] = stale
         take = get_by if on_time else _get_many
         for shard_id, fresh in take(self.ctx, self.queue, list(self.owned), self.ctx.config.queue_bound,
                                     0 if got else block).items():
             got[shard_id] = got.get(shard_id, []) + fresh
         self._idle = not got
-        done = 0
+        progress = 0
         for st in list(self.owned.values()):
             entries = got.get(st.shard_id)
             try:
                 if entries:
                     self.write(st, entries)
-                    done += len(entries)
+                    progress += len(entries)
                 elif self._idle_advance(st):
-                    self.ownership.check(st.shard_id)
+                    owner.ownership.check(st.shard_id)
                     self._publish(st)
-                    done += 1  # a new W is progress too: dequeue-get may now read more
+                    progress += 1  # a new W is progress too: dequeue-get may now read more
             except FencedError as exc:
-                self._lose(st.shard_id, str(exc))
-        if not done and not wait:
-            self.ctx.idle_wait(STAGE, timeout_s)
-        return done
+                owner.lose(st.shard_id, str(exc))
+        if not progress and not wait:
+            self.ctx.idle_wait(STAGE, self._idle_wait_s(timeout_s)[0] if self.ctx.frugal and self.owned else timeout_s)
+        return progress
 
     def _idle_advance(self, st: PutShard) -> bool:
-        """``_advance_w`` for a shard with no new entry. With ``ctx.wait_on_inputs``, W stays
-        where it was published for up to IDLE_PUBLISH_S, unless a slot holding records would
-        become readable (one between the published W and the new one)."""
-        if not self.ctx.wait_on_inputs or st.published_ms < 0:
+        """``_advance_w`` for a shard with no new entry. With ``ctx.frugal``, W stays where it
+        was published for up to IDLE_PUBLISH_S, unless a slot holding records would become
+        readable (one between the published W and the new one)."""
+        if not self.ctx.frugal or st.published_ms < 0:
             return self._advance_w(st)
         if time.monotonic() - st.published_at < IDLE_PUBLISH_S:
             slot = st.shard.slot_time(self._target_w(st))
@@ -396,15 +417,16 @@ class EnqueuePut:
         """How long an idle step may wait on the queue: until some shard's W is due to be
         published (IDLE_PUBLISH_S after the last, or the end of the next slot holding records);
         and whether the wait must end on time (a due slot's end: see ``get_by``)."""
-        tick = self.ctx.config.tick_ms
         now_ms = self.ctx.clock.now_ms()
         mono = time.monotonic()
         wait, on_time = timeout_s, False
         for st in self.owned.values():
+            tick = st.shard.tick_ms
             wait = min(wait, max(st.published_at + IDLE_PUBLISH_S - mono, (st.published_ms + tick - now_ms) / 1000))
         for st in self.owned.values():
-            if st.pending_ends:
+            if st.unreached_ends:
                 continue  # W waits for entries of this shard, and an entry ends the wait
+            tick = st.shard.tick_ms
             due = st.shard.next_nonempty(st.published_ms, st.published_ms + max(0, int(wait * 1000)) + tick)
             if due is not None and (due + tick - now_ms) / 1000 <= wait:
                 wait, on_time = (due + tick - now_ms) / 1000, True
@@ -417,7 +439,7 @@ class EnqueuePut:
         rows: list[PutRow] = []
         partitions: list[int] = []
         counts: list[int] = []
-        for entry in decoded(self.ctx, self.queue, st.shard_id, entries, PutEntry.decode, st.log):
+        for entry in decoded(self.ctx, self.queue, st.shard_id, entries, PutEntry.decode, st.logger):
             p = entry.src_partition
             have = offsets.get(p, 0)
             if entry.from_offset > have:
@@ -432,10 +454,10 @@ class EnqueuePut:
             offsets[p] = max(have, entry.next_offset)
         if gaps:
             self.ctx.metrics.inc("put_gaps", gaps, shard=st.shard_id)
-            st.log.warning("entries after a gap skipped", entries=gaps)
-        self.ownership.check(st.shard_id)
-        records = self._records(np.repeat(np.array(partitions, dtype=np.uint64), counts), rows, st.write_ms,
-                                self._roll_base(st)) if rows else None
+            st.logger.warning("entries after a gap skipped", entries=gaps)
+        self.owner.ownership.check(st.shard_id)
+        records = timerlog_records(np.repeat(np.array(partitions, dtype=np.uint64), counts), rows, st.write_ms,
+                                   self._roll_base(st), self.ctx.config.roll_window_ms) if rows else None
         if records is not None:
             st.shard.append_array(records)
         st.next_offsets = offsets  # only once the records are in the TimerLog
@@ -447,23 +469,6 @@ class EnqueuePut:
             written = records_from_array(records) if records is not None else []
             telemetry.enqueue_put_batch(t0, st.shard_id, _requests(entries), written, st.shard.slot_time)
 
-    def _records(self, partition: np.ndarray, rows: list[PutRow], write_ms: int, base_ms: int) -> RecordArray:
-        """TimerLog records for a batch, built column-wise: ``fire_time`` vectorised, rolling
-        relative to ``base_ms`` (``_roll_base``) and never into a slot before W (``write_ms``)."""
-        # fromiter over the flattened rows: a third faster than np.array(rows), which inspects each row
-        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.uint64, count=len(rows) * PUT_ROW_FIELDS)
-        offset, size, enqueued, deliver, cancel, thash, ihash = flat.reshape(len(rows), PUT_ROW_FIELDS).T
-        deliver = deliver.astype(np.int64)
-        window = self.ctx.config.roll_window_ms
-        rolled = deliver - base_ms >= window
-        beyond = deliver - (base_ms + window)
-        fire = np.where(rolled, np.where(beyond < window // 3, base_ms + window // 2, base_ms + window),
-                        np.maximum(deliver, write_ms))
-        flags = np.where(cancel.astype(bool), _DELETE, _NORMAL) | np.where(rolled, _ROLL, 0)
-        return records_array(flags=flags, enqueue_ms=enqueued.astype(np.int64), deliver_ms=fire,
-                             src_partition=partition, src_offset=offset.astype(np.int64), src_size=size,
-                             topic_hash=thash, id_hash=ihash)
-
     def _target_w(self, st: PutShard, observe: bool = True) -> int:
         """Now, capped so that no write (at most W + roll window) can lap an unread slot, and
         never past the time up to which the shard's input is complete (``InputWatermark``;
@@ -471,10 +476,10 @@ class EnqueuePut:
 
         R only grows, so the last R we read gives a safe cap; R is re-read only when that cap binds."""
         now = self.ctx.clock.now_ms()
-        if now > st.read_ms + self._headroom:
+        if now > st.read_ms + st.headroom_ms:
             dq = st.shard.load_dequeue_checkpoint()
             st.read_ms = dq.read_ms if dq else st.write_ms
-        target = min(now, st.read_ms + self._headroom)
+        target = min(now, st.read_ms + st.headroom_ms)
         if self.input is not None and target > st.input_ms:
             if observe:
                 self._input_complete(st)
@@ -488,41 +493,41 @@ class EnqueuePut:
         up, could come back after their delivery time, each into the slot of W then: a message
         and its cancel would no longer meet. Writes stay inside the wheel: up to this + roll
         window, which the cap keeps clear of unread slots."""
-        return max(st.write_ms, min(self.ctx.clock.now_ms(), st.read_ms + self._headroom))
+        return max(st.write_ms, min(self.ctx.clock.now_ms(), st.read_ms + st.headroom_ms))
 
     def _input_complete(self, st: PutShard) -> None:
         """Move ``st.input_ms`` to the newest observation of the timer topic's end that the
-        shard's written offsets have reached, observing again if none is pending."""
+        shard's written offsets have reached, observing again if none is awaited."""
         assert self.input is not None
         have = st.next_offsets
-        pending = st.pending_ends
-        if len(pending) < MAX_PENDING_ENDS:
+        unreached = st.unreached_ends
+        if len(unreached) < MAX_UNREACHED_ENDS:
             seen = self.input.observe()
-            if seen is not None and (not pending or seen[0] > pending[-1][0]):
+            if seen is not None and (not unreached or seen[0] > unreached[-1][0]):
                 t0, ends = seen
                 shards = self.ctx.config.shards
                 # An end that seems to move back (a broker just restarted) is not trusted: the
                 # records below the higher end are waited for, as new ones soon pass it anyway.
-                pending.append((t0, {p: e for p, e in ends.items() if p % shards == st.shard_id}))
+                unreached.append((t0, {p: e for p, e in ends.items() if p % shards == st.shard_id}))
         done = 0
-        for t0, ends in pending:
+        for t0, ends in unreached:
             if any(have.get(p, 0) < e for p, e in ends.items()):
                 break
             st.input_ms = max(st.input_ms, t0)
             done += 1
         if done:
-            del pending[:done]
+            del unreached[:done]
         self._report_input_wait(st)
 
     def _report_input_wait(self, st: PutShard) -> None:
         """``input_wait_ms`` per shard, and one log line when W has waited INPUT_WAIT_LOG_S for
         its input (enqueue-get stopped or far behind): deliveries of the shard pause meanwhile."""
-        waiting = bool(st.pending_ends)
+        waiting = bool(st.unreached_ends)
         now = self.ctx.clock.now_ms()
         self.ctx.metrics.set("input_wait_ms", max(0, now - st.input_ms) if waiting else 0, shard=st.shard_id)
         if not waiting:
             if st.input_wait_logged:
-                st.log.info("W no longer waits for the timer topic", input_ms=st.input_ms)
+                st.logger.info("W no longer waits for the timer topic", input_ms=st.input_ms)
             st.input_wait_since, st.input_wait_logged = 0.0, False
             return
         mono = time.monotonic()
@@ -530,9 +535,9 @@ class EnqueuePut:
             st.input_wait_since = mono
         elif not st.input_wait_logged and mono - st.input_wait_since >= INPUT_WAIT_LOG_S:
             st.input_wait_logged = True
-            behind = {str(p): [st.next_offsets.get(p, 0), e] for p, e in st.pending_ends[0][1].items()
+            behind = {str(p): [st.next_offsets.get(p, 0), e] for p, e in st.unreached_ends[0][1].items()
                       if st.next_offsets.get(p, 0) < e}
-            st.log.warning("W waits for the timer topic: records acknowledged before it are not written yet "
+            st.logger.warning("W waits for the timer topic: records acknowledged before it are not written yet "
                            "(is enqueue-get running?)", waited_s=round(mono - st.input_wait_since, 1),
                            input_ms=st.input_ms, behind=behind)
 
@@ -558,46 +563,16 @@ class EnqueuePut:
         self.ctx.metrics.set("write_ms", st.write_ms, shard=st.shard_id)
         self.ctx.metrics.set("owner_epoch", st.epoch, shard=st.shard_id, stage=STAGE)
 
-    def _balance(self) -> None:
-        """Hand over the shards another live replica ranks first for (``Ownership.wanted``),
-        and let go of a lease kept for a shard still locked by its old owner but no longer ours."""
-        self._wanted = self.ownership.wanted(self.shard_ids)
-        for shard_id in sorted(set(self.owned) - self._wanted):
-            self._hand_over(shard_id)
-        for shard_id in sorted(set(self.ownership.epochs) - set(self.owned) - self._wanted):
-            self.ownership.release_all_of(shard_id)
-            self._blocked.discard(shard_id)
-
-    def _hand_over(self, shard_id: int) -> None:
-        """Publish a last checkpoint, close the shard, then release its lease: its next owner
-        takes it at once and finds everything written so far durable."""
-        st = self.owned[shard_id]
+    def _hand_over(self, st: PutShard) -> None:
+        """Publish a last checkpoint, then let the shard go (``ShardOwner.hand_over``: closed, then
+        its lease released): its next owner takes it at once and finds everything written so far durable."""
         try:
-            self.ownership.check(shard_id)
+            self.owner.ownership.check(st.shard_id)
             self._publish(st)
         except FencedError as exc:
-            self._lose(shard_id, str(exc))
+            self.owner.lose(st.shard_id, str(exc))
             return
-        del self.owned[shard_id]
-        st.shard.close()
-        self.ownership.release_all_of(shard_id)
-        self._waiting.add(shard_id)
-        self._count_owned()
-        self.ctx.metrics.inc("handovers", shard=shard_id, stage=STAGE)
-        st.log.info("shard handed over", epoch=st.epoch, write_ms=st.write_ms)
-
-    def _count_owned(self) -> None:
-        """``owned_shards``: what this replica owns now (readiness does not say, see health.py)."""
-        self.ctx.metrics.set("owned_shards", len(self.owned), stage=STAGE)
-
-    def _lose(self, shard_id: int, why: str) -> None:
-        st = self.owned.pop(shard_id, None)
-        if st is not None:
-            st.log.warning("shard ownership lost, stopped writing", reason=why)
-            self.ctx.metrics.inc("fenced", shard=shard_id, stage=STAGE)
-            st.shard.close()
-            self._waiting.add(shard_id)
-            self._count_owned()
+        self.owner.hand_over(st, write_ms=st.write_ms)
 
     def _retain(self) -> None:
         """Delete TimerLog segments whose records all fire before R (every 30 s)."""
@@ -610,7 +585,7 @@ class EnqueuePut:
             if dq is not None:
                 deleted = st.shard.retain(dq.read_ms)
                 if deleted:
-                    st.log.info("retention", segments_deleted=deleted, read_ms=dq.read_ms)
+                    st.logger.info("retention", segments_deleted=deleted, read_ms=dq.read_ms)
 
     def caught_up(self) -> bool:
         """Every owned shard has published W for the current slot (or its cap)."""
@@ -622,9 +597,9 @@ class EnqueuePut:
             try:
                 self._publish(st)
             except Exception:  # noqa: BLE001 - best effort on shutdown; recovery covers the rest
-                st.log.error("final checkpoint failed", exc=True)
+                st.logger.error("final checkpoint failed", exc=True)
             st.shard.close()
-        self.ownership.leave()
+        self.owner.leave()
         if self.input is not None:
             self.input.close()
 

@@ -3,18 +3,18 @@
 Start with ``Shard`` (shard.py); FORMAT.md documents every byte on disk and the recovery algorithm.
 """
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.store.checkpoint import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.format import (
     FORMAT_VERSION,
     RECORD_DTYPE,
+    RECORD_SIZE,
     RECORD_STRUCT,
     Flag,
     TimerRecord,
     records_array,
 )
 from timerwheel.store.layout import shard_dir
-from timerwheel.store.recovery import RecoveryReport
+from timerwheel.store.recovery import CrashRecoveryReport
 from timerwheel.store.shard import Shard
 from timerwheel.store.timerlog import TimerLog
 from timerwheel.store.wheel import Slot, TimerWheel
@@ -25,10 +25,10 @@ __all__ = [
     "RECORD_SIZE",
     "RECORD_STRUCT",
     "CorruptCheckpointError",
+    "CrashRecoveryReport",
     "DequeueCheckpoint",
     "EnqueueCheckpoint",
     "Flag",
-    "RecoveryReport",
     "Shard",
     "Slot",
     "TimerLog",

@@ -12,17 +12,15 @@ through it) and checks kind, CRC and version.
 
 Each owner saves into a file named by its epoch (``enqueue.<epoch, 20 digits>.ckpt``) and readers
 take the newest epoch's file: no save can replace a newer owner's checkpoint, even from another
-node where file locks do not reach (``_save``). A file of the earlier layout (``enqueue.ckpt``,
-replaced by rename) is still read when no epoch-named file exists, and removed by the first save
-of an epoch at least its own. Loads read past this node's page cache (``fresh.read_fresh``): on a
-shared volume another node's save is otherwise seen late, or cut at the size this node remembers.
+node where file locks do not reach (``_save``). ``enqueue.ckpt`` is the checkpoint's name, never a
+file. Loads read past this node's page cache (``fresh.read_fresh``): on a shared volume another
+node's save is otherwise seen late, or cut at the size this node remembers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import re
 import time
@@ -30,15 +28,10 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import FencedError, FormatMismatchError, TimerwheelError
 from timerwheel.files import atomic_write
-
-__all__ = ["atomic_write"]  # re-exported for tests that write a file as another owner would
-from timerwheel.store.format import FORMAT_VERSION
+from timerwheel.store.format import FORMAT_VERSION, RECORD_SIZE
 from timerwheel.store.fresh import read_fresh
-
-log = logging.getLogger(__name__)
 
 
 class CorruptCheckpointError(TimerwheelError):
@@ -65,19 +58,17 @@ class DequeueCheckpoint:
     version: int = FORMAT_VERSION
 
 
-def _encode(kind: str, body: dict[str, Any]) -> bytes:
+def encode(kind: str, body: dict[str, Any]) -> bytes:
+    """The bytes of a checkpoint file of ``kind`` holding the fields ``body`` (``kind`` and the CRC
+    added), as the saves write them; no field is checked."""
     body = {"kind": kind, **body}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return json.dumps({**body, "crc32": zlib.crc32(canonical.encode())}, sort_keys=True).encode() + b"\n"
 
 
-def _decode(path: str, kind: str, missing_ok: bool = True) -> dict[str, Any] | None:
-    try:
-        raw = read_fresh(path)  # another node may have written it: not this node's cached copy
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise
+def _decode(path: str, kind: str) -> dict[str, Any]:
+    """The fields of the checkpoint file ``path`` (FileNotFoundError if it is gone)."""
+    raw = read_fresh(path)  # another node may have written it: not this node's cached copy
     try:
         body = json.loads(raw)
         if not isinstance(body, dict):
@@ -104,10 +95,6 @@ def _int(path: str, body: dict[str, Any], name: str) -> int:
     return value
 
 
-#: Kept for callers of the earlier API; saves no longer need a memo (see ``_save``).
-SaveMemo = dict[str, tuple[tuple[int, int, int, int], int]]
-
-
 def epoch_file(path: str, epoch: int) -> str:
     """The file an owner of ``epoch`` saves the checkpoint ``path`` names: ``enqueue.ckpt`` ->
     ``enqueue.00000000000000000007.ckpt``."""
@@ -118,30 +105,27 @@ def epoch_file(path: str, epoch: int) -> str:
 
 def _epoch_files(path: str) -> list[tuple[int, str]]:
     """(epoch, file) of every epoch-named file of checkpoint ``path``, newest epoch first."""
-    return _listing(path)[0]
-
-
-def _listing(path: str) -> tuple[list[tuple[int, str]], bool]:
-    """``_epoch_files``, and whether the single file of the earlier layout (``path``) is there:
-    one directory listing."""
     head, name = os.path.split(path)
     stem = name[: -len(".ckpt")] if name.endswith(".ckpt") else name
     pattern = re.compile(re.escape(stem) + r"\.(\d{20})\.ckpt$")
     try:
         names = os.listdir(head or ".")
     except FileNotFoundError:
-        return [], False
-    found = [(int(m.group(1)), os.path.join(head, n)) for n in names if (m := pattern.match(n))]
-    return sorted(found, reverse=True), name in names
+        return []
+    return sorted(((int(m.group(1)), os.path.join(head, n)) for n in names if (m := pattern.match(n))), reverse=True)
 
 
 def published_file(path: str) -> str | None:
-    """The file that holds checkpoint ``path`` now: the newest epoch's, else the single file of
-    the earlier layout (``path`` itself), else None."""
+    """The file that holds checkpoint ``path`` now: the newest epoch's, or None."""
     named = _epoch_files(path)
-    if named:
-        return named[0][1]
-    return path if os.path.exists(path) else None
+    return named[0][1] if named else None
+
+
+def highest_epoch(directory: str) -> int:
+    """The highest owner epoch any checkpoint file in ``directory`` is named by (0 if none), a file
+    set aside (``<file>.corrupt``) or a temp file left by a crash included."""
+    named = (re.match(r"(?:enqueue|dequeue)\.(\d{20})\.ckpt", n) for n in os.listdir(directory))
+    return max((int(m.group(1)) for m in named if m), default=0)
 
 
 #: How long a reader keeps reading the checkpoint file it found before it lists the directory
@@ -164,21 +148,21 @@ def _load(path: str, kind: str, memo: LoadMemo | None = None) -> dict[str, Any] 
         known = memo.get(path)
         if known is not None and time.monotonic() - known[1] < LIST_EVERY_S:
             try:
-                return _decode(known[0], kind, missing_ok=False)
+                return _decode(known[0], kind)
             except FileNotFoundError:
                 pass
     for _attempt in range(5):
         named = _epoch_files(path)
+        if not named:
+            return None
         try:
-            if named:
-                body = _decode(named[0][1], kind, missing_ok=False)
-                if memo is not None:
-                    memo[path] = (named[0][1], time.monotonic())
-                return body
-            return _decode(path, kind)
+            body = _decode(named[0][1], kind)
         except FileNotFoundError:
             continue
-    return _decode(path, kind)
+        if memo is not None:
+            memo[path] = (named[0][1], time.monotonic())
+        return body
+    return None
 
 
 def _save(path: str, kind: str, data: bytes, epoch: int, fsync: bool) -> None:
@@ -193,14 +177,8 @@ def _save(path: str, kind: str, data: bytes, epoch: int, fsync: bool) -> None:
     """
     mine = epoch_file(path, epoch)
     atomic_write(mine, data, fsync)
-    found, legacy_there = _listing(path)
+    found = _epoch_files(path)
     newer = [e for e, _f in found if e > epoch]
-    legacy = _legacy_epoch(path, kind) if legacy_there else None
-    if legacy is not None and legacy > epoch:
-        # Readers prefer epoch-named files: ours must not hide the newer single-file checkpoint.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(mine)
-        newer.append(legacy)
     if newer:
         # Our file is older than one already there: no reader takes it, its successor removes it.
         raise FencedError(f"{kind} checkpoint {path} holds epoch {max(newer)}, newer than this owner's epoch {epoch}")
@@ -208,26 +186,10 @@ def _save(path: str, kind: str, data: bytes, epoch: int, fsync: bool) -> None:
         if e < epoch:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(old)
-    if legacy is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
-def _legacy_epoch(path: str, kind: str) -> int | None:
-    """The epoch in a checkpoint file of the earlier layout (one file, replaced by rename), if any."""
-    try:
-        body = _decode(path, kind)
-    except FileNotFoundError:
-        return None
-    except TimerwheelError as exc:
-        log.warning("replacing an unreadable %s checkpoint: %s", kind, exc)
-        return -1
-    epoch = body.get("epoch") if body is not None else None
-    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else -1
-
-
-def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True, memo: SaveMemo | None = None) -> None:
-    """Save ``ckpt`` atomically in this epoch's file (``_save``); ``memo`` is unused."""
+def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True) -> None:
+    """Save ``ckpt`` atomically in this epoch's file (``_save``)."""
     if ckpt.flushed_pos < 0 or ckpt.flushed_pos % RECORD_SIZE:
         raise ValueError(f"enqueue checkpoint flushed_pos {ckpt.flushed_pos} is not a TimerLog position")
     body = {
@@ -237,7 +199,7 @@ def save_enqueue(path: str, ckpt: EnqueueCheckpoint, fsync: bool = True, memo: S
         "next_offsets": {str(p): o for p, o in sorted(ckpt.next_offsets.items())},
         "epoch": ckpt.epoch,
     }
-    _save(path, "enqueue", _encode("enqueue", body), ckpt.epoch, fsync)
+    _save(path, "enqueue", encode("enqueue", body), ckpt.epoch, fsync)
 
 
 def load_enqueue(path: str, memo: LoadMemo | None = None) -> EnqueueCheckpoint | None:
@@ -264,9 +226,10 @@ def load_enqueue(path: str, memo: LoadMemo | None = None) -> EnqueueCheckpoint |
     )
 
 
-def save_dequeue(path: str, ckpt: DequeueCheckpoint, fsync: bool = True, memo: SaveMemo | None = None) -> None:
+def save_dequeue(path: str, ckpt: DequeueCheckpoint, fsync: bool = True) -> None:
+    """Save ``ckpt`` atomically in this epoch's file (``_save``)."""
     body = {"version": ckpt.version, "read_ms": ckpt.read_ms, "epoch": ckpt.epoch}
-    _save(path, "dequeue", _encode("dequeue", body), ckpt.epoch, fsync)
+    _save(path, "dequeue", encode("dequeue", body), ckpt.epoch, fsync)
 
 
 def load_dequeue(path: str, memo: LoadMemo | None = None) -> DequeueCheckpoint | None:

@@ -9,11 +9,14 @@ between shards (``p % shards``), so the new owner of a partition would resume it
 and deliver old messages again; a different tick, wheel span or roll window would read the
 wheels with the wrong geometry; another timer topic would pair these offsets with other records.
 
+The file also records the shards' ``Source``: the cluster id and the timer topic's id that their
+offsets belong to (``runtime.wiring.check_source`` compares them at every start, FORMAT.md).
+
 A data directory made before this file existed is adopted: the first start writes the current
 settings, unless a ``shard-NNNN`` directory at or beyond the requested shard count shows the data
 was made with more shards. The shard count is never changed in place; tick, span and roll window
 change only through ``timerwheel rebuild-wheel --change-window`` (the operator's procedure), which
-rebuilds every shard's wheel and then rewrites this file (``change_window``).
+rebuilds every shard's wheel and then rewrites this file (``store_window``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import errno
 import json
 import os
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,6 +60,24 @@ class DeploymentSettings:
                    int(config.roll_window_ms), str(config.timer_topic))
 
 
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where the shards' timer records come from: the commit log's cluster id and the timer
+    topic's id (None where the log cannot tell). The offsets of the enqueue checkpoints and the
+    source positions of the TimerLog records point into this incarnation of the timer topic and
+    no other: a topic made again (or another cluster's) holds other records at those offsets."""
+
+    cluster_id: str | None
+    timer_topic_id: str | None
+
+    def differences(self, other: Source) -> list[str]:
+        """``cluster id stored X, found Y`` for each id known on both sides that differs."""
+        return [f"{name.replace('_', ' ')} stored {mine}, found {theirs}"
+                for name, mine, theirs in (("cluster_id", self.cluster_id, other.cluster_id),
+                                           ("timer_topic_id", self.timer_topic_id, other.timer_topic_id))
+                if mine is not None and theirs is not None and mine != theirs]
+
+
 def settings_path(data_dir: str | os.PathLike[str]) -> str:
     return os.path.join(os.fspath(data_dir), SETTINGS_FILE)
 
@@ -80,6 +102,52 @@ def load_settings(data_dir: str | os.PathLike[str]) -> DeploymentSettings | None
         return DeploymentSettings(**fields)
     except (KeyError, TypeError) as exc:
         raise TimerwheelError(f"deployment file {path} is unreadable: {exc}") from None
+
+
+def _stored_object(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The deployment file's JSON object (``load_settings`` has checked it)."""
+    with open(settings_path(data_dir), "rb") as f:
+        body: dict[str, Any] = json.load(f)
+    return body
+
+
+def load_source(data_dir: str | os.PathLike[str]) -> Source | None:
+    """The stored source, or None if the deployment file records none (or does not exist)."""
+    if load_settings(data_dir) is None:
+        return None
+    raw = _stored_object(data_dir).get("source")
+    if raw is None:
+        return None
+    ids = [raw.get(name) for name in Source.__dataclass_fields__] if isinstance(raw, dict) else [0]
+    if any(v is not None and not isinstance(v, str) for v in ids):
+        raise TimerwheelError(f"deployment file {settings_path(data_dir)} is unreadable: bad field source")
+    return Source(*ids)
+
+
+def store_source(data_dir: str | os.PathLike[str], source: Source, *, fsync: bool = True) -> None:
+    """Record ``source`` in the deployment file (atomically replaced; ``check_settings`` wrote it)."""
+    stored = load_settings(data_dir)
+    if stored is None:
+        raise TimerwheelError(f"deployment file {settings_path(data_dir)} does not exist: no source can be recorded")
+    _rewrite(data_dir, stored, source, fsync)
+
+
+def _rewrite(data_dir: str | os.PathLike[str], settings: DeploymentSettings, source: Source | None,
+             fsync: bool) -> None:
+    body: dict[str, Any] = asdict(settings)
+    if source is not None:
+        body["source"] = asdict(source)
+    atomic_write(settings_path(data_dir), json.dumps(body, indent=1, sort_keys=True).encode() + b"\n", fsync)
+
+
+def shards_to_show(data_dir: str | os.PathLike[str], count: int | None = None) -> list[int]:
+    """The shards of ``data_dir`` a tool reads (``inspect``, ``pending``): those found among
+    0..count-1, by default the stored shard count, or without a deployment file every shard found."""
+    found = found_shards(data_dir)
+    if count is None:
+        stored = load_settings(data_dir)
+        count = stored.shards if stored is not None else None
+    return found if count is None else [s for s in range(count) if s in found]
 
 
 def _refuse(data_dir: str | os.PathLike[str], stored: DeploymentSettings, wanted: DeploymentSettings) -> None:
@@ -145,11 +213,11 @@ def _write_once(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, fs
     return stored
 
 
-#: The settings ``change_window`` may change; the others (shard count, timer topic) never change.
+#: The settings ``store_window`` may change; the others (shard count, timer topic) never change.
 WINDOW_FIELDS = ("tick_ms", "wheel_span_ms", "roll_window_ms")
 
 
-def change_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, *,
+def store_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, *,
                   fsync: bool = True) -> DeploymentSettings | None:
     """Store ``wanted``'s tick, wheel span and roll window in the deployment file (atomically
     replaced); the settings stored before, or None if there was no file (it is written then).
@@ -163,6 +231,25 @@ def change_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, 
     fixed = {n: getattr(wanted, n) for n in DeploymentSettings.__dataclass_fields__ if n not in WINDOW_FIELDS}
     _refuse(data_dir, stored, DeploymentSettings(**fixed, **{n: getattr(stored, n) for n in WINDOW_FIELDS}))
     if stored != wanted:
-        atomic_write(settings_path(data_dir), json.dumps(asdict(wanted), indent=1, sort_keys=True).encode() + b"\n",
-                     fsync)
+        _rewrite(data_dir, wanted, load_source(data_dir), fsync)
     return stored
+
+
+def refuse_other_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, asked: Collection[str],
+                        named: Mapping[str, str]) -> None:
+    """Refuse (FormatMismatchError, as a start refuses it) a tick, roll window or wheel span that was
+    asked for (``asked``: field names) and differs from the stored one, pointing to
+    ``--change-window``; the span is compared too when the roll window is asked (a span of 0
+    follows it). ``named``: how the message names each of the three fields. Nothing stored: no
+    refusal (the first start stores what it is given)."""
+    stored = load_settings(data_dir)
+    if stored is None or not asked:
+        return
+    wrong = [f"{named[n]}: stored {getattr(stored, n)}, requested {getattr(wanted, n)}"
+             for n in ("tick_ms", "roll_window_ms", "wheel_span_ms")
+             if (n in asked or (n == "wheel_span_ms" and "roll_window_ms" in asked))
+             and getattr(stored, n) != getattr(wanted, n)]
+    if wrong:
+        raise FormatMismatchError(f"data directory {os.fspath(data_dir)} was made with other settings "
+                                  f"({'; '.join(wrong)}; see {SETTINGS_FILE}): add --change-window to rebuild every "
+                                  "shard's wheel with the new values (stages stopped), or give the stored ones")

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import CorruptRecordError
 
 FORMAT_VERSION = 1
+#: Bytes per TimerLog record (FORMAT.md, "TimerLog record"); a position is a multiple of it.
+RECORD_SIZE = 64
 
 #: High 24 bits of a record's magic for this format version; the low 8 bits are the flags.
 MAGIC_BASE = (0x5457 << 16) | (FORMAT_VERSION << 8)
@@ -270,6 +271,28 @@ def unpack_record(buf: bytes | memoryview, pos: int, offset: int = 0) -> TimerRe
     ):
         raise CorruptRecordError(pos, why_invalid(buf, offset) or "invalid record")
     return _make_record(flags, enq, deliver, part, off, src_size, topic, ident, prev)
+
+
+_LINK = struct.Struct("<IqIqq")  # size, prev_pos, magic, enqueue_ms, deliver_ms
+_CRC_FIELD = struct.Struct("<I")
+
+
+def check_link(buf: bytes, pos: int) -> tuple[int, int]:
+    """(prev_pos, deliver_ms) of the record in ``buf`` (read at ``pos``), once it checks as
+    ``unpack_record`` checks it, without decoding the rest: a slot's chain is followed by these
+    two fields. CorruptRecordError(pos, why) if it does not check."""
+    if len(buf) < RECORD_SIZE:
+        raise CorruptRecordError(pos, f"short record: {len(buf)} of {RECORD_SIZE} bytes")
+    size, prev, magic, _enq, deliver = _LINK.unpack_from(buf)
+    flags = magic & 0xFF
+    if (
+        size != RECORD_SIZE
+        or magic >> 8 != MAGIC_BASE >> 8
+        or not 0 < flags <= _FLAG_BITS
+        or _CRC_FIELD.unpack_from(buf, _CRC_SPAN)[0] != zlib.crc32(buf[:_CRC_SPAN])
+    ):
+        raise CorruptRecordError(pos, why_invalid(buf) or "invalid record")
+    return prev, deliver
 
 
 def records_from_array(arr: RecordArray) -> list[TimerRecord]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,12 +68,16 @@ def recovery_command(directory: str | os.PathLike[str]) -> str:
 
 
 def open_shard(config: TimerConfig, shard: int, writer: bool) -> Shard:
-    """Open a shard with ``config``'s settings: as its writer (creating it, running recovery) or
-    as a read-only view."""
+    """Open a shard as its writer (creating it with ``config``'s tick, wheel and segment size, or
+    refusing one made with others; running crash recovery) or as a read-only view, which takes
+    the settings the shard was made with (``open_found_shard``: a shard's meta.json is the
+    authority for its tick, FORMAT.md)."""
     from timerwheel.store.shard import Shard
 
+    if not writer:
+        return open_found_shard(config.data_dir, shard, fsync=config.fsync)
     return Shard.open(shard_dir(config.data_dir, shard), tick_ms=config.tick_ms, slots=config.wheel_slots,
-                      segment_bytes=config.segment_bytes, fsync=config.fsync, writer=writer)
+                      segment_bytes=config.segment_bytes, fsync=config.fsync, writer=True)
 
 
 def open_reader_if_exists(config: TimerConfig, shard: int) -> Shard | None:
@@ -84,13 +89,26 @@ def open_reader_if_exists(config: TimerConfig, shard: int) -> Shard | None:
     return open_shard(config, shard, writer=False)
 
 
-def open_found_shard(data_dir: str | os.PathLike[str], shard: int) -> Shard:
-    """A read-only view of a shard with the settings it was written with (its meta file)."""
+def open_found_shard(data_dir: str | os.PathLike[str], shard: int, *, fsync: bool = False) -> Shard:
+    """A read-only view of a shard with the settings it was written with (its meta.json)."""
     from timerwheel.store.shard import Shard, stored_settings
 
     directory = shard_dir(data_dir, shard)
     tick_ms, slots, segment_bytes = stored_settings(directory)
-    return Shard.open(directory, tick_ms=tick_ms, slots=slots, segment_bytes=segment_bytes, fsync=False, writer=False)
+    return Shard.open(directory, tick_ms=tick_ms, slots=slots, segment_bytes=segment_bytes, fsync=fsync, writer=False)
+
+
+def open_found_shards(data_dir: str | os.PathLike[str], shards: Iterable[int]) -> dict[int, Shard]:
+    """``open_found_shard`` of each of ``shards``; if one fails, those opened are closed again."""
+    opened: dict[int, Shard] = {}
+    try:
+        for s in shards:
+            opened[s] = open_found_shard(data_dir, s)
+    except BaseException:
+        for shard in opened.values():
+            shard.close()
+        raise
+    return opened
 
 
 class DataDirLock:

@@ -1,4 +1,8 @@
-"""Recovery: make a shard's TimerLog and TimerWheel agree again after a crash (ARCHITECTURE §4.4).
+"""Crash recovery: make a shard's TimerLog and TimerWheel agree again after a crash (ARCHITECTURE §4.4).
+
+It runs on every open of a shard by its writer (``Shard.open``), by itself; the repair tools that an
+operator runs on a stopped shard are ``store/repair.py``, and rebuilding lost shards from Kafka
+is ``runtime/disaster.py``.
 
 When the writer's ``Shard.open`` returns, recovery guarantees:
 
@@ -33,8 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
-from timerwheel.store.format import valid_mask
+from timerwheel.store.format import RECORD_SIZE, valid_mask
 from timerwheel.store.timerlog import CHUNK_RECORDS, TimerLog
 from timerwheel.store.wheel import Slot, TimerWheel, group_order
 
@@ -45,7 +48,7 @@ MAX_LISTED_CORRUPT = 10_000
 
 
 @dataclass(frozen=True, slots=True)
-class RecoveryReport:
+class CrashRecoveryReport:
     """What recovery found and did. Positions are TimerLog byte offsets."""
 
     checked_from: int
@@ -80,9 +83,9 @@ def _raise_max(best: dict[int, int], partitions: npt.NDArray[np.int64], offsets:
             best[p] = o
 
 
-def recover(
+def recover_from_crash(
     timer_log: TimerLog, wheel: TimerWheel, flushed_pos: int | None, *, chunk_records: int = CHUNK_RECORDS
-) -> RecoveryReport:
+) -> CrashRecoveryReport:
     """Check the TimerLog from min(flushed_pos, wheel.synced_pos), cut a bad tail, re-link the rest."""
     started = time.perf_counter()
     notes: list[str] = []
@@ -136,7 +139,7 @@ def recover(
     repaired = 0 if wheel.created else _repair_slots_past_end(timer_log, wheel, good_end)
     timer_log.flush()
     wheel.flush(synced_pos=timer_log.end_pos)
-    return RecoveryReport(
+    return CrashRecoveryReport(
         checked_from=checked_from,
         end_pos=timer_log.end_pos,
         records_checked=checked,

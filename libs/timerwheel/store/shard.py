@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import (
     ConfigError,
     CorruptRecordError,
@@ -56,8 +55,10 @@ from timerwheel.store.checkpoint import DequeueCheckpoint, EnqueueCheckpoint
 from timerwheel.store.format import (
     FORMAT_VERSION,
     RECORD_DTYPE,
+    RECORD_SIZE,
     RecordArray,
     TimerRecord,
+    check_link,
     pack_records,
     seal,
     valid_mask,
@@ -65,12 +66,15 @@ from timerwheel.store.format import (
 )
 from timerwheel.store.fresh import is_shared
 from timerwheel.store.layout import recovery_command
-from timerwheel.store.recovery import RecoveryReport, recover
+from timerwheel.store.recovery import CrashRecoveryReport, recover_from_crash
 from timerwheel.store.tail import TailIndex
 from timerwheel.store.timerlog import CHUNK_RECORDS, SEGMENT_SUFFIX, TimerLog
 from timerwheel.store.wheel import SLOT_MAGIC, Slot, TimerWheel
 
 log = logging.getLogger(__name__)
+
+#: What ``Shard.read_slot`` gives: the TimerLog positions of some records of a slot and the records.
+SlotPiece = tuple[npt.NDArray[np.int64], RecordArray]
 
 META_FILE = "meta.json"
 LOG_DIR = "timerlog"
@@ -80,10 +84,10 @@ DEQUEUE_CKPT = "dequeue.ckpt"
 LOCK_FILE = "writer.lock"
 #: read_slot scans instead of following links when a slot of at least DENSE_SLOT_MIN records
 #: holds at least 1/DENSE_SLOT_SHARE of the positions between its first and last record.
-DENSE_SLOT_MIN = 256
-#: ... and read_dense_slot from this many on: column-wise, a scan pays for itself sooner.
-DENSE_COLUMNS_MIN = 16
+DENSE_SLOT_MIN = 16
 DENSE_SLOT_SHARE = 10
+#: read_slot gives a slot's records in pieces of at most this many (4 MiB of records).
+SLOT_PIECE_RECORDS = CHUNK_RECORDS
 #: Records between two wheel msyncs: bounds the re-linking recovery does after a crash (~1 s).
 DEFAULT_WHEEL_SYNC_RECORDS = 1_000_000
 #: A reader retries an invalid TimerLog record below the published flushed position this long
@@ -133,6 +137,29 @@ def stored_settings(directory: str | os.PathLike[str]) -> tuple[int, int, int]:
         raise TimerwheelError(f"shard {os.fspath(directory)}: {META_FILE} is unreadable: {exc}") from None
 
 
+def change_geometry(directory: str | os.PathLike[str], *, tick_ms: int, slots: int, fsync: bool) -> None:
+    """Store another tick and slot count in the shard's meta.json, its other fields as they are.
+    Only for ``repair.change_window``, which re-linked the TimerLog for them and deleted the wheel."""
+    path = os.path.join(os.fspath(directory), META_FILE)
+    with open(path, "rb") as f:
+        meta = json.load(f)
+    meta.update(tick_ms=tick_ms, slots=slots)
+    atomic_write(path, json.dumps(meta, indent=1).encode() + b"\n", fsync)
+
+
+def lock_writer(directory: str | os.PathLike[str]) -> int:
+    """Take the shard's writer lock (``writer.lock``, flock; FencedError if another process holds
+    it): its descriptor, held until closed."""
+    directory = os.fspath(directory)
+    lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        raise FencedError(f"shard {directory} is already open for writing (lock {LOCK_FILE} is held)") from None
+    return lock_fd
+
+
 def _has_data(directory: str) -> bool:
     log_dir = os.path.join(directory, LOG_DIR)
     segments = os.listdir(log_dir) if os.path.isdir(log_dir) else []
@@ -178,8 +205,6 @@ class Shard:
         lock_fd: int,
     ) -> None:
         self.directory = directory
-        #: This view's own checkpoint saves, so that the next save's epoch check needs no read.
-        self._saved: checkpoint.SaveMemo = {}
         #: Where this view last found each checkpoint (spares a directory listing per load).
         self._found: checkpoint.LoadMemo = {}
         self.log = timer_log
@@ -189,12 +214,12 @@ class Shard:
         self.writer = writer
         self.fsync = fsync
         self.wheel_sync_records = wheel_sync_records
-        self.recovery: RecoveryReport | None = None
+        #: What crash recovery found and did when this writer opened the shard (None for a reader).
+        self.recovery: CrashRecoveryReport | None = None
         #: Corrupt records read_slot met (each logged with its position) and skipped.
         self.corrupt_seen = 0
         #: Slots with at least this many records may be read by a scan (see read_slot).
         self.dense_slot_min = DENSE_SLOT_MIN
-        self.dense_columns_min = DENSE_COLUMNS_MIN
         self._lock_fd = lock_fd
         self._unsynced_records = 0
         self._segment_max: dict[int, int] = {}
@@ -245,12 +270,7 @@ class Shard:
             )
 
         os.makedirs(directory, exist_ok=True)
-        lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise FencedError(f"shard {directory} is already open for writing (lock {LOCK_FILE} is held)") from None
+        lock_fd = lock_writer(directory)
         timer_log: TimerLog | None = None
         wheel: TimerWheel | None = None
         try:
@@ -270,7 +290,7 @@ class Shard:
                 writer=True, fsync=fsync, wheel_sync_records=wheel_sync_records, lock_fd=lock_fd,
             )
             ckpt = shard.load_enqueue_checkpoint()
-            shard.recovery = recover(timer_log, wheel, ckpt.flushed_pos if ckpt else None)
+            shard.recovery = recover_from_crash(timer_log, wheel, ckpt.flushed_pos if ckpt else None)
             return shard
         except BaseException:
             if wheel is not None:
@@ -449,52 +469,54 @@ class Shard:
         log.error("shard %s: corrupt TimerLog record at position %d (reading slot %d): %s; skipped",
                   self.directory, pos, slot_time, why)
 
-    def read_slot(self, slot_time: int, limit_pos: int | None = None) -> Iterator[tuple[int, TimerRecord]]:
-        """The slot's records, newest first, by following prev_pos from the slot's last_pos.
+    def read_slot(self, slot_time: int, limit_pos: int | None = None) -> Iterator[SlotPiece]:
+        """The slot's records, newest first, column-wise: (positions, records) pieces of at most
+        SLOT_PIECE_RECORDS records each, so that a slot of any size is read in bounded memory.
 
         Positions >= ``limit_pos`` are never read (readers pass the published flushed_pos; the
         default is the end of the log for the writer, the enqueue checkpoint's flushed_pos for a
-        reader). A record that fails its checks is reported and skipped, and the rest of the slot
-        is then found by a scan back to the slot's first_pos, so it does not hide its neighbours.
-        A dense slot (a burst) is read by that scan from the start: the same records, in the same
-        order, without a pread per record; corrupt records met in its stretch are reported too.
+        reader). A slot is read by following prev_pos from its last_pos, one pread per record; a
+        dense slot (a burst: at least ``dense_slot_min`` records, and at least one in
+        DENSE_SLOT_SHARE of the TimerLog's records between its first and its last) by a
+        vectorised scan of that stretch instead: the same records, in the same order. A record
+        that fails its checks is reported and skipped, and the rest of the slot is then found by
+        a scan back to the slot's first_pos, so it does not hide its neighbours.
         """
         slot_time = self.slot_time(slot_time)
         limit_pos = self._limit(limit_pos)
         slot = self.slot(slot_time)
-        pos = slot.last_pos
-        stretch = self._dense_stretch(slot, limit_pos, self.dense_slot_min)
+        stretch = self._dense_stretch(slot, limit_pos)
         if stretch is not None:
             yield from self._scan(slot_time, *stretch)
             return
-        while 0 <= slot.first_pos <= pos:
-            if pos >= limit_pos:
-                yield from self._scan(slot_time, slot.first_pos, limit_pos)
-                return
+        first, pos = slot.first_pos, slot.last_pos
+        if 0 <= first <= pos and pos >= limit_pos:  # the chain starts past what may be read
+            yield from self._scan(slot_time, first, limit_pos)
+            return
+        positions: list[int] = []
+        data = bytearray()
+        read = self.log.read_raw
+        while 0 <= first <= pos:
+            raw = read(pos)
             try:
-                record = self.log.read(pos)
+                prev, deliver = check_link(raw, pos)
             except CorruptRecordError:
-                self._report_corrupt(pos, self.log.why_at(pos) or "invalid record", slot_time)
-                yield from self._scan(slot_time, slot.first_pos, pos)
-                return
-            if record.deliver_ms - record.deliver_ms % self.tick_ms != slot_time or record.prev_pos >= pos:
-                self._report_corrupt(pos, f"record fires at {record.deliver_ms} (prev_pos {record.prev_pos}), "
-                                          f"not a link of slot {slot_time}", slot_time)
-                yield from self._scan(slot_time, slot.first_pos, pos)
-                return
-            yield pos, record
-            pos = record.prev_pos
-
-    def read_dense_slot(self, slot_time: int, limit_pos: int | None = None) -> tuple[npt.NDArray[np.int64], RecordArray] | None:
-        """``read_slot`` column-wise, for a dense slot (as in ``read_slot``, but from
-        ``dense_columns_min`` records on): its records' positions and the records, newest first —
-        or None if the slot is not dense, or a record in its stretch fails its checks
-        (``read_slot`` then reports it)."""
-        slot_time = self.slot_time(slot_time)
-        stretch = self._dense_stretch(self.slot(slot_time), self._limit(limit_pos), self.dense_columns_min)
-        if stretch is None:
-            return None
-        return self.log.scan_back_arrays(*stretch, slot_time, self.tick_ms)
+                self._report_corrupt(pos, why_invalid(raw) or "invalid record", slot_time)
+                break
+            if deliver - deliver % self.tick_ms != slot_time or prev >= pos:
+                self._report_corrupt(pos, f"record fires at {deliver} (prev_pos {prev}), not a link of slot {slot_time}",
+                                     slot_time)
+                break
+            positions.append(pos)
+            data += raw
+            if len(positions) == SLOT_PIECE_RECORDS:
+                yield _piece(positions, data)
+                positions, data = [], bytearray()
+            pos = prev
+        if positions:
+            yield _piece(positions, data)
+        if 0 <= first <= pos:  # the chain broke at pos: the rest of the slot lies below it
+            yield from self._scan(slot_time, first, pos)
 
     def _limit(self, limit_pos: int | None) -> int:
         """``limit_pos`` of read_slot: by default the log's end for the writer, else what enqueue.ckpt says is flushed."""
@@ -505,21 +527,21 @@ class Shard:
         published = self.load_enqueue_checkpoint()
         return published.flushed_pos if published else 0
 
-    def _dense_stretch(self, slot: Slot, limit_pos: int, min_records: int) -> tuple[int, int] | None:
+    def _dense_stretch(self, slot: Slot, limit_pos: int) -> tuple[int, int] | None:
         """[lo, hi) to scan for a dense slot, or None to follow its chain. A slot run is exactly
         the valid records of its time from first_pos on, so when they are a good share of that
         stretch one vectorised scan beats a pread per link."""
         span = (min(slot.last_pos, limit_pos - RECORD_SIZE) - slot.first_pos) // RECORD_SIZE + 1
-        if slot.num >= min_records and slot.num * DENSE_SLOT_SHARE >= span > 0:
+        if slot.num >= self.dense_slot_min and slot.num * DENSE_SLOT_SHARE >= span > 0:
             return slot.first_pos, min(slot.last_pos + RECORD_SIZE, limit_pos)
         return None
 
-    def _scan(self, slot_time: int, lo: int, hi: int) -> Iterator[tuple[int, TimerRecord]]:
-        for pos, record, why in self.log.scan_back(lo, hi, slot_time, self.tick_ms):
-            if record is None:
-                self._report_corrupt(pos, why or "invalid record", slot_time)
-            else:
-                yield pos, record
+    def _scan(self, slot_time: int, lo: int, hi: int) -> Iterator[SlotPiece]:
+        for positions, records, bad in self.log.scan_back_arrays(lo, hi, slot_time, self.tick_ms, SLOT_PIECE_RECORDS):
+            for pos, why in bad:
+                self._report_corrupt(pos, why, slot_time)
+            if len(positions):
+                yield positions, records
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -528,7 +550,7 @@ class Shard:
 
     def save_enqueue_checkpoint(self, ckpt: EnqueueCheckpoint) -> None:
         """Atomically replace enqueue.ckpt (FencedError if it holds a newer epoch)."""
-        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync, self._saved)
+        checkpoint.save_enqueue(self._path(ENQUEUE_CKPT), ckpt, self.fsync)
 
     def load_enqueue_checkpoint(self) -> EnqueueCheckpoint | None:
         """The published enqueue checkpoint as it is now on the volume, or None (a newer owner's file is
@@ -537,7 +559,7 @@ class Shard:
 
     def save_dequeue_checkpoint(self, ckpt: DequeueCheckpoint) -> None:
         """Atomically replace dequeue.ckpt (FencedError if it holds a newer epoch)."""
-        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync, self._saved)
+        checkpoint.save_dequeue(self._path(DEQUEUE_CKPT), ckpt, self.fsync)
 
     def load_dequeue_checkpoint(self) -> DequeueCheckpoint | None:
         """The published dequeue checkpoint as it is now on the volume, or None (see above)."""
@@ -595,3 +617,8 @@ class Shard:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
+
+
+def _piece(positions: list[int], data: bytearray) -> SlotPiece:
+    """A piece of a slot read by its links: the positions and the records' bytes as arrays."""
+    return np.array(positions, dtype=np.int64), np.frombuffer(data, dtype=RECORD_DTYPE)

@@ -31,11 +31,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from timerwheel.config import RECORD_SIZE
 from timerwheel.errors import ConfigError, CorruptRecordError, FormatMismatchError, TimerwheelError
 from timerwheel.files import FILE_MODE, fsync_dir, pwrite_all
 from timerwheel.store.format import (
     RECORD_DTYPE,
+    RECORD_SIZE,
     RecordArray,
     TimerRecord,
     pack_records,
@@ -350,6 +350,11 @@ class TimerLog:
 
     def read(self, pos: int) -> TimerRecord:
         """The record at ``pos``. CorruptRecordError if it fails its checks, IndexError if not held."""
+        return unpack_record(self.read_raw(pos), pos)
+
+    def read_raw(self, pos: int) -> bytes:
+        """The unchecked bytes of the record at ``pos`` (short if the log ends inside it; a stale
+        view of them is read again fresh if they do not check). IndexError if not held."""
         if pos < 0 or pos % RECORD_SIZE:
             self._check_pos(pos)
         offset = pos % self.segment_bytes
@@ -358,9 +363,7 @@ class TimerLog:
             data = self._read_fresh(pos, RECORD_SIZE)
         if not data:
             raise IndexError(f"TimerLog {self.directory} holds nothing at position {pos}")
-        if len(data) < RECORD_SIZE:
-            raise CorruptRecordError(pos, f"short record: {len(data)} of {RECORD_SIZE} bytes")
-        return unpack_record(data, pos)
+        return data
 
     def read_into(self, pos: int, buf: memoryview) -> int:
         """Read raw bytes at ``pos`` into ``buf``, stopping at the segment's end; returns the count."""
@@ -406,6 +409,32 @@ class TimerLog:
                 yield lo, np.frombuffer(buf, dtype=RECORD_DTYPE, count=(hi - lo) // RECORD_SIZE)
                 hi = lo
 
+    def read_segment(self, base: int, buf: bytearray) -> tuple[RecordArray, memoryview]:
+        """The segment that starts at ``base``, whole, as its file holds it now, read into ``buf``
+        (at least ``segment_bytes`` long; the results are views of it, valid until it is reused):
+        its whole records as a writable RECORD_DTYPE array, unchecked, and its bytes as read, a
+        partial record at its end included, with what is changed through the records.
+
+        For a tool that reads a stopped shard's log one segment at a time (``repair.change_window``);
+        the file is opened afresh, so a segment replaced since the last read is read as it is now."""
+        self._check_pos(base)
+        if base % self.segment_bytes:
+            raise ValueError(f"TimerLog position {base} is not a segment's base (segments of {self.segment_bytes} bytes)")
+        if len(buf) < self.segment_bytes:
+            raise ValueError(f"a buffer of {len(buf)} bytes cannot hold a segment of {self.segment_bytes}")
+        view = memoryview(buf)[: self.segment_bytes]
+        fd = os.open(self._path(base), os.O_RDONLY)
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], got)
+                if n == 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        return np.frombuffer(buf, dtype=RECORD_DTYPE, count=got // RECORD_SIZE), view[:got]
+
     def iter_range(self, start: int, end: int) -> Iterator[tuple[int, TimerRecord]]:
         """(position, record) for [start, end), oldest first; CorruptRecordError at a bad record."""
         for first, arr in self.iter_chunks(start, end):
@@ -448,26 +477,27 @@ class TimerLog:
                     yield pos, None, why_invalid(arr[k : k + 1].tobytes()) or "invalid record"
 
     def scan_back_arrays(
-        self, lo: int, hi: int, slot_time: int, tick_ms: int
-    ) -> tuple[npt.NDArray[np.int64], RecordArray] | None:
-        """``scan_back`` column-wise: the positions and the records firing in ``slot_time``, newest
-        first; None if any record of [lo, hi) fails its checks (``scan_back`` reports those)."""
-        positions, records = [], []
-        for first, arr, ok, hits in self._slot_hits(lo, hi, slot_time, tick_ms):
-            if not ok.all():
-                return None
-            positions.append(first + RECORD_SIZE * hits)
-            records.append(arr[hits])  # a copy: ``arr`` is a reused buffer
-        if not positions:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=RECORD_DTYPE)
-        return np.concatenate(positions).astype(np.int64), np.concatenate(records)
+        self, lo: int, hi: int, slot_time: int, tick_ms: int, chunk_records: int = CHUNK_RECORDS
+    ) -> Iterator[tuple[npt.NDArray[np.int64], RecordArray, list[tuple[int, str]]]]:
+        """``scan_back`` column-wise, a chunk of ``chunk_records`` at a time, newest first: the
+        positions and the records (a copy) of the valid records firing in ``slot_time``, and
+        (position, why) of each record that fails its checks."""
+        for first, arr, ok, hits in self._slot_hits(lo, hi, slot_time, tick_ms, chunk_records):
+            good = ok[hits]
+            positions = first + RECORD_SIZE * hits.astype(np.int64)
+            if good.all():
+                yield positions, arr[hits], []
+                continue
+            bad = [(first + RECORD_SIZE * k, why_invalid(arr[k : k + 1].tobytes()) or "invalid record")
+                   for k in hits[~good].tolist()]
+            yield positions[good], arr[hits[good]], bad
 
     def _slot_hits(
-        self, lo: int, hi: int, slot_time: int, tick_ms: int
+        self, lo: int, hi: int, slot_time: int, tick_ms: int, chunk_records: int = CHUNK_RECORDS
     ) -> Iterator[tuple[int, RecordArray, npt.NDArray[np.bool_], npt.NDArray[np.intp]]]:
         """Newest chunk first over [lo, hi): (first position, chunk, valid mask, indices newest
         first of its records that fire in ``slot_time`` or fail their checks)."""
-        for first, arr in self.iter_chunks(max(lo, self.start_pos), hi, reverse=True):
+        for first, arr in self.iter_chunks(max(lo, self.start_pos), hi, reverse=True, chunk_records=chunk_records):
             ok = valid_mask(arr)
             if not ok.all() and self._stale(first, len(arr) * RECORD_SIZE):
                 fresh = self._read_fresh(first, len(arr) * RECORD_SIZE)

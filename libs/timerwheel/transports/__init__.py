@@ -1,5 +1,6 @@
-"""Transports: the commit log (Kafka or local segment files) and the work queues (Redis Streams or
-in-process). Stages only see the protocols in ``base``."""
+"""Transports: the commit log (Kafka in ``kafka/``, local segment files in ``local/``) and the work
+queues (Redis Streams in ``redisq``, in-process in ``memory``). Stages only see the protocols in
+``base``; both commit logs keep records read once in a ``readcache.ReadCache``."""
 
 from timerwheel.transports.base import CommitLog, Consumer, LeaseStore, WorkQueue
 

@@ -6,12 +6,28 @@
 production, in-process queues embedded). ``LeaseStore`` grants shard ownership with a
 monotonically increasing epoch (fencing); ``MemberStore`` lists the live replicas of a
 shard-owning stage, among which the shards are balanced.
+
+What only some transports can do is a capability of its own, a ``runtime_checkable`` protocol
+that a caller asks for with ``isinstance``:
+
+- ``FollowingLog``: ``follow(topic)`` keeps a topic's records in memory for ``read``
+  (both commit logs, each its own way; dequeue-getmsg asks it for the timer topic);
+- ``ExpiringLog``: ``expire`` deletes what is older than the retention (the local log; Kafka
+  keeps its own ``retention.ms``);
+- ``AtomicLog``: ``append_atomic`` writes records all or none (Kafka's transactions;
+  ``TimerClient.reschedule``);
+- ``ReportsUndecodable``: a consumer that sets aside a partition whose next batch cannot be
+  decoded and says which in ``undecodable`` (Kafka's; enqueue-get reports them as metrics).
+
+A work queue says whether it hands entries over inside this process (``WorkQueue.in_process``):
+the stages then put entry objects into it without encoding them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from timerwheel.records import OutRecord, Record
 
@@ -72,6 +88,17 @@ class CommitLog(Protocol):
         """Partition -> oldest offset still held."""
         ...
 
+    def cluster_id(self) -> str | None:
+        """The id of the cluster (of the local log: its directory's), None if it cannot tell; a
+        cluster or log made again has another."""
+        ...
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of this incarnation of ``topic``, None if it does not exist or the log cannot
+        tell; a topic deleted and made again has another. The offsets a data directory's shards
+        checkpointed belong to one incarnation (``store.deployment.Source``)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -103,6 +130,57 @@ class GroupCommitLog(CommitLog, Protocol):
         ...
 
 
+@runtime_checkable
+class FollowingLog(Protocol):
+    """A commit log that can keep a topic's records in memory for ``read`` (a ``ReadCache``)."""
+
+    def follow(self, topic: str) -> None:
+        """From now on, keep records of ``topic`` this log reads, so that ``read`` serves them
+        from memory (a no-op when the log's read cache is sized 0)."""
+        ...
+
+
+@runtime_checkable
+class ExpiringLog(Protocol):
+    """A commit log that enforces a retention by time itself (Kafka's brokers do their own)."""
+
+    def expire(self, now_ms: int, retention_ms: int) -> int:
+        """Delete what is older than ``retention_ms`` at ``now_ms``; returns the segments deleted."""
+        ...
+
+
+@runtime_checkable
+class AtomicLog(Protocol):
+    """A commit log that can write several records all or none."""
+
+    def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+        """As ``CommitLog.append``, in one transaction: a reader sees every record or none; on
+        failure nothing was written."""
+        ...
+
+
+@dataclass
+class Undecodable:
+    """A partition whose next batch cannot be decoded: where, why, since when (monotonic), tries so far."""
+
+    partition: int
+    offset: int
+    reason: str
+    since: float
+    tries: int = 1
+
+
+@runtime_checkable
+class ReportsUndecodable(Protocol):
+    """A consumer that sets aside a partition whose next batch cannot be decoded (corruption, a
+    codec it lacks) and reads the others on."""
+
+    @property
+    def undecodable(self) -> Mapping[int, Undecodable]:
+        """partition -> why it is set aside, for as long as it is."""
+        ...
+
+
 class WorkQueue(Protocol):
     """One named queue with ``partitions`` partitions (one per shard), each bounded.
 
@@ -111,10 +189,14 @@ class WorkQueue(Protocol):
     consumer died, or is stuck) to another consumer. A consumer that says it is alive with
     ``heartbeat`` and then stops saying so is dead: its entries are claimable sooner, after
     ``dead_idle_ms``.
+
+    ``in_process`` is True for a queue whose entries never leave this process: it takes any
+    object as an entry (``stages.codec.wire`` then skips the encoding) and needs no heartbeats.
     """
 
     name: str
     partitions: int
+    in_process: bool
 
     def put(self, partition: int, entries: Sequence[bytes], timeout_s: float) -> None:
         """Append; blocks while the partition holds ``bound`` entries or more, or ``max_bytes``

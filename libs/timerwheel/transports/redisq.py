@@ -189,6 +189,9 @@ class RedisWorkQueue:
     timeout), looping until ``timeout_s`` instead.
     """
 
+    #: Entries are bytes in Redis, shared by processes (``WorkQueue.in_process``).
+    in_process = False
+
     def __init__(
         self,
         client: redis.Redis,

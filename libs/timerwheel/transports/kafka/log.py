@@ -1,0 +1,180 @@
+"""KafkaCommitLog: the production commit log, Apache Kafka through kafka-python.
+
+A facade over the package's parts, each with its own guarantees in its header:
+
+- ``producer.Appender``: ``append`` (durable, per-record outcome, never blocked by a missing
+  destination) and ``append_atomic`` (one transaction: ``AtomicLog``);
+- ``reader.Reader``: ``read`` by (partition, offset), dequeue-getmsg's hot path, served from the
+  ``ReadCache`` first; ``follow`` (``FollowingLog``) adds a ``follower.Follower`` that reads the
+  topic ahead into the same cache;
+- ``consumers``: ``consumer`` (from the caller's offsets) and ``group_consumer`` (a group member);
+- ``admin.Topics``: topics, partition counts, retention.
+
+Every codec a producer may have used is decodable (``codecs.check_codecs`` refuses to build a log
+otherwise, naming the library). The clients are created lazily and each is guarded by its own
+lock: one ``KafkaCommitLog`` may be shared by a stage's threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from timerwheel.clock import Clock
+from timerwheel.config import KAFKA_COMPRESSIONS, TimerConfig
+from timerwheel.records import OutRecord, Record
+from timerwheel.transports.kafka.admin import Topics
+from timerwheel.transports.kafka.clients import BATCHED_FETCH, KafkaClients
+from timerwheel.transports.kafka.codecs import check_codecs
+from timerwheel.transports.kafka.consumers import KafkaConsumerAdapter, KafkaGroupConsumer
+from timerwheel.transports.kafka.errors import kafka_call
+from timerwheel.transports.kafka.follower import Follower
+from timerwheel.transports.kafka.producer import Appender
+from timerwheel.transports.kafka.reader import Reader
+from timerwheel.transports.readcache import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, ReadCache
+
+__all__ = ["KafkaCommitLog"]
+
+
+class KafkaCommitLog:
+    """``CommitLog`` on a Kafka cluster (also ``GroupCommitLog``, ``FollowingLog``, ``AtomicLog``).
+    See the module header and those of its parts for the guarantees."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        client_id: str = "timerwheel",
+        clock: Clock | None = None,
+        request_timeout_s: float = 30.0,
+        read_timeout_s: float = 15.0,
+        read_gap: int = 50,
+        read_cache_records: int = DEFAULT_MAX_RECORDS,
+        read_cache_bytes: int = DEFAULT_MAX_BYTES,
+        fetch_bytes: int = 4 * 1024 * 1024,
+        max_request_size: int = 1024 * 1024,
+        stall_timeout_s: float = 8.0,
+        compression: str = "none",
+        metadata_wait_s: float = 0.5,
+        creating_wait_s: float = 15.0,
+        missing_topic_recheck_s: float = 5.0,
+        security: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not bootstrap:
+            raise ValueError("KafkaCommitLog: bootstrap must name at least one broker, got ''")
+        if compression not in KAFKA_COMPRESSIONS:
+            raise ValueError(f"KafkaCommitLog: compression must be one of {', '.join(KAFKA_COMPRESSIONS)}, "
+                             f"got {compression!r}")
+        check_codecs()
+        self.bootstrap = bootstrap
+        self._clients = KafkaClients(bootstrap, client_id, request_timeout_s, fetch_bytes, security)
+        self.topics = Topics(self._clients, missing_topic_recheck_s)
+        self.appender = Appender(self._clients, self.topics, clock=clock,
+                                 compression=None if compression == "none" else compression,
+                                 max_request_size=max_request_size, stall_timeout_s=stall_timeout_s,
+                                 metadata_wait_s=metadata_wait_s, creating_wait_s=creating_wait_s)
+        #: Records read before (walked past by a read, or read ahead by the follower), for ``read``.
+        self.read_cache = ReadCache(read_cache_records, read_cache_bytes)
+        self.reader = Reader(self._clients, self.read_cache, read_timeout_s=read_timeout_s, read_gap=read_gap)
+        #: The thread ``follow`` started (None until then, and once closed).
+        self.follower: Follower | None = None
+
+    @classmethod
+    def from_config(cls, cfg: TimerConfig, bootstrap: str | None = None, **options: Any) -> KafkaCommitLog:
+        """The commit log on ``cfg.kafka_bootstrap`` (or ``bootstrap``) with ``cfg``'s compression
+        and security settings: how every part of timerwheel connects to Kafka."""
+        from timerwheel.security import kafka_client_options
+
+        options.setdefault("compression", cfg.kafka_compression)
+        options.setdefault("read_cache_bytes", cfg.read_cache_bytes)
+        options.setdefault("fetch_bytes", cfg.batch_bytes)
+        return cls(bootstrap or cfg.kafka_bootstrap, security=kafka_client_options(cfg), **options)
+
+    # -- topics ------------------------------------------------------------------------------
+
+    def ensure_topic(self, topic: str, partitions: int, *, configs: Mapping[str, str] | None = None) -> int:
+        """Create ``topic`` with ``partitions`` partitions (and topic ``configs`` such as
+        ``retention.ms``) if it is missing; return its partition count. An existing topic is
+        left as it is, whatever its count."""
+        return self.topics.ensure(topic, partitions, configs)
+
+    def partitions(self, topic: str) -> int:
+        return self.topics.partitions(topic)
+
+    def partition_count(self, topic: str) -> int | None:
+        return self.topics.partition_count(topic)
+
+    def topic_retention_ms(self, topic: str) -> int | None:
+        """The topic's effective ``retention.ms``; None when unlimited. The service refuses to
+        start when this is under roll window x 1.5."""
+        return self.topics.retention_ms(topic)
+
+    # -- identity: which cluster, which incarnation of a topic (the deployment file records both) --
+
+    def cluster_id(self) -> str | None:
+        return self.topics.cluster_id()
+
+    def topic_id(self, topic: str) -> str | None:
+        return self.topics.topic_id(topic)
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        found = self.reader.list_offsets(self.topics.topic_partitions(topic), beginning=False)
+        return {tp.partition: o for tp, o in found.items()}
+
+    def start_offsets(self, topic: str) -> dict[int, int]:
+        found = self.reader.list_offsets(self.topics.topic_partitions(topic), beginning=True)
+        return {tp.partition: o for tp, o in found.items()}
+
+    # -- writing and reading -----------------------------------------------------------------
+
+    def append(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+        return self.appender.append(records)
+
+    def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+        """Append ``records`` in one Kafka transaction: a ``read_committed`` reader (every stage)
+        sees all of them or none."""
+        return self.appender.append_atomic(records)
+
+    def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
+        return self.reader.read(topic, positions)
+
+    def follow(self, topic: str) -> None:
+        """Read ``topic`` ahead from its end, in a thread of its own, into the cache that ``read``
+        serves from. Off again by itself while few of the records it keeps are asked for."""
+        if not self.read_cache.enabled or self.follower is not None:
+            return
+        self._clients.check_open()
+        self.follower = Follower(self._clients, self.read_cache, topic, self.topics.topic_partitions)
+        self.follower.start()
+
+    # -- consumers ---------------------------------------------------------------------------
+
+    def consumer(self, topic: str, offsets: Mapping[int, int], *,
+                 monitor_group: str | None = None) -> KafkaConsumerAdapter:
+        """A consumer of ``topic`` at ``offsets``. With ``monitor_group``, ``commit_positions``
+        records progress in that group for monitoring only; resumption uses the caller's
+        checkpoints."""
+        with kafka_call(f"consumer for topic {topic!r}"):
+            return KafkaConsumerAdapter(
+                lambda: self._clients.consumer(f"consumer-{topic}", group_id=monitor_group, **BATCHED_FETCH),
+                topic, offsets, monitor_group)
+
+    def group_consumer(self, group: str, topics: Sequence[str],
+                       options: Mapping[str, object] | None = None) -> KafkaGroupConsumer:
+        """A member of consumer group ``group`` subscribed to ``topics`` (``GroupConsumer``):
+        offsets are committed only by ``commit``; ``options`` are more ``KafkaConsumer`` settings
+        (``group_instance_id``, ``session_timeout_ms``, ``auto_offset_reset``, ...)."""
+        settings: dict[str, Any] = {"group_id": group, **(options or {})}
+        consumer = self._clients.consumer(f"group-{group}", **settings)
+        with kafka_call(f"subscribe group {group!r} to {', '.join(topics)}"):
+            consumer.subscribe(list(topics))
+        return KafkaGroupConsumer(consumer, group)
+
+    def close(self) -> None:
+        self._clients.closed = True
+        if self.follower is not None:
+            self.follower.stop()
+            self.follower = None
+        self.appender.close()
+        self.reader.close()
+        self.topics.close()

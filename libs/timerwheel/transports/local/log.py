@@ -1,0 +1,304 @@
+"""LocalCommitLog: the embedded mode's commit log, Kafka's interface on local segment files.
+
+Topics live in a directory (``layout``), each partition in segment files (``segments``, where
+the guarantees are: dense offsets under concurrent processes, torn tails cut, CRCs checked,
+retention by whole segments); ``consumers`` reads them, ``partitioner`` places keyed records as
+Kafka's default partitioner would. ``read`` serves a followed topic's records from the
+``ReadCache`` its consumers fill (``follow``, ``FollowingLog``); ``expire`` is the retention by
+time (``ExpiringLog``) Kafka's brokers keep on their own.
+
+Assumes one machine (flock, a shared page cache); not for network file systems.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import json
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from timerwheel.clock import Clock, SystemClock
+from timerwheel.errors import TimerwheelError
+from timerwheel.files import FILE_MODE, atomic_write, fsync_dir
+from timerwheel.records import OutRecord, Record
+from timerwheel.transports.local.consumers import LocalConsumer, LocalGroupConsumer
+from timerwheel.transports.local.frames import encode_bodies
+from timerwheel.transports.local.layout import (
+    FORMAT_VERSION,
+    LOG_ID_FILE,
+    check_name,
+    commit_log_dir,
+    valid_name,
+)
+from timerwheel.transports.local.partitioner import kafka_partitions
+from timerwheel.transports.local.segments import DEFAULT_SEGMENT_BYTES, PartitionLog
+from timerwheel.transports.readcache import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, ReadCache
+
+__all__ = ["LocalCommitLog"]
+
+
+def _json_object(path: Path) -> dict[str, object] | None:
+    """The JSON object in ``path``, or None if there is no such file."""
+    try:
+        body = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    if not isinstance(body, dict):
+        raise TimerwheelError(f"{path}: not a JSON object")
+    return body
+
+
+class LocalCommitLog:
+    """The CommitLog of the embedded mode (see the module header for layout and guarantees).
+
+    ``LocalCommitLog(data_dir)`` given an embedded timerwheel's data directory opens the log in
+    it, ``<data_dir>/log`` (``commit_log_dir``)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        default_partitions: int = 1,
+        fsync: bool = True,
+        clock: Clock | None = None,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        read_cache_records: int = DEFAULT_MAX_RECORDS,
+        read_cache_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        if default_partitions < 1:
+            raise ValueError(f"LocalCommitLog: default_partitions must be >= 1, got {default_partitions}")
+        if segment_bytes < 1:
+            raise ValueError(f"LocalCommitLog: segment_bytes must be >= 1, got {segment_bytes}")
+        self.directory = commit_log_dir(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.default_partitions = default_partitions
+        self.fsync = fsync
+        self.segment_bytes = segment_bytes
+        self._clock: Clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._partitions: dict[tuple[str, int], PartitionLog] = {}
+        self._round_robin: dict[str, Iterator[int]] = {}
+        self._closed = False
+        #: Records this process's consumers read of a followed topic, for ``read`` (see ``follow``).
+        self.read_cache = ReadCache(read_cache_records, read_cache_bytes)
+        #: The topics whose records the consumers keep in ``read_cache``.
+        self.followed: set[str] = set()
+
+    # -- topics -------------------------------------------------------------------------
+
+    def ensure_topic(self, topic: str, partitions: int) -> int:
+        if partitions < 1:
+            raise ValueError(f"ensure_topic {topic!r}: partitions must be >= 1, got {partitions}")
+        return self._topic(topic, partitions)
+
+    def partitions(self, topic: str) -> int:
+        return self._topic(topic, self.default_partitions)
+
+    def partition_count(self, topic: str) -> int | None:
+        """As ``partitions``: the local log creates a topic on first use, so none is ever missing."""
+        return self.partitions(topic)
+
+    def _topic(self, topic: str, create_with: int) -> int:
+        count = self._counts.get(topic)
+        if count is not None:
+            return count
+        check_name("topic", topic)
+        meta = self.directory / topic / "topic.json"
+        with self._lock:
+            if topic not in self._counts:
+                if not meta.exists():
+                    self._create_topic(topic, create_with)
+                self._counts[topic] = int(json.loads(meta.read_text())["partitions"])
+            return self._counts[topic]
+
+    @contextlib.contextmanager
+    def _directory_locked(self) -> Iterator[None]:
+        """The log directory's ``.lock``, held while a topic or an id is made (any process)."""
+        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _create_topic(self, topic: str, partitions: int) -> None:
+        with self._directory_locked():
+            topic_dir = self.directory / topic
+            meta = topic_dir / "topic.json"
+            if meta.exists():  # another process created it first
+                return
+            for p in range(partitions):
+                (topic_dir / str(p)).mkdir(parents=True, exist_ok=True)
+            tmp = topic_dir / f"topic.json.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"format": FORMAT_VERSION, "partitions": partitions, "id": str(uuid.uuid4())}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, meta)
+            fsync_dir(topic_dir)
+            fsync_dir(self.directory)
+
+    # -- identity: which log, which incarnation of a topic (the deployment file records both) --
+
+    def cluster_id(self) -> str:
+        """This log's id, made when first asked: a log directory deleted or replaced has another,
+        as a Kafka cluster made again has."""
+        found = self._id_in(self.directory / LOG_ID_FILE, create=True)
+        assert found is not None
+        return found
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of this incarnation of ``topic`` (None if it does not exist): a topic directory
+        deleted and made again has another."""
+        if not valid_name(topic):
+            return None
+        return self._id_in(self.directory / topic / "topic.json", create=False)
+
+    def _id_in(self, path: Path, *, create: bool) -> str | None:
+        """The ``id`` of the JSON object in ``path``, given one (atomically, under the directory's
+        lock) if it has none; a missing file is made only with ``create``, else None."""
+        body = _json_object(path)
+        if body is not None and isinstance(body.get("id"), str):
+            return str(body["id"])
+        if body is None and not create:
+            return None
+        with self._directory_locked():  # another process may have given it one meanwhile
+            body = _json_object(path) or {}
+            if not isinstance(body.get("id"), str):
+                body["id"] = str(uuid.uuid4())
+                atomic_write(str(path), json.dumps(body).encode(), self.fsync)
+        return str(body["id"])
+
+    def partition_log(self, topic: str, partition: int) -> PartitionLog:
+        """The segments of ``topic``'s partition ``partition`` (opened on first use)."""
+        part = self._partitions.get((topic, partition))
+        if part is None:
+            count = self.partitions(topic)
+            if not 0 <= partition < count:
+                raise ValueError(f"topic {topic!r} has {count} partitions, no partition {partition}")
+            with self._lock:
+                if self._closed:
+                    raise TimerwheelError(f"LocalCommitLog {self.directory} is closed")
+                part = self._partitions.get((topic, partition))
+                if part is None:
+                    part = self._partitions[(topic, partition)] = PartitionLog(
+                        self.directory / topic / str(partition), topic, partition,
+                        segment_bytes=self.segment_bytes, fsync=self.fsync)
+        return part
+
+    # -- writing ------------------------------------------------------------------------
+
+    def append(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+        if not records:
+            return []
+        groups: dict[tuple[str, int], list[int]] = {}
+        keyed: dict[str, list[int]] = {}
+        for i, r in enumerate(records):
+            if r.partition is not None:
+                count = self.partitions(r.topic)
+                if not 0 <= r.partition < count:
+                    raise ValueError(f"topic {r.topic!r} has {count} partitions, no partition {r.partition}")
+                groups.setdefault((r.topic, r.partition), []).append(i)
+            elif r.key is not None:
+                keyed.setdefault(r.topic, []).append(i)
+            else:
+                p = next(self._round_robin.setdefault(r.topic, itertools.count())) % self.partitions(r.topic)
+                groups.setdefault((r.topic, p), []).append(i)
+        for topic, idxs in keyed.items():
+            keys = [records[i].key or b"" for i in idxs]
+            for i, p in zip(idxs, kafka_partitions(keys, self.partitions(topic)), strict=True):
+                groups.setdefault((topic, p), []).append(i)
+        bodies = encode_bodies(records, self._clock.now_ms())
+        order = sorted(groups)  # one global lock order: no deadlock between processes
+        parts = [self.partition_log(t, p) for t, p in order]
+        result: list[tuple[int, int]] = [(0, 0)] * len(records)
+        with ExitStack() as held:
+            for part in parts:
+                held.enter_context(part.locked())
+            written = []
+            for (topic, p), part in zip(order, parts, strict=True):
+                idxs = sorted(groups[(topic, p)])
+                seg, first = part.write([bodies[i] for i in idxs])
+                written.append(seg)
+                for k, i in enumerate(idxs):
+                    result[i] = (p, first + k)
+            if self.fsync:
+                for seg in written:
+                    os.fdatasync(seg.log_fd)
+                    os.fdatasync(seg.idx_fd)
+        return result
+
+    def delete_before(self, topic: str, partition: int, offset: int) -> int:
+        """Retention: delete whole segments below ``offset``; return the new start offset.
+        Offsets in the rest of the segment that holds ``offset`` stay readable."""
+        part = self.partition_log(topic, partition)
+        with part.locked():
+            return part.delete_before(offset)
+
+    def expire(self, now_ms: int, retention_ms: int) -> int:
+        """Retention by time over every topic: delete whole segments whose newest record is older
+        than ``retention_ms`` (as Kafka's ``retention.ms``); returns the segments deleted."""
+        deleted = 0
+        for meta in sorted(self.directory.glob("*/topic.json")):
+            topic = meta.parent.name
+            for p in range(self.partitions(topic)):
+                part = self.partition_log(topic, p)
+                with part.locked():
+                    deleted += part.expire(now_ms - retention_ms)
+        return deleted
+
+    # -- reading ------------------------------------------------------------------------
+
+    def follow(self, topic: str) -> None:
+        """Keep what this process's consumers of ``topic`` read (within the read cache's bounds),
+        so that ``read`` serves those records from memory: in embedded mode dequeue-getmsg finds a
+        short delay's record where enqueue-get left it, instead of reading and decoding it a
+        second time. A record leaves the cache when served."""
+        if self.read_cache.enabled:
+            self.followed.add(topic)
+
+    def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
+        count = self.partitions(topic)
+        hits = self.read_cache.take(topic, positions) if topic in self.followed else {}
+        if len(hits) < len(positions):  # else every position was in memory (and none repeated)
+            wanted: dict[int, set[int]] = {}
+            for p, o in positions:
+                if 0 <= p < count and o >= 0 and (p, o) not in hits:
+                    wanted.setdefault(p, set()).add(o)
+            for p, offs in wanted.items():
+                for o, rec in self.partition_log(topic, p).read_offsets(sorted(offs)).items():
+                    hits[(p, o)] = rec
+        return list(map(hits.get, positions))
+
+    def consumer(self, topic: str, offsets: Mapping[int, int]) -> LocalConsumer:
+        return LocalConsumer(self, topic, offsets)
+
+    def group_consumer(self, group: str, topics: Sequence[str],
+                       options: Mapping[str, object] | None = None) -> LocalGroupConsumer:
+        """The one member of consumer group ``group`` reading ``topics`` (``GroupConsumer``); the
+        group's offsets live in ``GROUPS_DIR`` beside the topics. The local log takes no options."""
+        if options:
+            raise ValueError(f"group {group!r}: the local log takes no consumer options, got {sorted(options)}")
+        return LocalGroupConsumer(self, group, topics)
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        return {p: self.partition_log(topic, p).end() for p in range(self.partitions(topic))}
+
+    def start_offsets(self, topic: str) -> dict[int, int]:
+        return {p: self.partition_log(topic, p).start() for p in range(self.partitions(topic))}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            parts, self._partitions = list(self._partitions.values()), {}
+        for part in parts:
+            with part.write_lock:
+                part.close()
+
