@@ -71,6 +71,8 @@ def test_spark_jobs_render_valid_manifests_running_the_cli(helm: str) -> None:
         args = make_parser().parse_args(c["args"])  # the CLI accepts exactly what the pod runs
         assert args.kafka == "kafka:9092" and args.master == "local[2]"
         assert pod["automountServiceAccountToken"] is False  # local[*]: nothing to ask the API server
+        # named: an upgrade from spark.kubernetes would leave the Spark one in the deprecated alias
+        assert pod["serviceAccountName"] == "default"
         assert {"name": "TW_SPARK_DRIVER_MEMORY", "value": "2g"} in c["env"]
         assert "SPARK_CONF_DIR" not in {e["name"] for e in c["env"]}
         if name == "audit":
