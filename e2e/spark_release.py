@@ -1,5 +1,5 @@
 """The chart's Spark jobs on the local cluster (scripts/k8s.sh), for e2e/test_k8s_spark.py and
-``python -m bench spark-k8s``.
+``python -m bench.bench_spark_k8s``.
 
 ``spark_release`` loads the Spark image (``scripts/k8s.sh load-image spark``) and yields a
 :class:`SparkRelease`: a namespace of its own, a hostPath volume bound to the claim the chart
