@@ -64,6 +64,7 @@ demo: setup-run
 
 ## Command 2: the whole suite. Fixtures start Kafka and Redis through scripts/ when needed.
 test: setup-spark
+	scripts/prebuild.sh --background  # helm, Prometheus, the registry, Kubernetes: built while the first tests run
 	$(BIN)/pytest -q -p no:cacheprovider
 
 test-fast: setup-spark

@@ -738,9 +738,9 @@ class Collector:
 
 def late_hops(pipe: Pipeline, targets: dict[str, Scheduled], timeout_s: float = 60) -> dict[str, int]:
     """Of ``targets`` (rolled messages), those whose last roll hop reached the timer topic only at
-    or after their delivery time: id -> when (the hop record's timestamp). Their cancels may miss
-    (README, Delivery guarantees: dequeue-get read the roll slot more than a third of the roll
-    window late), which a test must tell apart from a cancel that should have met its target."""
+    or after their delivery time: id -> when (the hop record's timestamp). Such a hop lands in a
+    slot after its cancel's, and the cancel misses: what happened before W was capped at R plus a
+    third of the roll window (issue 30), the first thing to look at when a cancel leaks."""
     consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
                              client_id=f"e2e-hops-{pipe.uid}", **pipe.kafka_options)
     try:

@@ -41,7 +41,7 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -419,6 +419,26 @@ class FrozenThread:
             os.waitpid(self.tid, os.WNOHANG | self.WALL)
 
 
+@contextlib.contextmanager
+def frozen_stage(ip: str, pid: int) -> Iterator[None]:
+    """A stage pod's main thread (host pid ``pid``) held in a ptrace stop while its HTTP thread at
+    ``ip`` answers on, for the block. A thread stopped while it holds the GIL stops the HTTP thread
+    too (then the liveness probe, not the operator or an alert, would act): try again until the pod
+    still answers."""
+    for _attempt in range(30):
+        frozen = FrozenThread(pid).__enter__()
+        if _answers(ip) and _answers(ip):
+            break
+        frozen.__exit__()
+        time.sleep(0.2 + random.random() / 2)
+    else:
+        pytest.fail("the stage's main thread could not be stopped without its HTTP thread", pytrace=False)
+    try:
+        yield
+    finally:
+        frozen.__exit__()
+
+
 def _stage_pid(stage: str) -> int:
     """The host pid of the one ``timerwheel stage STAGE`` process (the pods' pid namespaces are
     children of the host's)."""
@@ -461,18 +481,7 @@ def test_a_stalled_shard_is_degraded_its_owner_restarted_and_it_recovers(install
         time.sleep(8)
         (reader,) = _running(rel, "dequeue-get")
         ip, pid = reader["status"]["podIP"], _stage_pid("dequeue-get")
-        with contextlib.ExitStack() as hold:
-            # A thread stopped while it holds the GIL stops the HTTP thread too (then the liveness
-            # probe, not the operator, would act): try again until the pod still answers.
-            for _attempt in range(30):
-                frozen = hold.enter_context(FrozenThread(pid))
-                if _answers(ip) and _answers(ip):
-                    break
-                frozen.__exit__()
-                hold.pop_all()
-                time.sleep(0.2 + random.random() / 2)
-            else:
-                pytest.fail("dequeue-get's main thread could not be stopped without its HTTP thread", pytrace=False)
+        with frozen_stage(ip, pid):
             stalled_ms = now_ms()
             t0 = time.monotonic()
             _wait("Degraded (ShardStalled)", _condition_seen(rel, seen, lambda: "Degraded/ShardStalled" in seen),

@@ -16,9 +16,7 @@ release to resolving.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import random
 import re
 import signal
 import subprocess
@@ -35,7 +33,7 @@ import yaml
 from harness import LoadRun, tail
 from infra import free_port
 from k8s_cluster import ROOT
-from test_k8s_day2 import FrozenThread, _answers, _running, _stage_pid
+from test_k8s_day2 import _answers, _running, _stage_pid, frozen_stage
 from test_k8s_helm import NAMESPACE, RELEASE, WHEEL, Release, release  # noqa: F401 - the fixture
 from timerwheel_operator.monitoring import DASHBOARDS
 
@@ -279,18 +277,7 @@ def test_a_stalled_stage_fires_its_alert_and_it_resolves_after_recovery(monitore
     assert not [a for a in prom.alerts(name) if a["state"] == "firing"], prom.alerts(name)
     (reader,) = _running(rel, "dequeue-get")
     ip, pid = reader["status"]["podIP"], _stage_pid("dequeue-get")
-    with contextlib.ExitStack() as hold:
-        # As the day-2 stall test: a thread stopped while it holds the GIL stops the HTTP thread
-        # too; try again until the pod still answers (its metrics must keep coming).
-        for _attempt in range(30):
-            frozen = hold.enter_context(FrozenThread(pid))
-            if _answers(ip) and _answers(ip):
-                break
-            frozen.__exit__()
-            hold.pop_all()
-            time.sleep(0.2 + random.random() / 2)
-        else:
-            pytest.fail("dequeue-get's main thread could not be stopped without its HTTP thread", pytrace=False)
+    with frozen_stage(ip, pid):  # its metrics must keep coming
         firing = _wait(f"{name} firing", lambda: any(a["state"] == "firing" for a in prom.alerts(name)), 240,
                        lambda: json.dumps(prom.alerts(name)) + rel.diagnosis())
         alert = next(a for a in prom.alerts(name) if a["state"] == "firing")

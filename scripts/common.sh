@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# What scripts/kafka.sh and scripts/redis.sh share: sourced by both after they set NAME (kafka,
-# redis), which names the state and prefixes the messages.
+# What the scripts share (kafka, redis, k8s, registry, spark, chromium, helm, prometheus, peers):
+# sourced after they set NAME, which names the state and prefixes the messages.
 #
 # Defines ROOT (the checkout), RUN (.run/), STATE (.run/NAME/), ENV_FILE (.run/NAME.env),
 # PID_FILE (.run/NAME/NAME.pid) and PYTHON (the caller's, else .venv/bin/python, else python3),
@@ -21,6 +21,24 @@ fi
 
 log() { echo "$NAME.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
+
+# The Go toolchain that builds test infrastructure: GO, else `go` on PATH, else /usr/local/go/bin/go.
+go_bin() {
+    if [[ -n "${GO:-}" ]]; then [[ -x "$GO" ]] && echo "$GO"; return; fi
+    command -v go 2>/dev/null && return
+    [[ -x /usr/local/go/bin/go ]] && { echo /usr/local/go/bin/go; return; }
+    return 1
+}
+
+# build_lock WHAT: hold ${TW_CACHE_DIR:-~/.cache/timerwheel}/WHAT-build.lock until the script exits,
+# so that two checkouts, or a test and `scripts/prebuild.sh` in the background, never build the same
+# binary at once: the second waits, then finds it cached.
+build_lock() {
+    local cache="${TW_CACHE_DIR:-$HOME/.cache/timerwheel}"
+    mkdir -p "$cache"
+    exec 7>"$cache/$1-build.lock"
+    flock 7
+}
 
 # Try the package lists we have; refresh them only when the install needs it.
 apt_install() {

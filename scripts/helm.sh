@@ -18,17 +18,13 @@ CACHE="${TW_CACHE_DIR:-$HOME/.cache/timerwheel}"
 BIN_DIR="$CACHE/bin"
 HELM="$BIN_DIR/helm-$VERSION"
 
-log() { echo "helm.sh: $*" >&2; }
-die() { log "$*"; exit 1; }
-
-go_bin() {
-    if [[ -n "${GO:-}" ]]; then [[ -x "$GO" ]] && echo "$GO"; return; fi
-    command -v go 2>/dev/null && return
-    [[ -x /usr/local/go/bin/go ]] && { echo /usr/local/go/bin/go; return; }
-    return 1
-}
+NAME=helm
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 build() {
+    [[ -x "$HELM" ]] && return 0
+    build_lock helm
     [[ -x "$HELM" ]] && return 0
     local go
     go="$(go_bin)" || die "Go is missing: install Go 1.24+ (or set GO=/path/to/go) to build helm $VERSION"

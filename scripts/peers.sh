@@ -23,17 +23,13 @@ CACHE="${TW_CACHE_DIR:-$HOME/.cache/timerwheel}"
 ETF1_DIR="$CACHE/peers/etf1-$ETF1_VERSION"
 ETF1_BIN="$ETF1_DIR/bin/kafka-message-scheduler"
 
-log() { echo "peers.sh: $*" >&2; }
-die() { log "$*"; exit 1; }
-
-go_bin() {
-    if [[ -n "${GO:-}" ]]; then [[ -x "$GO" ]] && echo "$GO"; return; fi
-    command -v go 2>/dev/null && return
-    [[ -x /usr/local/go/bin/go ]] && { echo /usr/local/go/bin/go; return; }
-    return 1
-}
+NAME=peers
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 build_etf1() {
+    [[ -x "$ETF1_BIN" ]] && return 0
+    build_lock etf1
     [[ -x "$ETF1_BIN" ]] && return 0
     local go
     go="$(go_bin)" || die "Go is missing: install Go 1.22+ (or set GO=/path/to/go) to build $ETF1_MODULE $ETF1_VERSION"

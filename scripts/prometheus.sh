@@ -28,17 +28,13 @@ MODULE=github.com/prometheus/prometheus
 OPERATOR_VERSION="${TW_PROMETHEUS_OPERATOR_VERSION:-v0.85.0}"
 OPERATOR_MODULE=github.com/prometheus-operator/prometheus-operator
 
-log() { echo "prometheus.sh: $*" >&2; }
-die() { log "$*"; exit 1; }
-
-go_bin() {
-    if [[ -n "${GO:-}" ]]; then [[ -x "$GO" ]] && echo "$GO"; return; fi
-    command -v go 2>/dev/null && return
-    [[ -x /usr/local/go/bin/go ]] && { echo /usr/local/go/bin/go; return; }
-    return 1
-}
+NAME=prometheus
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 build() {
+    [[ -x "$PROMETHEUS" && -x "$PROMTOOL" ]] && return 0
+    build_lock prometheus
     [[ -x "$PROMETHEUS" && -x "$PROMTOOL" ]] && return 0
     local go
     go="$(go_bin)" || die "Go is missing: install Go 1.25+ (or set GO=/path/to/go) to build Prometheus $VERSION"

@@ -34,14 +34,9 @@ BIN="$CACHE/bin/registry-$VERSION"
 START_TIMEOUT="${TW_REGISTRY_START_TIMEOUT:-30}"
 USER_NAME=timerwheel
 
-go_bin() {
-    if [[ -n "${GO:-}" ]]; then [[ -x "$GO" ]] && echo "$GO"; return; fi
-    command -v go 2>/dev/null && return
-    [[ -x /usr/local/go/bin/go ]] && { echo /usr/local/go/bin/go; return; }
-    return 1
-}
-
 build() {
+    [[ -x "$BIN" ]] && return 0
+    build_lock registry
     [[ -x "$BIN" ]] && return 0
     local go work
     go="$(go_bin)" || die "Go is missing: install Go 1.24+ (or set GO=/path/to/go) to build the registry $VERSION"

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+from kafka import KafkaProducer
 from timerwheel import EmbeddedTimerwheel, SimulatedClock, Ticket, TimerClient, TimerConfig, TimerwheelError
+from timerwheel.records import Record
 from timerwheel.transports.kafka.log import KafkaCommitLog
 
 START = 1_700_000_000_000
@@ -92,3 +95,50 @@ def test_reschedule_on_kafka_writes_cancel_and_new_record_in_one_committed_trans
         assert ends[old.partition] == moved.offset + 2 and moved.offset == cancel.offset + 1
     finally:
         log.close()
+
+
+def test_a_client_id_names_a_stable_transaction_that_fences_and_is_fenced(kafka_bootstrap: str) -> None:
+    """A reschedule's transactional id is the client's, the same in every run: a client starting
+    again aborts at once what a crashed run left open (which held W of its shard back), and of two
+    clients with one id the last to start fences the other, whose next reschedule fails (nothing
+    written) and the one after works again."""
+    uid = uuid.uuid4().hex[:8]
+    topic = f"tw-resched-{uid}"
+    cfg = TimerConfig(timer_topic=topic, timer_partitions=1)
+    logs = [KafkaCommitLog(kafka_bootstrap) for _ in range(3)]
+    crashed = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"timerwheel-reschedule-app-{uid}")
+    try:
+        first, second = (TimerClient(log, cfg, client_id=f"app-{uid}") for log in logs[:2])
+        assert first.transactional_id == f"timerwheel-reschedule-app-{uid}" == second.transactional_id
+        assert TimerClient(logs[2], cfg).client_id.endswith(f"-{topic}")  # host, user, timer topic
+        # A run that crashed inside its transaction: open on the timer partition, the partition's
+        # last stable offset held below it (W waits for such a transaction to end).
+        crashed.init_transactions()
+        crashed.begin_transaction()
+        crashed.send(topic, b"half a reschedule", partition=0)
+        crashed.flush()
+        assert logs[2].end_offsets(topic)[0] < logs[2].high_watermarks(topic)[0]
+        logs[0].append_atomic([], first.transactional_id)  # the client runs again: its producer starts ...
+        assert logs[2].end_offsets(topic) == logs[2].high_watermarks(topic)  # ... and the transaction is over
+        old = first.schedule("orders", b"payload", delay_ms=60_000)
+        t1 = first.reschedule(old, delay_ms=120_000)
+        t2 = second.reschedule(t1, delay_ms=180_000)  # fences first's producer
+        with pytest.raises(TimerwheelError, match="append_atomic"):
+            first.reschedule(t2, delay_ms=240_000)
+        t3 = first.reschedule(t2, delay_ms=240_000)  # a new producer: fences second in turn
+        consumer = logs[2].consumer(topic, {0: 0})  # read_committed
+        try:
+            got: list[Record] = []
+            deadline = time.monotonic() + 10
+            while consumer.position(0) < logs[2].high_watermarks(topic)[0]:
+                assert time.monotonic() < deadline, "the timer partition not read to its end"
+                got += consumer.poll(100, 0.5)
+        finally:
+            consumer.close()
+        ids = [(r.header("tw-cancel") or b"").decode() or "+" + (r.header("tw-id") or b"").decode() for r in got]
+        assert ids == ["+" + old.message_id, old.message_id, "+" + t1.message_id, t1.message_id,
+                       "+" + t2.message_id, t2.message_id, "+" + t3.message_id]  # the fenced try wrote nothing
+    finally:
+        crashed.close(timeout=1)
+        for log in logs:
+            log.close()

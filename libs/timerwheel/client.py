@@ -18,12 +18,24 @@ would only dead-letter; the ``timerwheel schedule`` command does.
 then appends the cancel and the new record together: in one Kafka transaction when the commit log
 has ``append_atomic`` (``KafkaCommitLog``), else in one ``append`` (the local log: one partition,
 as the new record goes to the ticket's timer partition, under that partition's lock).
+
+The transaction's id is the client's own and stable: ``timerwheel-reschedule-<client id>``, the
+client id given to ``TimerClient`` or by default ``<host>-<user>-<timer topic>``
+(``default_client_id``). The service waits for every transaction open on a timer partition before
+it moves ``W`` past it (a cancel behind it must not be passed), so a client that crashes inside
+one holds deliveries of that partition's shard back until Kafka aborts it (a 5 s transaction
+timeout, plus up to the broker's 10 s abort sweep), and a restarted client with the same id
+aborts it at once. Two clients that reschedule at the same time need different ids: the second to
+start fences the first, whose next reschedule fails once (nothing written) and then fences back.
 """
 
 from __future__ import annotations
 
+import getpass
 import itertools
+import os
 import re
+import socket
 import time
 import uuid
 import zlib
@@ -89,12 +101,27 @@ class Timer:
     partition: int | None = None
 
 
+def default_client_id(timer_topic: str) -> str:
+    """``<host>-<user>-<timer topic>``: the same for every run of a client on one machine, so a
+    restarted client ends what its crashed predecessor left open (module header)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container's uid without a passwd entry nor $USER
+        user = str(os.getuid())
+    return f"{socket.gethostname()}-{user}-{timer_topic}"
+
+
 class TimerClient:
     def __init__(self, commit_log: CommitLog, config: TimerConfig | None = None, clock: Clock | None = None,
-                 *, validate: bool = False) -> None:
+                 *, validate: bool = False, client_id: str | None = None) -> None:
+        """``client_id`` names the client's reschedule transactions (module header); default
+        ``default_client_id``."""
         self.log = commit_log
         self.config = config or TimerConfig()
         self.clock = clock or SystemClock()
+        self.client_id = client_id or default_client_id(self.config.timer_topic)
+        #: The Kafka transactional id of ``reschedule``'s transactions.
+        self.transactional_id = f"timerwheel-reschedule-{self.client_id}"
         self.rules = TimerRules(self.config) if validate else None
         self.partitions = commit_log.ensure_topic(self.config.timer_topic, self.config.timer_partitions)
         # Ids: a random 64-bit prefix per client and a counter (unique, and far cheaper than uuid4 each).
@@ -254,7 +281,10 @@ class TimerClient:
                       int(raw_partition) if raw_partition and raw_partition.isdigit() else None)
         records, tickets, spans = self._timer_records([timer], timer_partition=ticket.partition)
         cancels, cancel_spans = self._cancel_records([ticket])
-        (self.log.append_atomic if isinstance(self.log, AtomicLog) else self.log.append)([*cancels, *records])
+        if isinstance(self.log, AtomicLog):
+            self.log.append_atomic([*cancels, *records], self.transactional_id)
+        else:
+            self.log.append([*cancels, *records])
         for span in [*cancel_spans, *(spans or ())]:
             span.end()
         return tickets[0]

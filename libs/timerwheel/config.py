@@ -21,6 +21,8 @@ from timerwheel.errors import ConfigError
 
 ALLOWED_TICKS_MS = (10, 100, 200, 500, 1000)
 DAY_MS = 86_400_000
+#: TW_LOOKAHEAD_MS by default (issue 30): a message is read, fetched and held a second before its time.
+DEFAULT_LOOKAHEAD_MS = 1_000
 
 #: RocketMQ 4.x delay levels 1..18.
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
@@ -109,8 +111,9 @@ class TimerConfig:
     #: it; N: only those acknowledged at least N ms before it, for deliveries up to N ms sooner.
     cancel_lead_ms: int = 0
     #: How far ahead of its delivery time a message may be read, fetched and held by dequeue-put
-    #: (``TW_LOOKAHEAD_MS``); 0: a slot is read once W passes its end.
-    lookahead_ms: int = 0
+    #: (``TW_LOOKAHEAD_MS``); 0: a slot is read once W passes its end; -1: DEFAULT_LOOKAHEAD_MS, or
+    #: less when the roll window allows less (``effective_lookahead_ms``).
+    lookahead_ms: int = -1
     #: Shards this process may own (enqueue-put, dequeue-get); empty: all.
     own_shards: tuple[int, ...] = ()
     #: enqueue-get replicas split the timer partitions: p % replicas == replica_index.
@@ -205,8 +208,9 @@ class TimerConfig:
         need(self.lease_ttl_ms >= 1000, "lease_ttl_ms", f"must be >= 1000, got {self.lease_ttl_ms}")
         need(0 <= self.cancel_lead_ms <= 60_000, "cancel_lead_ms", f"must be 0..60000, got {self.cancel_lead_ms}")
         lookahead_max = max(0, min(60_000, self.roll_window_ms // 6 - 2 * self.tick_ms))
-        need(0 <= self.lookahead_ms <= lookahead_max, "lookahead_ms",
-             f"must be 0..{lookahead_max} (60000 at most, and roll_window_ms / 6 - 2 ticks), got {self.lookahead_ms}")
+        need(self.lookahead_ms == -1 or 0 <= self.lookahead_ms <= lookahead_max, "lookahead_ms",
+             f"must be 0..{lookahead_max} (60000 at most, and roll_window_ms / 6 - 2 ticks) or -1 (the default), "
+             f"got {self.lookahead_ms}")
         need(all(0 <= s < self.shards for s in self.own_shards), "own_shards",
              f"every shard must be 0..{self.shards - 1}, got {list(self.own_shards)}")
         need(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
@@ -287,6 +291,13 @@ class TimerConfig:
     @property
     def effective_log_retention_ms(self) -> int:
         return self.log_retention_ms or max(7 * DAY_MS, self.roll_window_ms * 3 // 2)
+
+    @property
+    def effective_lookahead_ms(self) -> int:
+        """TW_LOOKAHEAD_MS, its default (-1) made DEFAULT_LOOKAHEAD_MS within what the roll window allows."""
+        if self.lookahead_ms >= 0:
+            return self.lookahead_ms
+        return max(0, min(DEFAULT_LOOKAHEAD_MS, self.roll_window_ms // 6 - 2 * self.tick_ms))
 
     @property
     def wheel_slots(self) -> int:
@@ -412,7 +423,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "TW_LOOKAHEAD_MS": ("lookahead_ms", "int",
                         "how far ahead of its delivery time a message is read from the wheel, fetched and held "
                         "by dequeue-put until its time, 0..60000 ms and at most roll_window_ms / 6 - 2 ticks; "
-                        "0: a slot is read once W passes its end"),
+                        "0: a slot is read once W passes its end; -1 (the default): 1000 ms, or roll_window_ms / 6 "
+                        "- 2 ticks if less"),
     "TW_OWN_SHARDS": ("own_shards", "ints",
                       "comma-separated shards this process may own (enqueue-put, dequeue-get); empty: all"),
     "TW_REPLICA_INDEX": ("replica_index", "int",

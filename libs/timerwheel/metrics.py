@@ -60,7 +60,8 @@ COUNTERS: dict[str, str] = {
     "stale_views": "reads of a shard whose published view was not yet visible on this node",
     "undecodable_batches": "timer-topic batches that could not be decoded, per partition",
     "dead_entries": "work-queue entries that could not be decoded, moved to the dead-entry stream",
-    "early_records": "deliveries not yet due by dequeue-put's clock, waited for",
+    "early_records": "deliveries handed to dequeue-put further ahead of their time than TW_LOOKAHEAD_MS "
+                     "explains (its clock behind the others'), held until due",
     "handovers": "shards handed over to the replica that ranks first for them, per shard and stage",
     "input_end_failures": "requests for the timer topic's end offsets that failed (W waits meanwhile)",
 }

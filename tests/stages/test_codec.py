@@ -20,11 +20,11 @@ def test_a_put_entry_round_trips_with_its_trace_context() -> None:
     assert decoded.requests == requests
 
 
-def test_a_fetch_entry_carries_dequeue_gets_context_and_without_it_keeps_four_elements() -> None:
-    items = (FetchItem(0, 1, 2, 30, 5_000, 4_000), FetchItem(64, 1, 2, 31, 5_000, 4_000, 2, 40))
-    traced = FetchEntry(1, 7, 5_000, items, TP)
+def test_a_fetch_entry_carries_dequeue_gets_context_and_without_it_keeps_five_elements() -> None:
+    items = (FetchItem(0, 1, 2, 30, 5_000, 4_000), FetchItem(64, 1, 2, 31, 5_000, 4_000, ((2, 40), (3, 41))))
+    traced = FetchEntry(1, 7, 5_000, 6_400, items, TP)
     assert FetchEntry.decode(traced.encode()) == traced
-    untraced = FetchEntry(1, 7, 5_000, items)
-    assert untraced.encode() == msgpack.packb([1, 7, 5_000, [list(i) for i in items]])  # the 4-element form
+    untraced = FetchEntry(1, 7, 5_000, 6_400, items)
+    assert untraced.encode() == msgpack.packb([1, 7, 5_000, 6_400, [list(i) for i in items]])  # the 5-element form
     assert FetchEntry.decode(untraced.encode()) == untraced
     assert FetchEntry.decode(untraced.encode()).traceparent is None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from test_dequeue_put_checks import shard_with_w
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.records import Record
 from timerwheel.stages.base import StageContext
@@ -21,7 +22,7 @@ from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem, PutEntry
 from timerwheel.stages.dequeue_put import DequeuePut
 from timerwheel.stages.enqueue_put import EnqueuePut
 from timerwheel.stages.ownership import Ownership
-from timerwheel.store.layout import open_shard
+from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryLeaseStore, MemoryWorkQueue
 from timerwheel.transports.redisq import RedisWorkQueue
@@ -33,7 +34,7 @@ GARBAGE = b"\xc1 not msgpack \xff"
 def deliver_entry(offset: int) -> bytes:
     rec = Record("__timer", 0, offset, START, b"k", b"v",
                  (("tw-topic", b"dest"), ("tw-deliver-at", str(START - 1).encode()), ("tw-id", f"m{offset}".encode())))
-    return DeliverEntry(0, 1, START, (DeliverItem(DELIVER, START, START, rec, 0, offset),)).encode()
+    return DeliverEntry(0, 1, START, 0, (DeliverItem(DELIVER, START, START, rec, 0, offset),)).encode()
 
 
 @pytest.fixture
@@ -51,7 +52,8 @@ def test_dequeue_put_moves_an_undecodable_entry_aside_in_redis(tmp_path: Path, c
     name = f"deliver-{uuid.uuid4().hex[:8]}"
     deliver_q = RedisWorkQueue(client, name, 1, 64)
     done_q = MemoryWorkQueue("done", 1, 64)
-    stage = DequeuePut(ctx, log, deliver_q, done_q, [0])
+    shard_with_w(config, START)
+    stage = DequeuePut(ctx, log, deliver_q, done_q, [0], lambda s: open_reader_if_exists(config, s))
     try:
         deliver_q.put(0, [deliver_entry(1), GARBAGE, deliver_entry(2)], 1.0)
         stage.step(0)

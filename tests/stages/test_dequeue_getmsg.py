@@ -30,13 +30,15 @@ def test_plain_and_mixed_entries_give_the_same_deliver_items(tmp_path: Path) -> 
     fetch_q, deliver_q = MemoryWorkQueue("fetch", 1, 64), MemoryWorkQueue("deliver", 1, 64)
     getmsg = DequeueGetMsg(StageContext(config, SimulatedClock(START)), log, fetch_q, deliver_q, [0])
 
-    def item(p: int, o: int, flags: int = NORMAL, cancel: tuple[int, int] = (-1, -1)) -> FetchItem:
-        return FetchItem(64 * o, flags, p, o, START + o, START - o, *cancel)
+    def item(p: int, o: int, flags: int = NORMAL, cancels: tuple[tuple[int, int], ...] = ()) -> FetchItem:
+        return FetchItem(64 * o, flags, p, o, START + o, START - o, cancels)
 
-    plain = FetchEntry(0, 1, START, tuple(item(p, o) for p in range(2) for o in range(6)))
-    rolled = FetchEntry(0, 1, START + 100, (item(0, 1), item(1, 1, ROLLED)))
-    missing = FetchEntry(0, 1, START + 200, (item(0, 2), item(1, 99)))
-    cancelled = FetchEntry(0, 1, START + 300, (item(1, 2, cancel=(1, 6)), item(1, 3, cancel=(1, 6))))
+    plain = FetchEntry(0, 1, START, 640, tuple(item(p, o) for p in range(2) for o in range(6)))
+    rolled = FetchEntry(0, 1, START + 100, 640, (item(0, 1), item(1, 1, ROLLED)))
+    missing = FetchEntry(0, 1, START + 200, 640, (item(0, 2), item(1, 99)))
+    # two candidate markers of one id hash: 0/5 is a message, not a cancel; 1/6 names 1-2
+    cancelled = FetchEntry(0, 1, START + 300, 640, (item(1, 2, cancels=((0, 5), (1, 6))),
+                                                    item(1, 3, cancels=((0, 5), (1, 6)))))
     fetch_q.put(0, [plain, rolled, missing, cancelled], 1.0)  # type: ignore[list-item]  # in-process entries
     getmsg.step(0)
     out = [DeliverEntry.decode(payload) for _eid, payload in deliver_q.get(0, "t", 10, 0)]
@@ -48,6 +50,7 @@ def test_plain_and_mixed_entries_give_the_same_deliver_items(tmp_path: Path) -> 
                            i.src_partition, i.src_offset, None)
 
     assert [e.slot_time for e in out] == [START, START + 100, START + 200, START + 300]
+    assert {e.read_pos for e in out} == {640}
     assert list(out[0].items) == [expect(codec.DELIVER, i) for i in plain.items]
     assert all(type(i) is DeliverItem for e in out for i in e.items)
     assert list(out[1].items) == [expect(codec.DELIVER, rolled.items[0]), expect(codec.ROLL, rolled.items[1])]

@@ -19,6 +19,8 @@ from timerwheel.stages import dequeue_put
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem
 from timerwheel.stages.dequeue_put import DequeuePut
+from timerwheel.store import EnqueueCheckpoint
+from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryWorkQueue
 
@@ -30,6 +32,13 @@ def record(offset: int, dest: str, due: int) -> Record:
                   (("tw-topic", dest.encode()), ("tw-deliver-at", str(due).encode()), ("tw-id", f"m{offset}".encode())))
 
 
+def shard_with_w(config: TimerConfig, write_ms: int) -> None:
+    """Shard 0 with an empty TimerLog and W = ``write_ms`` published (dequeue-put's release gate)."""
+    with open_shard(config, 0, writer=True) as shard:
+        shard.save_enqueue_checkpoint(EnqueueCheckpoint(flushed_pos=shard.flush(), write_ms=write_ms,
+                                                        next_offsets={}, epoch=1))
+
+
 class Rig:
     def __init__(self, tmp_path: Path, clock: SimulatedClock, **settings: object) -> None:
         self.config = TimerConfig(data_dir=str(tmp_path), shards=1, fsync=False, **settings)  # type: ignore[arg-type]
@@ -37,11 +46,13 @@ class Rig:
         self.log = LocalCommitLog(tmp_path / "log", fsync=False, clock=clock)
         self.deliver_q = MemoryWorkQueue("deliver", 1, 64)
         self.done_q = MemoryWorkQueue("done", 1, 64)
-        self.stage = DequeuePut(self.ctx, self.log, self.deliver_q, self.done_q, [0])
+        shard_with_w(self.config, START + 3_600_000)  # W is no gate here: these tests are about the clock
+        self.stage = DequeuePut(self.ctx, self.log, self.deliver_q, self.done_q, [0],
+                                lambda s: open_reader_if_exists(self.config, s))
 
     def deliver(self, *records: Record) -> None:
         items = tuple(DeliverItem(DELIVER, START, START - 60_000, r, 0, r.offset) for r in records)
-        self.deliver_q.put(0, [DeliverEntry(0, 1, START, items).encode()], 1.0)
+        self.deliver_q.put(0, [DeliverEntry(0, 1, START, 0, items).encode()], 1.0)
         self.stage.step(0)
 
     def read(self, topic: str) -> list[Record]:
@@ -59,7 +70,7 @@ def clock() -> SimulatedClock:
 
 @pytest.fixture
 def rig(tmp_path: Path, clock: SimulatedClock) -> Iterator[Rig]:
-    r = Rig(tmp_path, clock, allow_topics=("dest-.*",))
+    r = Rig(tmp_path, clock, allow_topics=("dest-.*",), lookahead_ms=0)
     yield r
     r.log.close()
 
@@ -68,6 +79,10 @@ def test_a_record_not_due_by_this_clock_waits_for_it(rig: Rig, clock: SimulatedC
     due = START + 300  # enqueue-put's clock ran ahead: the slot was read 300 ms early for us
     threading.Timer(0.2, lambda: clock.advance(300)).start()
     rig.deliver(record(1, "dest-a", due))
+    assert rig.read("dest-a") == []  # held, not sent early
+    deadline = time.monotonic() + 10
+    while not rig.read("dest-a") and time.monotonic() < deadline:
+        rig.stage.step(0.01)
     [got] = rig.read("dest-a")
     assert int(got.header("tw-delivered-at") or 0) >= due
     assert rig.ctx.metrics.counter("early_records") == 1

@@ -35,7 +35,8 @@ def test_a_million_messages_due_in_one_tick_flow_through_bounded_queues(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        tw.wait_idle(600)
+        # Not waited idle before the clock moves: read ahead (TW_LOOKAHEAD_MS), the queues fill with
+        # records held for their time and the stages upstream wait for room until it does.
         clock.advance(200)
         tw.wait_idle(600)
     finally:

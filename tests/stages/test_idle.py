@@ -84,7 +84,8 @@ class Installation:
                                                   queues[Q_DONE],
                                                   Ownership(leases, "dequeue-get", ctx.consumer, cfg.lease_ttl_ms)),
             "dequeue-getmsg": lambda ctx: DequeueGetMsg(ctx, self.log, queues[Q_FETCH], queues[Q_DELIVER], shards),
-            "dequeue-put": lambda ctx: DequeuePut(ctx, self.log, queues[Q_DELIVER], queues[Q_DONE], shards),
+            "dequeue-put": lambda ctx: DequeuePut(ctx, self.log, queues[Q_DELIVER], queues[Q_DONE], shards,
+                                                  lambda s: open_reader_if_exists(cfg, s)),
         }
         self.stages: dict[str, Any] = {}
         self.runners: dict[str, StageRunner] = {}

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.stages import StageContext
-from timerwheel.stages.enqueue_put import InputWatermark
+from timerwheel.stages.enqueue_put import InputWatermark, Observation
 
 START = 1_700_000_000_000
 
@@ -67,7 +67,7 @@ def test_observe_answers_at_once_while_the_request_is_in_flight(setup: tuple[Inp
     _until("observation", lambda: wm.observe() is not None)
     # the time is the one read before the request (the ends hold at least what it acknowledged
     # by then), not the 250 ms later one of the answer
-    assert wm.observe() == (START, {0: 5, 1: 7})
+    assert wm.observe() == Observation(START, {}, {0: 5, 1: 7})
 
 
 def test_a_failed_request_keeps_the_last_observation_with_its_own_time(
@@ -77,14 +77,14 @@ def test_a_failed_request_keeps_the_last_observation_with_its_own_time(
     wm.observe()
     ends.gate.release()
     _until("observation", lambda: wm.observe() is not None)
-    assert wm.observe() == (START, {0: 5, 1: 7})
+    assert wm.observe() == Observation(START, {}, {0: 5, 1: 7})
     ends.fail = True
     ctx.clock.advance(1_000)  # type: ignore[attr-defined]
     for n in range(1, 4):
         wm.observe()
         ends.gate.release()
         _until("failure", lambda: ctx.metrics.counter("input_end_failures") == n)  # noqa: B023 - awaited here
-    assert wm.observe() == (START, {0: 5, 1: 7})  # never (START + 1000, the old ends)
+    assert wm.observe() == Observation(START, {}, {0: 5, 1: 7})  # never (START + 1000, the old ends)
     assert ctx.metrics.counter("input_end_failures") == 3
     warned = [r for r in caplog.records if "end offsets unavailable" in r.getMessage()]
     assert len(warned) == 1  # one line a streak, not one a request
@@ -92,7 +92,7 @@ def test_a_failed_request_keeps_the_last_observation_with_its_own_time(
     ends.ends = {0: 9, 1: 9}
     wm.observe()
     ends.gate.release()
-    _until("new observation", lambda: wm.observe() == (START + 1_000, {0: 9, 1: 9}))
+    _until("new observation", lambda: wm.observe() == Observation(START + 1_000, {}, {0: 9, 1: 9}))
     assert any("available again" in r.getMessage() for r in caplog.records)
 
 
@@ -117,3 +117,27 @@ def test_close_stops_the_thread(tmp_path: object) -> None:
     assert len(started) == 1 and started[0].is_alive()
     wm.close()
     assert not started[0].is_alive()
+
+
+def test_an_observation_carries_the_r_known_before_its_time(tmp_path: object) -> None:
+    """What an observation grants is capped at R + c - tick: the R must be one read before its
+    ``t0`` (a newer R, moved by a roll hop acknowledged after ``t0``, would let W pass the hop)."""
+    clock = SimulatedClock(START)
+    ctx = StageContext(TimerConfig(data_dir=str(tmp_path), fsync=False), clock, consumer="me")
+    known = {0: START - 500}
+    ends = Ends(clock)
+    ends.gate.release(10)
+
+    def answer() -> dict[int, int]:
+        known[0] = START  # R moved while the request was in flight
+        return ends()
+
+    wm = InputWatermark(ctx, answer, interval_s=0.0, read_ms=known.copy)
+    try:
+        assert wm.observe() == Observation(START, {0: START - 500}, {0: 5, 1: 7})
+        assert wm.observe() == Observation(START, {0: START}, {0: 5, 1: 7})  # same time, R moved: asked again
+        assert ends.requests == 2
+        assert wm.observe() == Observation(START, {0: START}, {0: 5, 1: 7})
+        assert ends.requests == 2  # same time, same R: the last answer
+    finally:
+        wm.close()

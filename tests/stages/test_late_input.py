@@ -29,10 +29,10 @@ class Stages:
     """The five stages over one in-process installation; ``ends`` may be replaced (a failing Kafka)."""
 
     def __init__(self, root: Path, watermark: bool = True, roll_window_ms: int = 2 * 86_400_000,
-                 lead_ms: int = 0) -> None:
+                 lead_ms: int = 0, lookahead_ms: int = -1) -> None:
         self.config = cfg = TimerConfig(data_dir=str(root), tick_ms=TICK_MS, shards=1, timer_partitions=2,
                                         roll_window_ms=roll_window_ms, wheel_span_ms=4 * roll_window_ms, fsync=False,
-                                        cancel_lead_ms=lead_ms)
+                                        cancel_lead_ms=lead_ms, lookahead_ms=lookahead_ms)
         self.clock = SimulatedClock(START)
         t = local_transports(cfg, self.clock)
         self.log, q = t.commit_log, t.queues
@@ -56,7 +56,7 @@ class Stages:
         self.dget = DequeueGet(ctx, [0], lambda s: open_reader_if_exists(cfg, s), q[Q_FETCH], q[Q_DONE],
                                Ownership(t.leases, "dequeue-get", "me", cfg.lease_ttl_ms))
         self.getmsg = DequeueGetMsg(ctx, self.log, q[Q_FETCH], q[Q_DELIVER], [0])
-        self.dput = DequeuePut(ctx, self.log, q[Q_DELIVER], q[Q_DONE], [0])
+        self.dput = DequeuePut(ctx, self.log, q[Q_DELIVER], q[Q_DONE], [0], lambda s: open_reader_if_exists(cfg, s))
         self.client = TimerClient(self.log, cfg, self.clock)
 
     def timer_topic_ends(self) -> dict[int, int]:
@@ -173,7 +173,7 @@ def test_rolling_is_relative_to_the_clock_not_to_a_w_held_back(tmp_path: Path) -
         s.ends_ahead = 0  # the record comes: one more on each partition (invalid: dead-lettered)
         s.log.append([OutRecord(s.config.timer_topic, None, b"x", (), partition=p) for p in (0, 1)])
         s.clock.set(START + 4_600)
-        s.run()
+        s.run(rounds=20)  # W catches up with the clock in steps of c - tick (466 ms) past R
         assert s.delivered() == [m.message_id]
         assert s.ctx.metrics.counter("rolled", topic="dest") == 0
     finally:
@@ -274,5 +274,91 @@ def test_a_restarted_owner_counts_its_input_complete_only_to_w_less_the_lead(tmp
         st = s.put.owned[0]
         assert st.input_ms == START
         assert st.write_ms == START + 300
+    finally:
+        s.close()
+
+
+# -- W capped by R: no roll hop comes back after its delivery time ------------------------------
+
+#: A roll window of 3 s: c = 3000 / 3 - 0 - 100 = 900 ms, so W stays below R + 800 ms.
+WINDOW_MS = 3_000
+
+
+def _rolled_with_a_cancel(s: Stages) -> tuple[str, str]:
+    """Two messages due at START + 4000, rolled (to START + 3000, a third of the window before),
+    and a cancel of one sent 2 s before it is due while dequeue-get does not run. Returns the
+    ids (kept, cancelled)."""
+    s.run()
+    kept = s.client.schedule("dest", b"kept", deliver_at_ms=START + 4_000)
+    doomed = s.client.schedule("dest", b"doomed", deliver_at_ms=START + 4_000)
+    _enqueue_only(s)
+    assert s.ctx.metrics.counter("rolled", topic="dest") == 0  # rolled by enqueue-put, not yet hopped
+    s.clock.set(START + 2_000)
+    s.client.cancel(doomed)
+    _enqueue_only(s)
+    return kept.message_id, doomed.message_id
+
+
+def _enqueue_only(s: Stages, rounds: int = 3) -> None:
+    """Step enqueue-get and enqueue-put only: dequeue-get lags."""
+    for _ in range(rounds):
+        s.get.step(0)
+        s.put.step(0)
+
+
+def _r(s: Stages) -> int:
+    dq = s.put.owned[0].shard.load_dequeue_checkpoint()
+    assert dq is not None
+    return dq.read_ms
+
+
+def test_a_lagging_dequeue_get_never_lets_a_rolled_message_miss_its_cancel(tmp_path: Path) -> None:
+    """dequeue-get stopped for twice the roll window: W stays below R + c - tick, so the roll
+    hop, read late, is still written into the slot of its delivery time, where its cancel is.
+    (Capped by the wheel's room alone, W ran to the clock, the hop went into the slot of W after
+    its cancel's slot had been read, and the cancelled message was delivered.)"""
+    s = Stages(tmp_path, roll_window_ms=WINDOW_MS)
+    try:
+        kept, _doomed = _rolled_with_a_cancel(s)
+        st = s.put.owned[0]
+        assert st.w_cap_ms == 800
+        s.clock.set(START + 6_000)
+        _enqueue_only(s)
+        assert st.write_ms == _r(s) + 800  # not the clock: dequeue-get is 6 s behind
+        for _ in range(40):
+            s.run(rounds=1)
+            assert st.write_ms <= _r(s) + st.w_cap_ms
+        assert s.ctx.metrics.counter("rolled", topic="dest") == 2  # both hopped back ...
+        s.clock.set(START + 8_000)  # (past the slot of the clock, where a hop read late would be)
+        s.run(rounds=20)
+        assert s.delivered() == [kept]  # ... into their own slot: the cancel met its target
+        assert s.ctx.metrics.counter("cancelled", topic="dest") == 1
+    finally:
+        s.close()
+
+
+def test_an_observation_taken_before_a_roll_hop_never_carries_w_past_the_hop(tmp_path: Path) -> None:
+    """An observation of the timer topic's ends taken before a roll hop was written there, and
+    counted once R had moved past the hop's roll slot (enqueue-get slow to read the hop), grants
+    no more than the R it knew + c - tick: W stays below the hop's delivery time until the hop
+    is written. (Granting the observation's own time, W passed it, and the hop missed its cancel.)"""
+    s = Stages(tmp_path, roll_window_ms=WINDOW_MS)
+    try:
+        kept, _doomed = _rolled_with_a_cancel(s)
+        st = s.put.owned[0]
+        s.clock.set(START + 6_000)
+        ends = s.log.end_offsets(s.config.timer_topic)
+        for _ in range(40):  # enqueue-get holds the hops back once they are in the timer topic
+            if s.log.end_offsets(s.config.timer_topic) == ends:
+                s.get.step(0)
+            for stage in (s.put, s.dget, s.getmsg, s.dput):
+                stage.step(0)
+        assert s.log.end_offsets(s.config.timer_topic) != ends  # the hops were written ...
+        assert _r(s) > START + 3_000  # ... and R moved past their roll slot
+        assert st.write_ms < START + 4_000  # the observation from before the hops grants no more
+        s.clock.set(START + 8_000)  # past the slot of the clock, where a hop written late would be
+        s.run(rounds=20)
+        assert s.delivered() == [kept]
+        assert s.ctx.metrics.counter("cancelled", topic="dest") == 1
     finally:
         s.close()

@@ -152,10 +152,10 @@ def test_delay_levels_use_the_configured_table(make_tw: Callable[..., EmbeddedTi
         assert ms <= got[n] <= ms + TICK
 
 
-def test_already_due_message_goes_out_one_tick_later(
+def test_already_due_message_goes_out_one_tick_later_without_read_ahead(
     make_tw: Callable[..., EmbeddedTimerwheel], clock: SimulatedClock
 ) -> None:
-    tw = make_tw()
+    tw = make_tw(lookahead_ms=0)
     now = clock.now_ms()
     tw.schedule("t", b"past", deliver_at_ms=now - 60_000)
     tw.wait_idle()
@@ -164,3 +164,14 @@ def test_already_due_message_goes_out_one_tick_later(
     tw.wait_idle()
     (r,) = tw.read("t")
     assert int(header(r, "tw-delivered-at")) - now <= TICK
+
+
+def test_already_due_message_goes_out_at_once_read_ahead(
+    make_tw: Callable[..., EmbeddedTimerwheel], clock: SimulatedClock
+) -> None:
+    tw = make_tw()  # TW_LOOKAHEAD_MS by default: the slot of W is read at once, W is past its time
+    now = clock.now_ms()
+    tw.schedule("t", b"past", deliver_at_ms=now - 60_000)
+    tw.wait_idle()
+    (r,) = tw.read("t")
+    assert int(header(r, "tw-delivered-at")) == now

@@ -26,8 +26,10 @@ from two_mounts import TwoMounts
 START = 1_700_000_000_000
 TICK = 100
 SEGMENT = 64 * 256  # small segments: records cross into new files while the reader holds old ones
+# Slots read once W passes them (TW_LOOKAHEAD_MS 0): what a view shows is checked against what W
+# publishes; the tails of slots read ahead are test_release's.
 CFG = TimerConfig(tick_ms=TICK, roll_window_ms=20_000, shards=1, segment_bytes=SEGMENT, batch_size=50,
-                  max_in_flight=100_000, queue_bound=100_000)
+                  max_in_flight=100_000, queue_bound=100_000, lookahead_ms=0)
 
 
 def open_at(root: Path, writer: bool) -> Shard:

@@ -78,6 +78,17 @@ def test_get_waits_for_a_put_and_returns_empty_after_its_timeout() -> None:
     assert time.monotonic() - started < 2.0
 
 
+def test_a_touched_entry_is_not_stale_and_a_touch_never_takes_one_back() -> None:
+    clock = SimulatedClock()
+    q = MemoryWorkQueue("q", partitions=1, bound=10, clock=clock)
+    q.put(0, [b"a", b"b"], 1)
+    (held,), (other,) = q.get(0, "holder", 1, 0.01), q.get(0, "other", 1, 0.01)
+    clock.advance(1500)
+    assert q.touch(0, "holder", [held[0], other[0], "0-99"]) == [other[0], "0-99"]  # not its own: left alone
+    assert q.claim_stale(0, "thief", idle_ms=1000, max_entries=10) == [other]  # idle: taken
+    assert q.pending(0) == {held[0]: "holder", other[0]: "thief"}  # touched: kept
+
+
 def test_claim_stale_redelivers_entries_of_a_dead_consumer_to_another() -> None:
     clock = SimulatedClock()
     q = MemoryWorkQueue("q", partitions=1, bound=10, clock=clock)

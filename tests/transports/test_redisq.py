@@ -145,6 +145,16 @@ def test_claim_stale_gives_a_dead_consumers_entries_to_another(client: redis.Red
     assert [p for _, p in q.get(0, "rescuer", 10, 1)] == [b"c"]
 
 
+def test_a_touched_entry_is_not_stale_and_a_touch_never_takes_one_back(client: redis.Redis) -> None:
+    q = queue(client)
+    q.put(0, [b"a", b"b"], timeout_s=1)
+    (held,), (other,) = q.get(0, "holder", 1, 1), q.get(0, "other", 1, 1)
+    time.sleep(0.15)
+    assert q.touch(0, "holder", [held[0], other[0], "1-1"]) == [other[0], "1-1"]  # not its own: left alone
+    assert q.claim_stale(0, "thief", idle_ms=100, max_entries=10) == [other]  # idle: taken
+    assert q.pending(0) == {held[0]: "holder", other[0]: "thief"}  # touched: kept
+
+
 def test_entries_of_a_consumer_whose_heartbeat_lapsed_are_claimed_early(client: redis.Redis) -> None:
     q = queue(client)
     q.put(0, [b"a", b"b", b"c"], timeout_s=1)

@@ -299,6 +299,10 @@ def add_reschedule(sub: Any) -> None:
     p.add_argument("ticket", help="the ticket schedule printed")
     _when_args(p)
     p.add_argument("--id", dest="message_id", help="message id of the new timer (default: generated)")
+    p.add_argument("--client-id", help="names this client's Kafka transaction (timerwheel-reschedule-CLIENT_ID), "
+                                       "the same on every run: a run that starts again after a crash ends what the "
+                                       "crashed one left open (default: <host>-<user>-<timer topic>; runs at the same "
+                                       "time need different ids)")
     p.set_defaults(handler=cmd_reschedule)
 
 
@@ -306,7 +310,7 @@ def cmd_reschedule(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     _check_level(cfg, args.delay_level)
     ticket = _ticket(args.ticket)
-    client = TimerClient(commit_log(cfg, args.kafka, args), cfg, validate=True)
+    client = TimerClient(commit_log(cfg, args.kafka, args), cfg, validate=True, client_id=args.client_id)
     _check_partition(ticket, client)
     if ticket.deliver_at_ms > client.clock.now_ms():  # else the client refuses it, saying why
         index = _PendingIndex(cfg, client)

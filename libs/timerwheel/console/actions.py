@@ -20,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from timerwheel.client import Timer, TimerClient
+from timerwheel.client import Timer, TimerClient, default_client_id
 from timerwheel.console.browse import DeadLetter, PendingItem, find_pending
 from timerwheel.console.source import Installation
 from timerwheel.errors import InvalidTimerMessage, TimerwheelError
 from timerwheel.records import Record
+from timerwheel.transports.base import AtomicLog
 from timerwheel.wire import (
     H_DELIVER_AT,
     H_ERROR,
@@ -63,15 +64,18 @@ class Actions:
     @property
     def client(self) -> TimerClient:
         if self._client is None:
-            self._client = TimerClient(self.inst.commit_log, self.inst.config, self.inst.clock)
+            # A client id of its own: a `timerwheel reschedule` run by the same user on this host
+            # would otherwise fence the console's transactional producer (client.py's header).
+            config = self.inst.config
+            self._client = TimerClient(self.inst.commit_log, config, self.inst.clock,
+                                       client_id=f"{default_client_id(config.timer_topic)}-console")
         return self._client
 
     def warm(self) -> None:
         """Connect what a write needs before the first one: the client, and Kafka's transactional
         producer (reschedule and deliver now write in a transaction; its first start takes seconds)."""
-        append_atomic = getattr(self.client.log, "append_atomic", None)
-        if append_atomic is not None:
-            append_atomic([])
+        if isinstance(self.client.log, AtomicLog):
+            self.client.log.append_atomic([], self.client.transactional_id)
 
     def _pending(self, message_id: str) -> PendingItem:
         message_id = message_id.strip()

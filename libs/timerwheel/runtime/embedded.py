@@ -211,11 +211,16 @@ class EmbeddedTimerwheel:
 
     # -- waiting and inspecting ------------------------------------------------------------
     def idle(self) -> bool:
+        """Nothing more to do at the current clock time: every queue empty but for the deliver
+        entries dequeue-put holds for their time (read ahead, TW_LOOKAHEAD_MS), none of them due."""
+        held = self.dequeue_put.holding
         return (
             self.enqueue_get.caught_up()
-            and all(q.depth(p) == 0 for q in self.queues.values() for p in range(q.partitions))
+            and all(q.depth(p) == (held(p) if q is self.queues[Q_DELIVER] else 0)
+                    for q in self.queues.values() for p in range(q.partitions))
             and self.enqueue_put.caught_up()
             and self.dequeue_get.caught_up()
+            and self.dequeue_put.caught_up()
         )
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:

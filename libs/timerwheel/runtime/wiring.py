@@ -222,7 +222,7 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Tran
     if name == "enqueue-put":
         return EnqueuePut(ctx, shards, lambda s: open_shard(cfg, s, writer=True), queues[Q_PUT],
                           Ownership(transports.leases, "enqueue-put", ctx.consumer, cfg.lease_ttl_ms, members=members),
-                          input_ends=lambda: log.end_offsets(cfg.timer_topic))
+                          input_ends=lambda: log.high_watermarks(cfg.timer_topic))
     if name == "dequeue-get":
         return DequeueGet(ctx, shards, lambda s: open_reader_if_exists(cfg, s), queues[Q_FETCH], queues[Q_DONE],
                           Ownership(transports.leases, "dequeue-get", ctx.consumer, cfg.lease_ttl_ms, members=members),
@@ -230,5 +230,6 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Tran
     if name == "dequeue-getmsg":
         return DequeueGetMsg(ctx, log, queues[Q_FETCH], queues[Q_DELIVER], range(cfg.shards))
     if name == "dequeue-put":
-        return DequeuePut(ctx, log, queues[Q_DELIVER], queues[Q_DONE], range(cfg.shards))
+        return DequeuePut(ctx, log, queues[Q_DELIVER], queues[Q_DONE], range(cfg.shards),
+                          lambda s: open_reader_if_exists(cfg, s))
     raise ConfigError("stage", f"unknown stage {name!r}")

@@ -349,7 +349,7 @@ class QueueStage:
             # Idle: block (up to CLAIM_EVERY_S, so that a dead consumer's entries are still
             # claimed on time) on every partition at once, each asked for its share of the budget.
             want = max(1, min(self.max_entries, budget // n // max(1, self._entry_bytes)))
-            batches = self.source.get_many(self.partitions, consumer, want, min(timeout_s, CLAIM_EVERY_S))
+            batches = get_by(self.ctx, self.source, self.partitions, want, min(timeout_s, CLAIM_EVERY_S))
             for entries in batches.values():
                 self._count_bytes(entries)
         if batches:

@@ -7,11 +7,16 @@ NamedTuples (msgpack packs them as arrays, and they are cheap to build per messa
 queue      partition             entry
 =========  ====================  =========================================================
 put        shard                 PutEntry: one timer partition's offset range and its request rows
-fetch      shard                 FetchEntry: TimerLog records of one slot to read and deliver, and
-                                 dequeue-get's trace context
+fetch      shard                 FetchEntry: TimerLog records of one slot to read and deliver, the
+                                 TimerLog position the slot was read at, and dequeue-get's trace context
 deliver    shard                 DeliverEntry: the same, with the original records attached
 done       shard                 DoneEntry: per slot, how many messages dequeue-put finished
 =========  ====================  =========================================================
+
+The entries are internal (never a public interface): a queue is drained before an upgrade that
+changes them, or its entries are moved aside as undecodable (``base.decoded``) and their slots
+sent again by dequeue-get after ``STALL_S`` (late, never lost). Issue 30 added ``read_pos`` to
+fetch and deliver entries and made a fetch item's cancel marker a list of candidates.
 """
 
 from __future__ import annotations
@@ -120,9 +125,9 @@ class FetchItem(NamedTuple):
     src_offset: int
     fire_ms: int
     enqueued_ms: int
-    #: The cancel marker whose id hash matches, to be confirmed on the full id; -1 if none.
-    cancel_partition: int = -1
-    cancel_offset: int = -1
+    #: The cancel markers whose id hash matches, (source partition, offset) each, to be
+    #: confirmed on the full id (two cancels whose ids collide both count); () if none.
+    cancels: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,23 +135,28 @@ class FetchEntry:
     shard: int
     generation: int
     slot_time: int
+    #: The TimerLog position the slot was read at (the published flushed position): every cancel
+    #: marker of the slot below it was matched by dequeue-get; dequeue-put looks at or past it.
+    read_pos: int
     items: tuple[FetchItem, ...]
     #: dequeue-get's span of this batch (the TimerLog holds no trace context); dequeue-getmsg
-    #: links it. Packed only when set, so an entry without it keeps the 4-element form.
+    #: links it. Packed only when set, so an entry without it keeps the 5-element form.
     traceparent: str | None = None
 
     def encode(self) -> bytes:
         if self.traceparent is None:
-            return _pack([self.shard, self.generation, self.slot_time, self.items])
-        return _pack([self.shard, self.generation, self.slot_time, self.items, self.traceparent])
+            return _pack([self.shard, self.generation, self.slot_time, self.read_pos, self.items])
+        return _pack([self.shard, self.generation, self.slot_time, self.read_pos, self.items, self.traceparent])
 
     @classmethod
     def decode(cls, data: bytes) -> FetchEntry:
         if isinstance(data, cls):
             return data  # an in-process queue passes the entry itself
-        shard, gen, slot, items, *rest = _unpack(data)
+        shard, gen, slot, read_pos, items, *rest = _unpack(data)
         make = FetchItem._make
-        return cls(shard, gen, slot, tuple(make(i) for i in items), rest[0] if rest else None)
+        for i in items:  # msgpack gives lists: the cancels as a tuple of pairs, as they were
+            i[6] = tuple(map(tuple, i[6])) if i[6] else ()
+        return cls(shard, gen, slot, read_pos, tuple(map(make, items)), rest[0] if rest else None)
 
 
 #: What dequeue-put does with an item.
@@ -176,10 +186,12 @@ class DeliverEntry:
     shard: int
     generation: int
     slot_time: int
+    #: FetchEntry.read_pos: dequeue-put looks for cancel markers of the slot from here on.
+    read_pos: int
     items: tuple[DeliverItem, ...]
 
     def encode(self) -> bytes:
-        return _pack([self.shard, self.generation, self.slot_time, self.items])
+        return _pack([self.shard, self.generation, self.slot_time, self.read_pos, self.items])
 
     @property
     def nbytes(self) -> int:
@@ -191,8 +203,8 @@ class DeliverEntry:
     def decode(cls, data: bytes) -> DeliverEntry:
         if isinstance(data, cls):
             return data  # an in-process queue passes the entry itself
-        shard, gen, slot, items = _unpack(data)
-        return cls(shard, gen, slot, tuple(
+        shard, gen, slot, read_pos, items = _unpack(data)
+        return cls(shard, gen, slot, read_pos, tuple(
             DeliverItem(k, fire, enq, _record_from(rec), sp, so, tp) for k, fire, enq, rec, sp, so, tp in items
         ))
 

@@ -1,21 +1,33 @@
-"""dequeue-get: wheel slots before ``W`` -> fetch requests, and ``R``.
+"""dequeue-get: wheel slots -> fetch requests, read ahead of ``W``; and ``R``.
 
-Owns shards. From its cursor on, for each non-empty slot ``s`` with ``s + tick <= W``
-(invariant 2: a slot is read only once every record in it is written and flushed — ``W``
-and the flushed TimerLog position come from ``enqueue.ckpt``, the only thing a reader
-trusts), reads the slot (``Shard.read_slot``: its records column-wise, a bounded piece at a time):
+Owns shards. ``W`` and the flushed TimerLog position ``P`` come from ``enqueue.ckpt``, the only
+thing a reader trusts. From its cursor on, each non-empty slot ``s`` is read at the newest
+checkpoint (``Shard.read_slot``: its records below ``P``, column-wise, a bounded piece at a time)
+once ``s + tick <= W`` (*final*: every record of it is written and flushed, invariant 2), and with
+TW_LOOKAHEAD_MS ``L`` > 0 already once ``s <= min(now, W) + L`` (issue 30): dequeue-put then holds
+its messages and releases each at its own time. A slot read before ``W`` passed its end is *open*:
+at each newer checkpoint ``P'`` its *tail* (its records in ``[P, P')``: the TimerLog only appends)
+is read and its new messages sent; empty slots passed by the cursor are open too. It is final,
+and forgotten, once read up to the flushed position of a checkpoint whose ``W`` passed its end
+(enqueue-put writes nothing into it after that, invariant 1). Each fetch entry carries the
+position its slot was read at, so dequeue-put knows which markers it must look for itself.
+With ``L`` = 0 every slot is final when read: read once, as before issue 30.
 
-* DELETE markers (not ROLL) are collected first; a message whose id hash matches one is
-  sent with a reference to the marker so dequeue-getmsg can confirm on the full id (a hash
-  collision must never cancel the wrong message). Markers that match nothing are counted:
-  a cancel that came after delivery has no effect.
+* DELETE markers (not ROLL) are collected first; a message whose id hash matches some is
+  sent with references to them all so dequeue-getmsg can confirm on the full id (a hash
+  collision must never cancel the wrong message, and two colliding cancels both count). The
+  markers of an open slot are kept until it is final and match the messages of its later
+  tails too. Markers that match nothing are counted (``cancel_missed``): a cancel that came
+  after delivery has no effect (one read after its message was sent from an open slot is
+  dequeue-put's to apply, not counted).
 * Every other record — a message due now or a roll hop — is sent to the fetch queue in
   batches, at most ``max_in_flight`` messages per shard outstanding (flow control; a slot of
   a million messages is streamed, never held). A batch also ends at TW_BATCH_BYTES of source
   records (their ``src_size``): a fetch entry stands for a bounded read in dequeue-getmsg.
 
 ``R`` (``dequeue.ckpt``) advances past a slot only when dequeue-put has reported every
-message of it done (invariant 3), so after a crash the slots from ``R`` on are read again:
+message of it done (invariant 3) and it is final (never past an open slot, nor ``W``'s slot),
+so after a crash the slots from ``R`` on are read again:
 delivery is at-least-once: what was delivered from slots at or after ``R`` is delivered again.
 Empty slots are skipped in bulk (``TimerWheel.next_nonempty``), so catching up after a long
 outage is fast and never skips a slot (PITFALLS: RocketMQ's 7-day catch-up cap).
@@ -43,15 +55,15 @@ from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.owner import OwnedShard, ShardOwner
 from timerwheel.stages.ownership import Ownership
+from timerwheel.stages.published import CKPT_POLL_S, PublishedView
 from timerwheel.store import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
 from timerwheel.store.format import RecordArray
 from timerwheel.store.shard import SlotPiece, recovery_needed
+from timerwheel.store.wheel import SLOT_MAGIC
 from timerwheel.transports.base import WorkQueue
 
 STAGE = "dequeue-get"
 STALL_S = 120.0
-#: How often enqueue.ckpt is re-read when no in-process notice says it changed.
-CKPT_POLL_S = 0.01
 #: Slots with at most this many records are read in one pass; larger ones are streamed.
 SMALL_SLOT = 20_000
 #: W older than this (enqueue-put publishes an idle W every second): not worth looking for every CKPT_POLL_S.
@@ -72,13 +84,38 @@ _DELETE = int(Flag.DELETE)
 _ROLL = int(Flag.ROLL)
 
 
+#: Id hash -> (source partition, offset) of every cancel marker of that hash read in a slot so
+#: far: two cancels whose ids collide both count (each is confirmed on the full id downstream).
+Markers = dict[int, list[tuple[int, int]]]
+#: Id hashes of the messages sent from an open slot kept at most (for ``cancel_missed`` only).
+SENT_HASHES_MAX = 100_000
+
+
+@dataclass
+class OpenSlot:
+    """A slot read before ``W`` passed its end (read ahead): records may still be written into it.
+    Its tail ``[read_pos, P')`` is read at each newer checkpoint ``P'`` until a checkpoint's ``W``
+    passes its end (then it is *final*, and dropped). ``R`` never passes it."""
+
+    #: Every record of the slot below this TimerLog position has been read.
+    read_pos: int
+    markers: Markers = field(default_factory=dict)
+    #: Id hashes of the markers some message matched.
+    matched: set[int] = field(default_factory=set)
+    #: Id hashes of the messages sent from the slot (a marker read later may cancel one of them in
+    #: dequeue-put: not a missed cancel); None once past SENT_HASHES_MAX.
+    sent: list[npt.NDArray[np.uint64]] | None = field(default_factory=list)
+
+
 @dataclass
 class SlotReader:
-    """A slot being sent: its cancel markers, and its other records as fetch items."""
+    """A slot being sent (its first read, or the tail of an open slot): its cancel markers, and
+    its other records as fetch items."""
 
     slot_time: int
-    #: id hash -> (source partition, offset) of the newest cancel marker of that hash in the slot.
-    markers: dict[int, tuple[int, int]]
+    #: The TimerLog position the slot is read up to (the checkpoint's flushed position).
+    read_pos: int
+    markers: Markers
     items: Iterator[FetchItem]
     #: Id hashes of the markers some message matched.
     matched: set[int] = field(default_factory=set)
@@ -86,16 +123,22 @@ class SlotReader:
     sizes: deque[int] = field(default_factory=deque)
     #: The markers' id hashes as an array, once they are all collected (``fetch_items`` matches on it).
     marker_hashes: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    #: The open slot this read belongs to (None: the slot was final when read, read once).
+    open: OpenSlot | None = None
 
 
-def open_slot(shard: Shard, slot_time: int, limit_pos: int) -> SlotReader:
-    """The slot's reader: its cancel markers collected first, then its other records streamed as
-    fetch items. The slot is read once and held while it has at most SMALL_SLOT records; a larger
-    one is read again for its items, a piece at a time: memory stays bounded whatever its size."""
-    reader = SlotReader(slot_time, {}, iter(()))
+def open_slot(shard: Shard, slot_time: int, limit_pos: int, since_pos: int = 0,
+              state: OpenSlot | None = None) -> SlotReader:
+    """The reader of the slot's records in ``[since_pos, limit_pos)``: its cancel markers collected
+    first (added to ``state``'s, whose markers match the messages of this read too), then its
+    other records streamed as fetch items. The slot is read once and held while it has at most
+    SMALL_SLOT records; a larger one is read again for its items, a piece at a time: memory stays
+    bounded whatever its size."""
+    reader = SlotReader(slot_time, limit_pos, state.markers if state is not None else {}, iter(()),
+                        matched=state.matched if state is not None else set(), open=state)
     held: list[SlotPiece] | None = []
     count = 0
-    for piece in shard.read_slot(slot_time, limit_pos):
+    for piece in shard.read_slot(slot_time, limit_pos, since_pos):
         markers_of(piece[1], reader.markers)
         count += len(piece[0])
         if held is not None and count <= SMALL_SLOT:
@@ -103,25 +146,25 @@ def open_slot(shard: Shard, slot_time: int, limit_pos: int) -> SlotReader:
         else:
             held = None
     reader.marker_hashes = np.fromiter(reader.markers, dtype=np.uint64, count=len(reader.markers))
-    pieces = held if held is not None else shard.read_slot(slot_time, limit_pos)
+    pieces = held if held is not None else shard.read_slot(slot_time, limit_pos, since_pos)
     reader.items = itertools.chain.from_iterable(
         fetch_items(positions[k:k + ITEMS_AT_ONCE], records[k:k + ITEMS_AT_ONCE], reader)
         for positions, records in pieces for k in range(0, len(positions), ITEMS_AT_ONCE))
     return reader
 
 
-def markers_of(records: RecordArray, markers: dict[int, tuple[int, int]]) -> None:
+def markers_of(records: RecordArray, markers: Markers) -> None:
     """Add the cancel markers (DELETE, not ROLL) among ``records`` to ``markers``: id hash ->
-    (source partition, offset). Records come newest first: the newest marker of an id wins."""
+    [(source partition, offset), ...], newest first as the records come."""
     is_marker = (records["magic"] & (_DELETE | _ROLL)) == _DELETE
     if is_marker.any():
         for id_hash, partition, offset in records[is_marker][["id_hash", "src_partition", "src_offset"]].tolist():
-            markers.setdefault(id_hash, (partition, offset))
+            markers.setdefault(id_hash, []).append((partition, offset))
 
 
 def fetch_items(positions: npt.NDArray[np.int64], records: RecordArray, reader: SlotReader) -> list[FetchItem]:
     """The fetch items of a slot's records other than cancel markers, built column-wise; a
-    message (not a roll hop) whose id hash matches one of ``reader.markers`` carries that marker,
+    message (not a roll hop) whose id hash matches some of ``reader.markers`` carries them all,
     for dequeue-getmsg to confirm on the full id. Their sizes go to ``reader.sizes``."""
     all_flags = records["magic"] & 0xFF
     keep = (all_flags & (_DELETE | _ROLL)) != _DELETE
@@ -131,19 +174,24 @@ def fetch_items(positions: npt.NDArray[np.int64], records: RecordArray, reader: 
         msgs, flags, msg_positions = records[keep], all_flags[keep], positions[keep]
     reader.sizes.extend(msgs["src_size"].tolist())
     n = len(msgs)
-    cancel_partition, cancel_offset = [-1] * n, [-1] * n
+    cancels: list[tuple[tuple[int, int], ...]] = [()] * n
     markers = reader.markers
+    id_hashes = msgs["id_hash"]
     if markers:
-        id_hashes = msgs["id_hash"]
         may_match = np.isin(id_hashes, reader.marker_hashes) & (flags & _ROLL == 0)
         for k in np.flatnonzero(may_match).tolist():
             h = int(id_hashes[k])
-            cancel_partition[k], cancel_offset[k] = markers[h]
+            cancels[k] = tuple(markers[h])
             reader.matched.add(h)
+    state = reader.open
+    if state is not None and state.sent is not None and n:
+        state.sent.append(id_hashes[(flags & _ROLL) == 0].copy())
+        if sum(map(len, state.sent)) > SENT_HASHES_MAX:
+            state.sent = None
     # FetchItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop
     return list(map(tuple.__new__, itertools.repeat(FetchItem), zip(
         msg_positions.tolist(), flags.tolist(), msgs["src_partition"].tolist(), msgs["src_offset"].tolist(),
-        msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(), cancel_partition, cancel_offset, strict=True,
+        msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(), cancels, strict=True,
     )))
 
 
@@ -153,21 +201,19 @@ class GetShard(OwnedShard):
     generation: int
     #: R: every slot before it is delivered (dequeue.ckpt).
     read_ms: int
-    #: The next slot to look at.
+    #: The next slot to look at (every slot before it was read, final or open).
     cursor: int
     #: slot time -> messages sent from that slot and not reported done yet.
     in_flight: dict[int, int] = field(default_factory=dict)
     reader: SlotReader | None = None
+    #: The slots read ahead, not final yet (TW_LOOKAHEAD_MS), by slot time; empty ones included.
+    open: dict[int, OpenSlot] = field(default_factory=dict)
     outbox: list[FetchEntry] = field(default_factory=list)
     last_progress: float = field(default_factory=time.monotonic)
     #: W as enqueue.ckpt last said.
     write_ms: int = 0
-    #: enqueue.ckpt as last read, the in-process publication count then, and when (time.monotonic()).
-    enqueue_ckpt: EnqueueCheckpoint | None = None
-    enqueue_ckpt_version: int = -1
-    enqueue_ckpt_read_at: float = 0.0
-    #: The shard view shows every record below ``enqueue_ckpt``'s flushed position (Shard.refresh).
-    visible: bool = False
+    #: The shard's published checkpoint, as this view can trust it.
+    view: PublishedView | None = None
     #: Being handed over (monotonic time it began): no new slot is opened, the shard is
     #: released once what was sent came back done (or after DRAIN_S).
     draining: float | None = None
@@ -279,17 +325,19 @@ class DequeueGet:
                 return BUSY_WAIT_S
             tick = st.shard.tick_ms
             wait = min(wait, tick / 1000)
-            due = st.shard.next_nonempty(st.cursor, now + tick)
-            # Read once W passes the slot's end; however late we are, unless W stood still for
-            # seconds (enqueue-put down or held back by R: once a tick is enough then).
+            lookahead = self.ctx.config.effective_lookahead_ms
+            due = st.shard.next_nonempty(st.cursor, now + lookahead + tick)
+            # Read once W passes the slot's end (read ahead: once its start is L ahead of now);
+            # however late we are, unless W stood still for seconds (enqueue-put down or held back
+            # by R: once a tick is enough then). An open slot's tail is looked for once a tick.
             if due is not None and now - st.write_ms < W_STILL_MS:
-                wait = min(wait, max(CKPT_POLL_S, (due + tick - now) / 1000))
+                at = due - lookahead if lookahead > 0 else due + tick
+                wait = min(wait, max(CKPT_POLL_S, (at - now) / 1000))
         return wait
 
     def _step_shard(self, st: GetShard, done: list[tuple[str, bytes]]) -> int:
         work = self._drain_done(st, done)
         in_flight = st.messages_in_flight()
-        tick = st.shard.tick_ms
         batch = self.ctx.config.batch_size
         ckpt = None
         while self._flush_outbox(st) and in_flight < self.ctx.config.max_in_flight:
@@ -300,15 +348,9 @@ class DequeueGet:
                     ckpt = self._published(st)
                     if ckpt is None:
                         break
-                end = st.shard.slot_time(ckpt.write_ms)
-                if st.cursor >= end:
+                st.reader = self._next_reader(st, ckpt)
+                if st.reader is None:
                     break
-                slot = st.shard.next_nonempty(st.cursor, end)
-                if slot is None:
-                    st.cursor = end
-                    break
-                st.reader = open_slot(st.shard, slot, ckpt.flushed_pos)
-                st.cursor = slot + tick
             reader = st.reader
             items = tuple(itertools.islice(reader.items, batch))
             taken = len(items)
@@ -319,42 +361,86 @@ class DequeueGet:
                 tp = None
                 if telemetry.tracer() is not None:
                     tp = telemetry.dequeue_get_batch(st.shard_id, reader.slot_time, items, self.ctx.clock.now_ms(), _ROLL)
-                st.outbox.append(FetchEntry(st.shard_id, st.generation, reader.slot_time, items, tp))
+                st.outbox.append(FetchEntry(st.shard_id, st.generation, reader.slot_time, reader.read_pos, items, tp))
                 st.in_flight[reader.slot_time] = st.in_flight.get(reader.slot_time, 0) + len(items)
                 in_flight += len(items)
                 work += len(items)
             if taken < batch:
-                missed = len(reader.markers) - len(reader.matched)
-                if missed:
-                    self.ctx.metrics.inc("cancel_missed", missed)
+                if reader.open is None:  # read once, final: a marker that matched nothing missed
+                    self._count_missed(reader.markers, reader.matched)
                 st.reader = None
         if self._advance_r(st):
             work += 1  # a new R is progress too: enqueue-put may now move W past its cap
         return work
 
-    def _published(self, st: GetShard) -> EnqueueCheckpoint | None:
-        """W and the flushed TimerLog position from enqueue.ckpt — the only thing a reader trusts —
-        once the shard view shows every record below that position (``Shard.refresh``).
+    def _horizon(self, st: GetShard, ckpt: EnqueueCheckpoint) -> int:
+        """The end (exclusive) of the slots that may be read at ``ckpt``: those before ``W``'s slot
+        (final: ``W`` passed their end), and with TW_LOOKAHEAD_MS ``L`` > 0 every slot that starts
+        at or before ``min(now, W) + L`` (read ahead, open until ``W`` passes their end)."""
+        lookahead = self.ctx.config.effective_lookahead_ms
+        if lookahead <= 0:
+            return st.shard.slot_time(ckpt.write_ms)
+        ahead = min(self.ctx.clock.now_ms(), ckpt.write_ms) + lookahead
+        return max(st.shard.slot_time(ckpt.write_ms), st.shard.slot_time(ahead) + st.shard.tick_ms)
 
-        Re-read when this process's enqueue-put says it published, else at most every
-        CKPT_POLL_S (an enqueue-put in another process): reading the file each step costs
-        more than the rest of an idle step. While the view is incomplete (another node's bytes
-        not visible here yet) nothing new is read: a slot is never taken for empty on a stale view."""
-        version = self.ctx.published_w.get(st.shard_id, 0)
-        now = time.monotonic()
-        if (st.enqueue_ckpt is None or version != st.enqueue_ckpt_version
-                or now - st.enqueue_ckpt_read_at >= CKPT_POLL_S):
-            ckpt = st.shard.load_enqueue_checkpoint()
-            if ckpt is None:
-                return None
-            st.enqueue_ckpt_version, st.enqueue_ckpt_read_at = version, now
-            if ckpt != st.enqueue_ckpt or not st.visible:
-                st.enqueue_ckpt = ckpt
-                st.visible = st.shard.refresh(ckpt)
-                if not st.visible:
-                    self.ctx.metrics.inc("stale_views", shard=st.shard_id)
-            st.write_ms = ckpt.write_ms
-        return st.enqueue_ckpt if st.visible else None
+    def _next_reader(self, st: GetShard, ckpt: EnqueueCheckpoint) -> SlotReader | None:
+        """What to read next at ``ckpt`` (flushed position P): the tail of an open slot read at an
+        older position, else the next slot before the horizon (``_horizon``); None: nothing.
+
+        An open slot becomes final, and leaves ``st.open``, once its tail is read up to the flushed
+        position of a checkpoint whose ``W`` passed its end: enqueue-put writes nothing into it
+        after that (invariant 1), and wrote everything before into the TimerLog below P."""
+        shard, tick = st.shard, st.shard.tick_ms
+        pos, write_ms = ckpt.flushed_pos, ckpt.write_ms
+        for slot_time, state in sorted(st.open.items()):
+            if state.read_pos < pos:
+                since, state.read_pos = state.read_pos, pos
+                slot = shard.slot(slot_time)
+                if slot.magic == SLOT_MAGIC and slot.slot_time == slot_time and slot.last_pos >= since:
+                    return open_slot(shard, slot_time, pos, since, state)
+            if slot_time + tick <= write_ms:
+                del st.open[slot_time]
+                self._final(state)
+        end = self._horizon(st, ckpt)
+        if st.cursor >= end:
+            return None
+        found = shard.next_nonempty(st.cursor, end)
+        first_open = shard.slot_time(write_ms)
+        for empty in range(max(st.cursor, first_open), end if found is None else found, tick):
+            st.open[empty] = OpenSlot(pos)  # empty now: whatever is written into it comes as its tail
+        if found is None:
+            st.cursor = end
+            return None
+        st.cursor = found + tick
+        if found + tick <= write_ms:
+            return open_slot(shard, found, pos)
+        state = st.open[found] = OpenSlot(pos)
+        return open_slot(shard, found, pos, 0, state)
+
+    def _final(self, state: OpenSlot) -> None:
+        """An open slot became final: count its markers that matched no message it sent."""
+        if state.sent is None:
+            return  # too many messages to tell: not counted
+        sent = np.concatenate(state.sent) if state.sent else np.zeros(0, dtype=np.uint64)
+        unmatched = np.fromiter((h for h in state.markers if h not in state.matched), dtype=np.uint64)
+        # a marker read after its message was sent is dequeue-put's to apply: not missed
+        self._count_missed({h: state.markers[h] for h in unmatched[~np.isin(unmatched, sent)].tolist()}, set())
+
+    def _count_missed(self, markers: Markers, matched: set[int]) -> None:
+        """Markers that matched no message of their slot: a cancel that came after its delivery."""
+        missed = sum(len(refs) for h, refs in markers.items() if h not in matched)
+        if missed:
+            self.ctx.metrics.inc("cancel_missed", missed)
+
+    def _published(self, st: GetShard) -> EnqueueCheckpoint | None:
+        """W and the flushed TimerLog position from enqueue.ckpt, the only thing a reader trusts
+        (``PublishedView.newest``)."""
+        if st.view is None:
+            st.view = PublishedView(st.shard_id, st.shard)
+        ckpt = st.view.newest(self.ctx)
+        if st.view.ckpt is not None:
+            st.write_ms = st.view.ckpt.write_ms
+        return ckpt
 
     def _cut(self, reader: SlotReader, items: tuple[FetchItem, ...]) -> tuple[FetchItem, ...]:
         """``items`` up to TW_BATCH_BYTES of source records (at least one); the rest go back
@@ -392,7 +478,10 @@ class DequeueGet:
             ids = {eid for eid, _ in claimed}  # idle 0 claims what step just took too
             entries = claimed + [e for e in entries if e[0] not in ids]
         if not entries:
-            if st.in_flight and time.monotonic() - st.last_progress > STALL_S:
+            # Stalled: no message of a final slot came back for STALL_S (one of an open slot may
+            # be held by dequeue-put until W passes it, however long W takes).
+            final = st.in_flight and min(st.in_flight) + st.shard.tick_ms <= st.write_ms
+            if final and time.monotonic() - st.last_progress > STALL_S:
                 self._resend(st)
             return 0
         for done in decoded(self.ctx, self.done_q, st.shard_id, entries, DoneEntry.decode, st.logger):
@@ -414,15 +503,20 @@ class DequeueGet:
         st.generation += 1
         st.in_flight.clear()
         st.reader = None
+        st.open.clear()
         st.outbox.clear()
         st.cursor = st.read_ms
         st.last_progress = time.monotonic()
 
     def _advance_r(self, st: GetShard) -> bool:
-        floor = [*st.in_flight]
+        """R = the first slot with messages in flight, being read or open (read ahead, not final),
+        else the cursor; never past W's slot. After a crash the slots from R on are read again."""
+        floor = [*st.in_flight, *st.open, st.cursor]
         if st.reader is not None:
             floor.append(st.reader.slot_time)
-        read_ms = min(floor) if floor else st.cursor
+        if st.view is not None and st.view.ckpt is not None:
+            floor.append(st.shard.slot_time(st.view.ckpt.write_ms))
+        read_ms = min(floor)
         moved = read_ms > st.read_ms
         if moved:
             self.owner.ownership.check(st.shard_id)
@@ -461,11 +555,18 @@ class DequeueGet:
         self.owner.hand_over(st, read_ms=st.read_ms, in_flight=st.messages_in_flight())
 
     def caught_up(self) -> bool:
-        """Every owned shard has read and seen delivered every slot before W."""
+        """Every owned shard has sent every slot it may read now (``_horizon``) and the tails of its
+        open slots up to the published flushed position, and seen delivered every message of a
+        final slot (those of open slots may be held by dequeue-put until their time: with
+        TW_LOOKAHEAD_MS 0 there is none)."""
         def done(st: GetShard) -> bool:
             ckpt = st.shard.load_enqueue_checkpoint()
-            end = st.shard.slot_time(ckpt.write_ms) if ckpt else st.cursor
-            return st.settled() and st.cursor >= end
+            if ckpt is None:
+                return st.reader is None and not st.outbox and not st.in_flight
+            tick = st.shard.tick_ms
+            return (st.reader is None and not st.outbox and st.cursor >= self._horizon(st, ckpt)
+                    and all(o.read_pos >= ckpt.flushed_pos and t + tick > ckpt.write_ms for t, o in st.open.items())
+                    and all(t + tick > ckpt.write_ms for t in st.in_flight))
 
         return not self.owner.waiting and all(done(st) for st in list(self.owned.values()))
 

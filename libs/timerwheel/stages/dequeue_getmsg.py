@@ -42,9 +42,9 @@ STAGE = "dequeue-getmsg"
 _ROLL = int(Flag.ROLL)
 #: C-level getters of fetch-item fields: a fetch item's (src_partition, src_offset), ...
 _POSITION = operator.itemgetter(FetchItem._fields.index("src_partition"), FetchItem._fields.index("src_offset"))
-_FLAGS, _FIRE_MS, _ENQUEUED_MS, _SRC_PARTITION, _SRC_OFFSET, _CANCEL_PARTITION = (
+_FLAGS, _FIRE_MS, _ENQUEUED_MS, _SRC_PARTITION, _SRC_OFFSET, _CANCELS = (
     operator.itemgetter(FetchItem._fields.index(name))
-    for name in ("flags", "fire_ms", "enqueued_ms", "src_partition", "src_offset", "cancel_partition"))
+    for name in ("flags", "fire_ms", "enqueued_ms", "src_partition", "src_offset", "cancels"))
 #: Every flags value with the ROLL bit.
 _ROLLED = frozenset(f for f in range(2 * max(Flag)) if f & _ROLL)
 
@@ -110,8 +110,7 @@ class DequeueGetMsg(QueueStage):
         # The records in item order (a position may repeat: read returns it for each), and
         # separately the few cancel markers whose id hash matched.
         positions = [pos for part in fetches.values() for f in part for pos in map(_POSITION, f.items)]
-        markers = sorted({(i.cancel_partition, i.cancel_offset) for part in fetches.values() for f in part
-                          for i in f.items if i.cancel_partition >= 0})
+        markers = sorted({(p, o) for part in fetches.values() for f in part for i in f.items for p, o in i.cancels})
         found = self.commit_log.read(self.ctx.config.timer_topic, positions + markers)
         marker_records = dict(zip(markers, found[len(positions):], strict=True))
         sizes = [len(r.value or b"") for r in found[:len(positions)] if r is not None]  # the values dominate
@@ -139,7 +138,7 @@ class DequeueGetMsg(QueueStage):
             end = start + len(f.items)
             records = found[start:end]
             items = f.items
-            if (None in records or max(map(_CANCEL_PARTITION, items), default=-1) >= 0
+            if (None in records or any(map(_CANCELS, items))
                     or not _ROLLED.isdisjoint(map(_FLAGS, items))):
                 each = [self._kind(item, rec, markers) for item, rec in zip(items, records, strict=True)]
                 missing += each.count(MISSING)
@@ -152,7 +151,7 @@ class DequeueGetMsg(QueueStage):
                 kinds, map(_FIRE_MS, items), map(_ENQUEUED_MS, items), records, map(_SRC_PARTITION, items),
                 map(_SRC_OFFSET, items), repeat(None))))
             start = end
-            out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, delivered)))
+            out.append(wire(self.deliver_q, DeliverEntry(f.shard, f.generation, f.slot_time, f.read_pos, delivered)))
         if missing:
             self.logger.warning("source records gone from the log", records=missing, partition=partition)
         put_blocking(self.ctx, self.deliver_q, partition, out, self.logger.bind(shard=partition))
@@ -164,16 +163,19 @@ class DequeueGetMsg(QueueStage):
             return MISSING
         if item.flags & _ROLL:
             return ROLL
-        if item.cancel_partition < 0:
+        if not item.cancels:
             return DELIVER
-        if self._confirmed(record, markers[(item.cancel_partition, item.cancel_offset)]):
+        if any(confirmed(record, markers[(p, o)]) for p, o in item.cancels):
             return CANCELLED
         self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
         return DELIVER
 
-    @staticmethod
-    def _confirmed(message: Record, marker: Record | None) -> bool:
-        if marker is None:
-            return False
-        target = marker.header(H_CANCEL)
-        return target is not None and target.decode("utf-8", "replace") == message_id_of(message)
+
+def confirmed(message: Record, marker: Record | None) -> bool:
+    """The cancel ``marker`` (its source record, None if gone) cancels ``message``: its ``tw-cancel``
+    is the message's full id (an id-hash match is only a candidate). dequeue-put asks the same of
+    the markers it finds in a slot's tail."""
+    if marker is None:
+        return False
+    target = marker.header(H_CANCEL)
+    return target is not None and target.decode("utf-8", "replace") == message_id_of(message)

@@ -1,50 +1,88 @@
-"""dequeue-put: records due now -> their destination, or back to the timer topic (roll).
+"""dequeue-put: each record at its own time -> its destination, or back to the timer topic (roll).
 
-Stateless. For each deliver entry: a DELIVER item is produced to its destination topic
-with the user's key, value and headers, the control headers removed and ``tw-id``,
-``tw-roll``, ``tw-enqueued-at``, ``tw-delivered-at`` stamped; a ROLL item goes back to the
-timer topic's same partition (so it stays in its shard, where its cancel marker will go)
-with an absolute ``tw-deliver-at`` and ``tw-roll`` + 1; a CANCELLED item is dropped and
-counted; a MISSING one is dead-lettered. The append is retried until it succeeds — a due
-message is never dropped — and only then are the entries acked and the slots' progress
-reported to dequeue-get.
+Stateless (no lease: any replica takes any deliver entry). dequeue-get reads the wheel up to
+TW_LOOKAHEAD_MS ahead, so a DELIVER item usually arrives before its time: it is **held** in a heap
+by its delivery time ``t`` (the record's own ``tw-deliver-at``), and one loop **releases** each
+held record once both
+
+1. *not early*: this process's clock >= ``t`` (pods' clocks differ; ``W`` comes from
+   enqueue-put's), and
+2. *complete*: the shard's ``W`` (its ``enqueue.ckpt``, read through a read-only view of the
+   shard, ``PublishedView``) is past ``t``. Every timer record due before ``W`` is then in the
+   TimerLog below that checkpoint's flushed position ``F``, so is every cancel of the message
+   acknowledged before ``t`` (``InputWatermark``), in the message's slot.
+
+At release the slot's chain is read for cancel markers at positions in ``[read_pos, F)``
+(``read_pos``: where dequeue-get read the slot; it matched the markers below it, and dequeue-getmsg
+confirmed those); a marker whose id hash matches is confirmed on the full id (dequeue-getmsg's
+``confirmed``: its source record's ``tw-cancel`` against the message's id) and the record is
+dropped as CANCELLED. Two markers of one id hash both count.
+
+What is released in one loop round goes out in one append, ``tw-delivered-at`` stamped at release,
+with the control headers removed and ``tw-id``, ``tw-roll``, ``tw-enqueued-at`` stamped. Items that
+are not held go out in the round they arrive: a CANCELLED one (dequeue-getmsg confirmed a marker) is
+dropped and counted; a MISSING one and a destination the allow-list refuses (tightened since, or
+a forged entry) are dead-lettered. A DELIVER item due more than TW_LOOKAHEAD_MS + EARLY_WAIT_MAX_S
+past this clock (a clock far off) goes back to the timer topic with its own time, like a roll.
+A ROLL item (a roll hop) is held too, until ``W`` passes its slot's time (so that a crash, which
+reads the slots from ``R`` on again, never hops a message twice from a slot ``W`` had not passed),
+then goes back to the timer topic's same partition (so it stays in its shard, where its cancel
+marker will go) with an absolute ``tw-deliver-at`` and ``tw-roll`` + 1.
+The append is retried until it succeeds: a due message is never dropped.
+
+An entry is **finished** once all its items are: its slot's count is reported to dequeue-get, and
+only then is it acked. So held entries stay unacknowledged in the work queue: a crash makes their
+records late, never lost (another replica claims a dead consumer's entries, after DEAD_IDLE_MS once
+its heartbeat lapsed). A live replica's held entries are touched (their idle time reset, only while
+still its own) every TOUCH_EVERY_S once held TOUCH_AFTER_S, so that no other replica takes them for
+stuck (CLAIM_IDLE_MS) however long ``W`` keeps them. Memory: held records count as in flight for
+dequeue-get (TW_MAX_IN_FLIGHT per shard) and their entries against the deliver queue's bounds
+(TW_QUEUE_BOUND, TW_QUEUE_BYTES), so dequeue-getmsg blocks before this heap grows.
 
 A destination topic that does not exist never holds back the others: the commit log does not
-send its records (one bounded metadata wait per batch) and they are *held*: rolled back to the
-timer topic like a roll hop, due again after a back-off that grows from 1 s to 1 min, with
-``tw-held-since`` set when first held. Once held for ``TW_MISSING_TOPIC_HOLD_MS`` a record is
-dead-lettered with the reason instead. A held record's slot counts as done (the record is
-durable again in the timer topic), so ``R`` moves on.
-
-Never early, whatever the clocks: ``W`` comes from enqueue-put's clock, and pods' clocks differ.
-dequeue-put compares each record's delivery time with its own clock; a batch holding a record
-not yet due waits until it is (at most ``EARLY_WAIT_MAX_S`` of real time; the delivery times are
-stamped after the wait), and records still not due then go back to the timer topic with their
-own time, like a roll. The allow-list holds at delivery too: a destination that
-``TW_ALLOW_TOPICS`` no longer allows (tightened since the message was scheduled, or a forged
-work-queue entry) is dead-lettered with the reason instead of delivered.
+send its records (one bounded metadata wait per batch) and they are *held for the topic*: rolled
+back to the timer topic like a roll hop, due again after a back-off that grows from 1 s to 1 min,
+with ``tw-held-since`` set when first held. Once held for ``TW_MISSING_TOPIC_HOLD_MS`` a record is
+dead-lettered with the reason instead. Such a record counts as finished (it is durable again in
+the timer topic), so ``R`` moves on.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+import timerwheel.wire
 from timerwheel import telemetry
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import (
+    CLAIM_IDLE_MS,
     QueueStage,
     StageContext,
-    Stopped,
     append_until_written,
     decoded,
     put_blocking,
 )
-from timerwheel.stages.codec import CANCELLED, DELIVER, MISSING, ROLL, DeliverEntry, DoneEntry, wire
+from timerwheel.stages.codec import (
+    CANCELLED,
+    DELIVER,
+    MISSING,
+    ROLL,
+    DeliverEntry,
+    DeliverItem,
+    DoneEntry,
+    wire,
+)
+from timerwheel.stages.dequeue_get import markers_of
+from timerwheel.stages.dequeue_getmsg import confirmed
+from timerwheel.stages.published import CKPT_POLL_S, PublishedView
+from timerwheel.store import Shard
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
-    H_DELIVERED_AT,
     H_ERROR,
     H_HELD_SINCE,
     H_PARTITION,
@@ -61,21 +99,125 @@ STAGE = "dequeue-put"
 #: A held record (missing destination) is due again after half the time it has been held, within these.
 HOLD_RETRY_MIN_MS = 1_000
 HOLD_RETRY_MAX_MS = 60_000
-#: A batch with a record not yet due by this process's clock waits this long for it at most.
+#: A record due more than TW_LOOKAHEAD_MS + this past this process's clock is not held: its clock
+#: and dequeue-get's disagree by that much, and it goes back to the timer topic with its own time.
 EARLY_WAIT_MAX_S = 5.0
+#: Held entries are touched (their pending idle time reset) once held this long, this often: a
+#: third of the time after which another replica would take them for a stuck consumer's.
+TOUCH_AFTER_S = CLAIM_IDLE_MS / 3000
+TOUCH_EVERY_S = CLAIM_IDLE_MS / 6000
+
+
+@dataclass(slots=True, eq=False)
+class HeldEntry:
+    """A deliver entry taken from the queue and not finished yet."""
+
+    partition: int
+    entry_id: str
+    entry: DeliverEntry
+    #: Items not finished yet.
+    left: int
+    #: When it was taken, and last touched (time.monotonic()).
+    taken_at: float = field(default_factory=time.monotonic)
+    touched_at: float = 0.0
+    #: Another consumer has it now (a touch found it gone): its held items are dropped.
+    lost: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Held:
+    """A DELIVER item waiting for its time in the heap."""
+
+    held: HeldEntry
+    item: DeliverItem
+    record: Record
+    headers: dict[str, bytes]
+    topic: str
+    dest_partition: int | None
+    #: Its delivery time (``TimerRules.valid_delivery_times``), once known.
+    due: int = 0
+
+
+@dataclass
+class Round:
+    """What one loop round writes, and what it finished."""
+
+    now: int
+    out: list[OutRecord] = field(default_factory=list)
+    #: index in ``out`` of each delivery -> what it delivers.
+    deliveries: dict[int, Held] = field(default_factory=dict)
+    delivered: dict[str, int] = field(default_factory=dict)
+    rolled: dict[str, int] = field(default_factory=dict)
+    cancelled: dict[str, int] = field(default_factory=dict)
+    dead: dict[str, int] = field(default_factory=dict)
+    held_for_topic: dict[str, int] = field(default_factory=dict)
+    #: Delivery times of the records delivered (lateness), by index in ``out``.
+    dues: dict[int, int] = field(default_factory=dict)
+    #: Items finished, with their entry (and for telemetry the item as it ended).
+    finished: list[tuple[HeldEntry, DeliverItem]] = field(default_factory=list)
+
+
+def _count(counts: dict[str, int], topic: str) -> None:
+    counts[topic] = counts.get(topic, 0) + 1
 
 
 class DequeuePut(QueueStage):
     stage = STAGE
 
     def __init__(self, ctx: StageContext, commit_log: CommitLog, deliver_queue: WorkQueue, done_queue: WorkQueue,
-                 partitions: Sequence[int]) -> None:
+                 partitions: Sequence[int], open_shard: Callable[[int], Shard | None]) -> None:
+        """``open_shard(id)``: a read-only view of a shard (None while it does not exist yet): the
+        release gate reads its enqueue.ckpt and its slots' tails."""
         super().__init__(ctx, deliver_queue, partitions)
         self.commit_log = commit_log
         self.deliver_q = deliver_queue
         self.done_q = done_queue
+        self.open_shard = open_shard
         self.logger = stage_logger(STAGE)
         self._partition_counts: dict[str, int] = {}
+        self._views: dict[int, PublishedView] = {}
+        #: (delivery time, sequence, held record): the next record to release first.
+        self._heap: list[tuple[int, int, Held]] = []
+        self._seq = itertools.count()
+        #: Entries taken and not finished, by (partition, entry id).
+        self._entries: dict[tuple[int, str], HeldEntry] = {}
+        #: The round being filled: what arrived and goes out at once, then what is released.
+        self._round: Round | None = None
+        self._touched = time.monotonic()
+
+    # ---------------------------------------------------------------- the loop
+
+    def step(self, timeout_s: float) -> int:
+        """Take new entries (waiting at most until the next held record is due), then release
+        every held record whose time has come, in one append with what arrived."""
+        self._touch()
+        taken = super().step(min(timeout_s, self._wait_s()))
+        return taken + self._release()
+
+    def _wait_s(self) -> float:
+        """How long a step may wait for new entries: until the first held record is due by this
+        clock; CKPT_POLL_S while one is due and waits for ``W``."""
+        if not self._heap:
+            return float("inf")
+        ahead = self._heap[0][0] - self.ctx.clock.now_ms()
+        return ahead / 1000 if ahead > 0 else CKPT_POLL_S
+
+    def holding(self, partition: int) -> int:
+        """Entries of ``partition`` taken and not finished (held)."""
+        return sum(1 for p, _ in self._entries if p == partition)
+
+    def caught_up(self) -> bool:
+        """No held record may be released now: each is not due by this clock or waits for ``W``
+        (read again now)."""
+        now = self.ctx.clock.now_ms()
+        for due, _seq, h in list(self._heap):
+            if due > now:
+                continue
+            view = self._view(h.held.entry.shard)
+            ckpt = view.shard.load_enqueue_checkpoint() if view is not None else None
+            if ckpt is not None and due < ckpt.write_ms:
+                return False
+        return True
 
     def _partitions_of(self, topic: str) -> int | None:
         """The destination's partition count; None while it does not exist (never created here)."""
@@ -86,171 +228,328 @@ class DequeuePut(QueueStage):
                 self._partition_counts[topic] = n
         return n
 
-    def _not_early(self, out: list[OutRecord], sent_out: list[int], dues: list[int],
-                   origins: dict[int, tuple[Record, dict[str, bytes], int, int]], delivered: dict[str, int],
-                   rolled: dict[str, int], not_sent: set[int], now: int) -> int:
-        """Some deliveries of this batch are not due by this process's clock: wait until they
-        are, then stamp ``tw-delivered-at`` again; those still not due after EARLY_WAIT_MAX_S go
-        back to the timer topic with their own time. Returns the delivery time now."""
-        ctx = self.ctx
-        latest = max(dues)
-        early = sum(1 for t in dues if t > now)
-        ctx.metrics.inc("early_records", early)
-        self.logger.warning("records not due by this process's clock, waiting", records=early,
-                            ahead_ms=latest - now)
-        deadline = time.monotonic() + EARLY_WAIT_MAX_S
-        while ctx.clock.now_ms() < latest and time.monotonic() < deadline:
-            if ctx.stop.wait(min(0.05, max(0.001, (latest - ctx.clock.now_ms()) / 1000))):
-                raise Stopped()
-        now = ctx.clock.now_ms()
-        stamp = (H_DELIVERED_AT, str(now).encode())
-        cfg = ctx.config
-        for k, i in enumerate(sent_out):
-            rec, hdr, enqueued, _k = origins[i]
-            if dues[k] > now:  # still not due: back to the timer topic, due at its own time
-                not_sent.add(k)
-                topic = out[i].topic
-                delivered[topic] -= 1
-                rolled[topic] = rolled.get(topic, 0) + 1
-                raw_roll = hdr.get(H_ROLL)
-                out[i] = OutRecord(cfg.timer_topic, rec.key, rec.value,
-                                   rolled_headers(rec, message_id_of(rec, hdr), dues[k],
-                                                  int(raw_roll) if raw_roll else 0, enqueued),
-                                   partition=rec.partition)
-            else:
-                r = out[i]
-                out[i] = r._replace(headers=tuple(stamp if h[0] == H_DELIVERED_AT else h for h in r.headers))
-        return now
+    def _view(self, shard_id: int) -> PublishedView | None:
+        view = self._views.get(shard_id)
+        if view is None:
+            shard = self.open_shard(shard_id)
+            if shard is None:
+                return None
+            view = self._views[shard_id] = PublishedView(shard_id, shard)
+        return view
+
+    def _new_round(self) -> Round:
+        if self._round is None:
+            self._round = Round(self.ctx.clock.now_ms())
+        return self._round
+
+    # ---------------------------------------------------------------- intake
 
     def handle_batches(self, batches: dict[int, list[tuple[str, bytes]]]) -> None:
-        """Every partition's entries in one produce-and-wait."""
+        """Hold the DELIVER items of the entries taken; what is not held goes into this round."""
         ctx = self.ctx
         cfg = ctx.config
-        now = ctx.clock.now_ms()
-        span = telemetry.dequeue_put_start()
-        trace_headers = telemetry.inject(span) if span is not None else ()
-        out: list[OutRecord] = []
-        delivered: dict[str, int] = {}
-        rolled: dict[str, int] = {}
-        cancelled: dict[str, int] = {}
-        dead: dict[str, int] = {}
-        sent_records: list[Record] = []  # for the lateness, computed per batch
-        sent_headers: list[dict[str, bytes]] = []
-        now_text = str(now).encode()
-        done: dict[tuple[int, int], dict[int, int]] = {}
+        rnd = self._new_round()
+        now = rnd.now
         rules = ctx.rules
         topics = rules.known_topics
-        texts: dict[int, bytes] = {}  # enqueue time -> its text: records produced together share it
-        new_tuple = tuple.__new__
-        #: index in ``out`` of each delivery -> (record, its headers, enqueue time, index in sent_records)
-        origins: dict[int, tuple[Record, dict[str, bytes], int, int]] = {}
-        held: dict[str, int] = {}
-        not_sent: set[int] = set()  # indexes in sent_records of the held ones: no lateness
-        sent_out: list[int] = []  # index in ``out`` of each of sent_records
+        late_limit = now + cfg.effective_lookahead_ms + int(EARLY_WAIT_MAX_S * 1000)
+        early = 0
+        to_hold: list[Held] = []
+        for p, part in batches.items():
+            for entry_id, payload in part:
+                key = (p, entry_id)
+                if key in self._entries:
+                    continue  # claimed again while we hold it (idle for CLAIM_IDLE_MS): held already
+                got = decoded(ctx, self.deliver_q, p, [(entry_id, payload)], DeliverEntry.decode, self.logger)
+                if not got:
+                    continue  # moved aside as undecodable
+                entry = got[0]
+                held = self._entries[key] = HeldEntry(p, entry_id, entry, len(entry.items))
+                for item in entry.items:
+                    self._intake(rnd, held, item, topics, to_hold)
+                if not entry.items:
+                    rnd.finished.append((held, DeliverItem(DELIVER, 0, 0, None, 0, 0)))
+        if to_hold:
+            dues = rules.valid_delivery_times([h.record for h in to_hold], [h.headers for h in to_hold])
+            for h, due in zip(to_hold, dues, strict=True):
+                h.due = due
+                if due > late_limit:
+                    self._roll_back(rnd, h, due)
+                    continue
+                if due > now + cfg.effective_lookahead_ms + cfg.tick_ms:
+                    early += 1
+                heapq.heappush(self._heap, (due, next(self._seq), h))
+        if early:
+            # More ahead than reading ahead explains: this clock is behind dequeue-get's.
+            ctx.metrics.inc("early_records", early)
+            self.logger.warning("records handed over further ahead of their time than TW_LOOKAHEAD_MS, held",
+                                records=early)
+
+    def _intake(self, rnd: Round, held: HeldEntry, item: DeliverItem, topics: dict[bytes, str],
+                to_hold: list[Held]) -> None:
+        cfg = self.ctx.config
+        rules = self.ctx.rules
+        kind, rec = item.kind, item.record
+        if rec is None or kind == MISSING:
+            src = f"{cfg.timer_topic}/{item.src_partition}/{item.src_offset}"
+            rnd.out.append(OutRecord(cfg.dlq_topic, None, None, (
+                (H_ERROR, f"source record {src} is gone from the log".encode()), (H_SOURCE, src.encode()))))
+            _count(rnd.dead, "-")
+            rnd.finished.append((held, item))
+            return
+        hdr = dict(rec.headers)  # one pass; the last of repeated headers wins, as Record.header
+        raw_topic = hdr.get(H_TOPIC)
+        topic = (topics.get(raw_topic) or raw_topic.decode("utf-8", "replace")) if raw_topic else "-"
+        if kind == DELIVER:
+            refused = rules.destination_error(topic) if raw_topic not in topics else ""
+            if refused:  # the allow-list holds at delivery too
+                self._dead_letter(rnd, held, item, topic, f"{refused} (checked at delivery)")
+                return
+            raw_part = hdr.get(H_PARTITION)
+            dest_partition = int(raw_part) if raw_part else None
+            # A topic that does not exist yet is checked when it does (the append holds it).
+            if dest_partition is not None and dest_partition >= (self._partitions_of(topic) or dest_partition + 1):
+                self._dead_letter(rnd, held, item, topic, f"tw-partition {dest_partition} out of range for {topic!r}")
+                return
+            to_hold.append(Held(held, item, rec, hdr, topic, dest_partition))
+        elif kind == CANCELLED:
+            _count(rnd.cancelled, topic)
+            rnd.finished.append((held, item))
+        else:
+            assert kind == ROLL
+            # Held until W passes its slot's time, not rolled as soon as read ahead: a crash reads
+            # again the slots from R on, and a hop done again is a second copy of the message.
+            heapq.heappush(self._heap, (item.fire_ms, next(self._seq), Held(held, item, rec, hdr, topic, None,
+                                                                          item.fire_ms)))
+
+    def _roll(self, rnd: Round, h: Held) -> None:
+        """A roll hop whose slot ``W`` passed: back to the timer topic, one roll more."""
+        rec, hdr = h.record, h.headers
+        deliver_ms = self.ctx.rules.delivery_time(rec, rnd.now, check_max=False, headers=hdr)
+        raw_roll = hdr.get(H_ROLL)
+        headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, int(raw_roll) if raw_roll else 0,
+                                 h.item.enqueued_ms)
+        rnd.out.append(OutRecord(self.ctx.config.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
+        _count(rnd.rolled, h.topic)
+        rnd.finished.append((h.held, h.item))
+
+    def _dead_letter(self, rnd: Round, held: HeldEntry, item: DeliverItem, topic: str, reason: str) -> None:
+        rec = item.record
+        assert rec is not None
+        rnd.out.append(OutRecord(self.ctx.config.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
+        _count(rnd.dead, topic)
+        rnd.finished.append((held, item))
+
+    def _roll_back(self, rnd: Round, h: Held, due: int) -> None:
+        """A record due far past this clock: back to the timer topic, due at its own time."""
+        rec = h.record
+        raw_roll = h.headers.get(H_ROLL)
+        rnd.out.append(OutRecord(self.ctx.config.timer_topic, rec.key, rec.value,
+                                 rolled_headers(rec, message_id_of(rec, h.headers), due,
+                                                int(raw_roll) if raw_roll else 0, h.item.enqueued_ms),
+                                 partition=rec.partition))
+        _count(rnd.rolled, h.topic)
+        rnd.finished.append((h.held, h.item))
+
+    # ---------------------------------------------------------------- release
+
+    def _release(self) -> int:
+        """Release every held record whose time has come and whose shard's ``W`` passed it (after a
+        look for cancel markers in its slot's tail), then write the round. Returns items finished."""
+        now = self.ctx.clock.now_ms()
+        due: list[Held] = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            due.append(heapq.heappop(heap)[2])
+        if due:
+            self._gate(due, now)
+        rnd = self._round
+        if rnd is None:
+            return 0
+        self._round = None
+        self._write(rnd)
+        return len(rnd.finished)
+
+    def _gate(self, due: list[Held], now: int) -> None:
+        """Of the records due by this clock, release those whose shard's ``W`` passed them and that
+        no cancel marker in their slot's tail cancels; hold the others again."""
+        by_shard: dict[int, list[Held]] = {}
+        for h in due:
+            if not h.held.lost:
+                by_shard.setdefault(h.held.entry.shard, []).append(h)
+        rnd: Round | None = None
+        for shard_id, held in by_shard.items():
+            view = self._view(shard_id)
+            ckpt = view.newest(self.ctx) if view is not None else None
+            ready: list[Held] = []
+            for h in held:
+                if ckpt is not None and h.due < ckpt.write_ms:
+                    ready.append(h)
+                else:
+                    heapq.heappush(self._heap, (h.due, next(self._seq), h))
+            if not ready:
+                continue
+            assert view is not None and ckpt is not None
+            cancelled = self._cancelled(view.shard, [h for h in ready if h.item.kind == DELIVER], ckpt.flushed_pos)
+            rnd = rnd or self._new_round()
+            rnd.now = now  # tw-delivered-at: the release
+            for h in ready:
+                if h.item.kind == ROLL:
+                    self._roll(rnd, h)
+                elif id(h) in cancelled:
+                    _count(rnd.cancelled, h.topic)
+                    rnd.finished.append((h.held, h.item._replace(kind=CANCELLED)))
+                else:
+                    self._deliver(rnd, h)
+
+    def _cancelled(self, shard: Shard, ready: list[Held], flushed_pos: int) -> set[int]:
+        """``id()`` of the records a cancel marker in their slot's tail ``[read_pos, flushed_pos)``
+        cancels: matched on the id hash, confirmed on the full id."""
+        by_read: dict[tuple[int, int], list[Held]] = {}
+        for h in ready:
+            entry = h.held.entry
+            if entry.read_pos < flushed_pos:
+                by_read.setdefault((entry.slot_time, entry.read_pos), []).append(h)
+        candidates: list[tuple[Held, tuple[int, int]]] = []
+        for (slot_time, read_pos), held in by_read.items():
+            markers: dict[int, list[tuple[int, int]]] = {}
+            for _positions, records in shard.read_slot(slot_time, flushed_pos, read_pos):
+                markers_of(records, markers)
+            if not markers:
+                continue
+            for h in held:
+                for ref in markers.get(timerwheel.wire.id_hash(message_id_of(h.record, h.headers)), ()):
+                    candidates.append((h, ref))
+        if not candidates:
+            return set()
+        refs = sorted({ref for _h, ref in candidates})
+        found = dict(zip(refs, self.commit_log.read(self.ctx.config.timer_topic, refs), strict=True))
+        out = {id(h) for h, ref in candidates if confirmed(h.record, found[ref])}
+        missed = len({id(h) for h, _ref in candidates} - out)
+        if missed:
+            self.ctx.metrics.inc("cancel_missed", missed)  # id-hash collision: not the same message
+        return out
+
+    def _deliver(self, rnd: Round, h: Held) -> None:
+        rec = h.record
+        headers = delivered_headers(rec, h.headers, str(h.item.enqueued_ms).encode(), str(rnd.now).encode())
+        # OutRecord(...) goes through a Python-level __new__: twice the cost
+        rnd.deliveries[len(rnd.out)] = h
+        rnd.dues[len(rnd.out)] = h.due
+        rnd.out.append(tuple.__new__(OutRecord, (h.topic, rec.key, rec.value, headers, h.dest_partition, None)))
+        _count(rnd.delivered, h.topic)
+        rnd.finished.append((h.held, h.item))
+
+    def _write(self, rnd: Round) -> None:
+        """Append the round's records (retried until written), then report and ack the entries it
+        finished."""
+        ctx = self.ctx
+        cfg = ctx.config
+        span = telemetry.dequeue_put_start() if rnd.out or rnd.finished else None
+        if span is not None:
+            trace = telemetry.inject(span)
+            for i in rnd.deliveries:
+                rnd.out[i] = rnd.out[i]._replace(headers=telemetry.replace_trace_headers(rnd.out[i].headers, trace))
+        now = rnd.now
 
         def hold(i: int, topic: str) -> OutRecord:
-            """The record to write instead of delivery ``i``, whose destination does not exist."""
-            rec, hdr, enqueued, k = origins[i]
-            not_sent.add(k)
-            delivered[topic] -= 1
+            """The record to write instead of ``rnd.out[i]``, whose destination does not exist."""
+            h = rnd.deliveries.pop(i)
+            rnd.dues.pop(i, None)
+            rec, hdr = h.record, h.headers
+            rnd.delivered[topic] -= 1
             since = int(hdr.get(H_HELD_SINCE) or now)
             waited = now - since
             if waited >= cfg.missing_topic_hold_ms:
-                dead[topic] = dead.get(topic, 0) + 1
+                _count(rnd.dead, topic)
                 reason = f"destination topic {topic!r} does not exist (held {waited} ms, TW_MISSING_TOPIC_HOLD_MS)"
                 return OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason))
-            held[topic] = held.get(topic, 0) + 1
+            _count(rnd.held_for_topic, topic)
             again = now + min(HOLD_RETRY_MAX_MS, max(HOLD_RETRY_MIN_MS, waited // 2))
             raw_roll = hdr.get(H_ROLL)
-            headers = rolled_headers(rec, message_id_of(rec, hdr), again, int(raw_roll) if raw_roll else 0, enqueued,
-                                     held_since_ms=since)
+            headers = rolled_headers(rec, message_id_of(rec, hdr), again, int(raw_roll) if raw_roll else 0,
+                                     h.item.enqueued_ms, held_since_ms=since)
             return OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition)
 
-        deliver_entries = [e for p, part in batches.items()
-                           for e in decoded(ctx, self.deliver_q, p, part, DeliverEntry.decode, self.logger)]
-        for entry in deliver_entries:
-            counts = done.setdefault((entry.shard, entry.generation), {})
-            counts[entry.slot_time] = counts.get(entry.slot_time, 0) + len(entry.items)
-            for kind, _fire, enqueued, rec, src_partition, src_offset, _tp in entry.items:
-                if rec is None or kind == MISSING:
-                    reason = f"source record {cfg.timer_topic}/{src_partition}/{src_offset} is gone from the log"
-                    out.append(OutRecord(cfg.dlq_topic, None, None, (
-                        (H_ERROR, reason.encode()),
-                        (H_SOURCE, f"{cfg.timer_topic}/{src_partition}/{src_offset}".encode()))))
-                    dead["-"] = dead.get("-", 0) + 1
-                    continue
-                hdr = dict(rec.headers)  # one pass; the last of repeated headers wins, as Record.header
-                raw_topic = hdr.get(H_TOPIC)
-                topic = (topics.get(raw_topic) or raw_topic.decode("utf-8", "replace")) if raw_topic else "-"
-                if kind == DELIVER:
-                    refused = rules.destination_error(topic) if raw_topic not in topics else ""
-                    if refused:  # the allow-list holds at delivery too
-                        reason = f"{refused} (checked at delivery)"
-                        out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
-                        dead[topic] = dead.get(topic, 0) + 1
-                        continue
-                    raw_part = hdr.get(H_PARTITION)
-                    dest_partition = int(raw_part) if raw_part else None
-                    # A topic that does not exist yet is checked when it does (the append holds it).
-                    if dest_partition is not None and dest_partition >= (self._partitions_of(topic) or dest_partition + 1):
-                        reason = f"tw-partition {dest_partition} out of range for {topic!r}"
-                        out.append(OutRecord(cfg.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
-                        dead[topic] = dead.get(topic, 0) + 1
-                        continue
-                    enqueued_text = texts.get(enqueued)
-                    if enqueued_text is None:
-                        enqueued_text = texts[enqueued] = str(enqueued).encode()
-                    headers = delivered_headers(rec, hdr, enqueued_text, now_text)
-                    if trace_headers:
-                        headers = telemetry.replace_trace_headers(headers, trace_headers)
-                    # OutRecord(...) goes through a Python-level __new__: twice the cost
-                    origins[len(out)] = (rec, hdr, enqueued, len(sent_records))
-                    sent_out.append(len(out))
-                    out.append(new_tuple(OutRecord, (topic, rec.key, rec.value, headers, dest_partition, None)))
-                    delivered[topic] = delivered.get(topic, 0) + 1
-                    sent_records.append(rec)
-                    sent_headers.append(hdr)
-                elif kind == CANCELLED:
-                    cancelled[topic] = cancelled.get(topic, 0) + 1
-                else:
-                    assert kind == ROLL
-                    deliver_ms = rules.delivery_time(rec, now, check_max=False, headers=hdr)
-                    raw_roll = hdr.get(H_ROLL)
-                    headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, int(raw_roll) if raw_roll else 0,
-                                             enqueued)
-                    if trace_headers:
-                        headers = telemetry.replace_trace_headers(headers, trace_headers)
-                    out.append(OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
-                    rolled[topic] = rolled.get(topic, 0) + 1
-        dues = rules.valid_delivery_times(sent_records, sent_headers) if sent_records else []
-        if dues and max(dues) > now:
-            now = self._not_early(out, sent_out, dues, origins, delivered, rolled, not_sent, now)
-        append_until_written(ctx, self.commit_log, out, self.logger, on_missing=hold)
-        ctx.processed(sum(len(r.value) for r in out if r.value))
-        if held:
-            self.logger.warning("destination topics missing, records held", topics=held)
-        if not_sent:
-            dues = [t for k, t in enumerate(dues) if k not in not_sent]
-        # Report before ack: a crash in between redelivers the entries (a bounded duplicate)
-        # instead of stalling the slot until dequeue-get re-sends it.
-        for (shard, generation), counts in done.items():
-            put_blocking(ctx, self.done_q, shard, [wire(self.done_q, DoneEntry(shard, generation, counts))],
-                         self.logger.bind(shard=shard))
-        for partition, part in batches.items():
-            self.deliver_q.ack(partition, [eid for eid, _ in part])
+        append_until_written(ctx, self.commit_log, rnd.out, self.logger, on_missing=hold)
+        ctx.processed(sum(len(r.value) for r in rnd.out if r.value))
+        if rnd.held_for_topic:
+            self.logger.warning("destination topics missing, records held", topics=rnd.held_for_topic)
+        self._finish(rnd.finished)
         m = ctx.metrics
-        if held:
-            m.inc_many("held", "topic", held)
-        delivered = {t: n for t, n in delivered.items() if n}
+        if rnd.held_for_topic:
+            m.inc_many("held", "topic", rnd.held_for_topic)
+        delivered = {t: n for t, n in rnd.delivered.items() if n}
         if delivered:
             m.inc_many("delivered", "topic", delivered)
-            m.observe_many("delivery_lateness_ms", [now - t for t in dues])
-        if rolled:
-            m.inc_many("rolled", "topic", rolled)
-        if cancelled:
-            m.inc_many("cancelled", "topic", cancelled)
-        if dead:
-            m.inc_many("dead_lettered", "topic", dead)
+            m.observe_many("delivery_lateness_ms", [now - t for t in rnd.dues.values()])
+        if rnd.rolled:
+            m.inc_many("rolled", "topic", rnd.rolled)
+        if rnd.cancelled:
+            m.inc_many("cancelled", "topic", rnd.cancelled)
+        if rnd.dead:
+            m.inc_many("dead_lettered", "topic", rnd.dead)
         if span is not None:
-            telemetry.dequeue_put_batch(span, cfg, ctx.rules, deliver_entries, out, now,
+            ended: dict[int, tuple[HeldEntry, list[DeliverItem]]] = {}
+            for held, item in rnd.finished:
+                ended.setdefault(id(held), (held, []))[1].append(item)
+            entries = [DeliverEntry(e.entry.shard, e.entry.generation, e.entry.slot_time, e.entry.read_pos, tuple(items))
+                       for e, items in ended.values()]
+            telemetry.dequeue_put_batch(span, cfg, ctx.rules, entries, rnd.out, now,
                                         {"DELIVER": DELIVER, "ROLL": ROLL, "CANCELLED": CANCELLED})
+
+    def _finish(self, finished: list[tuple[HeldEntry, DeliverItem]]) -> None:
+        """Count the items finished; report each entry all of whose items are (its slot's count to
+        dequeue-get), then ack it. Report before ack: a crash in between redelivers the entry (a
+        bounded duplicate) instead of stalling the slot until dequeue-get sends it again."""
+        done: list[HeldEntry] = []
+        for held, _item in finished:
+            held.left -= 1
+            if held.left == 0 and not held.lost:  # a lost one is another consumer's to ack
+                done.append(held)
+        if not done:
+            return
+        counts: dict[tuple[int, int], dict[int, int]] = {}
+        for held in done:
+            e = held.entry
+            slots = counts.setdefault((e.shard, e.generation), {})
+            slots[e.slot_time] = slots.get(e.slot_time, 0) + len(e.items)
+        for (shard, generation), by_slot in counts.items():
+            put_blocking(self.ctx, self.done_q, shard, [wire(self.done_q, DoneEntry(shard, generation, by_slot))],
+                         self.logger.bind(shard=shard))
+        acks: dict[int, list[str]] = {}
+        for held in done:
+            acks.setdefault(held.partition, []).append(held.entry_id)
+            self._entries.pop((held.partition, held.entry_id), None)
+        for partition, ids in acks.items():
+            self.deliver_q.ack(partition, ids)
+
+    # ---------------------------------------------------------------- held entries
+
+    def _touch(self) -> None:
+        """Reset the pending idle time of entries held TOUCH_AFTER_S, every TOUCH_EVERY_S, while
+        they are still ours; one another consumer took is dropped from the heap (it delivers it)."""
+        mono = time.monotonic()
+        if mono - self._touched < TOUCH_EVERY_S:
+            return
+        self._touched = mono
+        old: dict[int, list[HeldEntry]] = {}
+        for held in self._entries.values():
+            if mono - max(held.taken_at, held.touched_at) >= TOUCH_AFTER_S:
+                old.setdefault(held.partition, []).append(held)
+        for partition, held_list in old.items():
+            gone = set(self.deliver_q.touch(partition, self.ctx.consumer, [h.entry_id for h in held_list]))
+            for held in held_list:
+                held.touched_at = mono
+                if held.entry_id in gone:
+                    held.lost = True
+                    self._entries.pop((partition, held.entry_id), None)
+                    self.logger.warning("held entry taken by another consumer, dropped", partition=partition,
+                                        entry=held.entry_id)
+        if any(h.held.lost for _d, _s, h in self._heap):
+            self._heap = [x for x in self._heap if not x[2].held.lost]
+            heapq.heapify(self._heap)
+
+    def close(self) -> None:
+        for view in self._views.values():
+            view.shard.close()

@@ -7,9 +7,9 @@ Owns shards. For each batch of entries of a shard:
 2. choose each record's slot — the slot of its delivery time if that lies inside the roll
    window, a roll slot otherwise (design §5), the slot of ``W`` if already due (invariant 1);
 3. append to the TimerLog, link into the wheel, flush (TimerLog, then wheel);
-4. advance ``W`` (to now, capped so the wheel never laps an unread slot: a write never goes
-   past ``R + span - tick``, and never past the time up to which the shard's input is complete,
-   see ``InputWatermark``, plus ``TW_CANCEL_LEAD_MS`` if set), save ``enqueue.ckpt`` atomically, and only then ack the queue.
+4. advance ``W`` (to now, never past the time up to which the shard's input is complete, see
+   ``InputWatermark``, plus ``TW_CANCEL_LEAD_MS`` if set, and never more than ``w_cap_ms`` past
+   ``R``, see below), save ``enqueue.ckpt`` atomically, and only then ack the queue.
 
 Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
 unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
@@ -25,6 +25,19 @@ Rolling: a message due at least ``roll_window`` past ``W`` is written with the R
 ``W + window``. Once inside the window a message, and a cancel marker for it, go to the slot
 of the delivery time itself whatever path they took, so the two always meet there
 (RocketMQ #7991 computed roll targets from the write time and missed).
+
+W stays within ``w_cap_ms`` = ``c - tick`` of R, ``c = roll window / 3 - TW_LOOKAHEAD_MS - tick``
+(``r_lead_ms``; design precision-and-exactly-once.md, 3.1-3.2), and so does every observation of the
+input it counts (an observation grants at most the R known before its time + ``w_cap_ms``). Why:
+a rolled record sits in roll slot ``f`` at least a third of the window before its delivery time
+``d``, and until its hop is written back to the timer topic R stays at or before ``f``. So W stays
+below ``f + c - tick <= d - 2 ticks`` until the hop is in Kafka, and any observation taken before
+the hop's acknowledgement grants no more; one taken after it holds the hop below its ends. So the
+hop, of a message or of its cancel, is written into the slot of ``d`` itself, never into a later
+slot of W, however far dequeue-get lags: a rolled message and its cancel still meet. (Before,
+only the wheel's room capped W, ``R + span - window - tick``: a dequeue-get more than a third of
+the window behind let hops come back after their delivery time, and their cancels missed.) The
+cap also keeps the wheel from lapping an unread slot, as that room did (``c`` is below it).
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from timerwheel import telemetry
+from timerwheel.config import TimerConfig
 from timerwheel.errors import FencedError
 from timerwheel.log import stage_logger
 from timerwheel.stages.base import StageContext, decoded, get_by
@@ -75,6 +89,18 @@ MAX_UNREACHED_ENDS = 64
 INPUT_WAIT_LOG_S = 10.0
 
 
+def r_lead_ms(cfg: TimerConfig) -> int:
+    """``c``: W stays below R + c - tick (module header). ``TW_LOOKAHEAD_MS`` is checked at
+    most roll window / 6 - 2 ticks, so c - tick is at least a sixth of the window and W always
+    moves once R does.
+
+    Not capped at 60 s as the design's ``c`` is (precision-and-exactly-once.md 3.1): that ceiling
+    serves what is not built yet (retention down to ``W - c``, reschedule's checks of lattice
+    points), and it would make W catch up after an outage in steps of 60 s, one round trip through
+    dequeue-get each (1,440 for a day; a simulated clock jumping a year, half a million)."""
+    return cfg.roll_window_ms // 3 - cfg.lookahead_ms - cfg.tick_ms
+
+
 def roll_targets(deliver_ms: npt.NDArray[np.int64], write_ms: int, base_ms: int,
                  roll_window_ms: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
     """The roll rule, for a batch: the time whose slot each record is written to, and whether
@@ -104,6 +130,17 @@ def timerlog_records(partition: npt.NDArray[np.uint64], rows: list[PutRow], writ
                          topic_hash=thash, id_hash=ihash)
 
 
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """Where the timer topic ended (``ends``: partition -> high watermark) when our clock read
+    ``t0``, and the R each shard had then as far as enqueue-put knew (``read_ms``: shard -> R, read
+    before ``t0``; a shard missing there was not owned yet)."""
+
+    t0: int
+    read_ms: dict[int, int]
+    ends: dict[int, int]
+
+
 class InputWatermark:
     """Up to when each shard's input is complete: W never passes it.
 
@@ -111,13 +148,24 @@ class InputWatermark:
     that reaches the shard late (enqueue-get stopped, rebalancing, or rewinding after Redis lost
     its entries) would find its slot read already: a late message is merely late (it goes to the
     slot of W), but a late *cancel* misses its target, which is delivered. So W also waits for
-    the input: at ``t0`` (our clock, read before the request) the timer topic ended at ``ends``
-    (the last stable offsets: what a ``read_committed`` reader can reach), so every record the
-    topic acknowledged before ``t0`` has an offset below its partition's end; once the shard has
-    written every one of its partitions up to that end, its input is complete up to ``t0``. A
-    cancel acknowledged before its target's delivery time is then in the wheel before the
-    target's slot is read, however late it arrives, and it lands in the target's own slot
-    (W is still before the delivery time when it is written).
+    the input: at ``t0`` (our clock, read before the request) the timer topic ended at ``ends``,
+    so every record the topic acknowledged before ``t0`` has an offset below its partition's end;
+    once the shard has written every one of its partitions up to that end, its input is complete
+    up to ``t0``. A cancel acknowledged before its target's delivery time is then in the wheel
+    before the target's slot is read, however late it arrives, and it lands in the target's own
+    slot (W is still before the delivery time when it is written).
+
+    The ends are the **high watermarks** (``CommitLog.high_watermarks``: read_uncommitted), not the
+    last stable offsets a ``read_committed`` reader stops at: while another producer's transaction
+    is open on a partition, a plain cancel acknowledged after the transaction began lies above
+    the last stable offset, and W waited for that offset only, so it passed the cancel's target
+    before enqueue-get could read the cancel. Now W waits until the transaction ends: late, never
+    wrong. It does not wait for good once it ends: enqueue-get's ``read_committed`` consumer moves
+    its position past the commit or abort marker, the partition's last offset, to the high
+    watermark, also when no record follows the marker (checked against Kafka 4.1 with
+    kafka-python 3.0.12, after a commit and after an abort: the position reported after a fetch
+    that returned no record was the high watermark), and enqueue-get hands such a move on as an
+    entry without rows.
 
     ``ends()`` (the timer topic's end offsets) is asked at most every ``interval_s`` of real time,
     and only while some shard's W waits for its input. With ``background`` (production) a thread
@@ -127,11 +175,14 @@ class InputWatermark:
     at once and ``observe`` asks itself."""
 
     def __init__(self, ctx: StageContext, ends: Callable[[], dict[int, int]], interval_s: float,
-                 background: bool = False) -> None:
+                 background: bool = False, read_ms: Callable[[], dict[int, int]] = dict) -> None:
+        """``read_ms()``: R of each shard as enqueue-put knows it, asked before each request's ``t0``."""
         self.ctx = ctx
         self.ends = ends
+        self.read_ms = read_ms
         self.interval_s = interval_s
-        self._last: tuple[float, int, dict[int, int]] | None = None
+        #: (time.monotonic() before the request, the observation)
+        self._last: tuple[float, Observation] | None = None
         #: When the last request failed (time.monotonic()): the next waits ``interval_s``.
         self._failed_at = -1e18
         #: Requests failed in a row (one warning a streak, one line when they work again).
@@ -143,27 +194,31 @@ class InputWatermark:
             self._thread = threading.Thread(target=self._run, name="tw-input-ends", daemon=True)
             self._thread.start()
 
-    def observe(self) -> tuple[int, dict[int, int]] | None:
-        """(t0, end offsets): a new observation, or the last one when it is recent enough
-        (``interval_s`` of real time, or taken at this very clock time); None if Kafka did not
-        answer. In the background: the newest answer, None before the first."""
+    def observe(self) -> Observation | None:
+        """A new observation, or the last one when it is recent enough (``interval_s`` of real
+        time, or taken at this very clock time); None if Kafka did not answer. In the background:
+        the newest answer, None before the first."""
         if self._thread is not None:
             self._asked.set()
             last = self._last
-            return None if last is None else (last[1], last[2])
+            return None if last is None else last[1]
         mono, now = time.monotonic(), self.ctx.clock.now_ms()
         last = self._last
-        if last is not None and (last[1] == now or mono - last[0] < self.interval_s):
-            return last[1], last[2]  # an observation is only ever its own time with its own ends
+        if last is not None and (mono - last[0] < self.interval_s
+                                 or last[1].t0 == now and last[1].read_ms == self.read_ms()):
+            # An observation is only ever its own time with its own ends; one of this clock time is
+            # asked again only once R moved (it caps what an observation grants).
+            return last[1]
         if mono - self._failed_at < self.interval_s:
             return None
         self._request()
         last = self._last
-        return None if last is None or last[0] < mono else (last[1], last[2])
+        return None if last is None or last[0] < mono else last[1]
 
     def _request(self) -> None:
-        """One request: the clock read before it, the ends after. A failure keeps the last
+        """One request: R and the clock read before it, the ends after. A failure keeps the last
         observation as it was (never its ends with the failure's time: W would run on)."""
+        read = self.read_ms()
         mono, now = time.monotonic(), self.ctx.clock.now_ms()
         try:
             ends = self.ends()
@@ -177,7 +232,7 @@ class InputWatermark:
         if self._failures:
             stage_logger(STAGE).info("timer topic end offsets available again", failed_requests=self._failures)
             self._failures = 0
-        self._last = (mono, now, ends)
+        self._last = (mono, Observation(now, read, ends))
 
     def _run(self) -> None:
         """The background requests: one at most every ``interval_s``, each once ``observe``
@@ -201,19 +256,25 @@ class InputWatermark:
 class PutShard(OwnedShard):
     #: W: the time up to which the shard's slots may be read once published.
     write_ms: int = 0
-    #: How far W may run past R (the shard's own wheel less a roll window and a tick): a write,
-    #: at most W + roll window, never laps an unread slot.
+    #: The wheel's room past R (the shard's own wheel less a roll window and a tick): rolling
+    #: relative to at most R + this, a write (at most a roll window later) never laps an unread slot.
     headroom_ms: int = 0
+    #: W never passes R + this (``c - tick``, module header; below ``headroom_ms``).
+    w_cap_ms: int = 0
     next_offsets: dict[int, int] = field(default_factory=dict)
     published_ms: int = -1
     #: When W was last published, or found with nothing new to publish (time.monotonic()).
     published_at: float = 0.0
     #: R as last read from dequeue.ckpt (a lower bound of the real R).
     read_ms: int = -(2**62)
-    #: The shard's input is complete up to here (``InputWatermark``); W never passes it.
+    #: The shard's input is complete up to here (``InputWatermark``).
     input_ms: int = 0
-    #: Observations (t0, end offset per partition of this shard) the input has not reached yet, oldest first.
-    unreached_ends: list[tuple[int, dict[int, int]]] = field(default_factory=list)
+    #: W may go up to here by its input: the newest observation the input reached, its ``t0``
+    #: (+ ``TW_CANCEL_LEAD_MS``) capped at the R known before it + ``w_cap_ms``. W never passes it.
+    granted_ms: int = 0
+    #: Observations (t0, what they grant, end offset per partition of this shard) the input has
+    #: not reached yet, oldest first.
+    unreached_ends: list[tuple[int, int, dict[int, int]]] = field(default_factory=list)
     #: When W began to wait for the input (time.monotonic()), 0 if it does not; whether that was logged.
     input_wait_since: float = 0.0
     input_wait_logged: bool = False
@@ -226,15 +287,18 @@ class EnqueuePut:
         """``open_shard(id)`` opens a shard as its writer, which runs recovery: it is only
         called once the lease is ours, so two writers never touch one TimerLog.
 
-        ``input_ends()``: the timer topic's end offsets (``CommitLog.end_offsets``); W then
-        waits for the input (``InputWatermark``). Without it W follows the clock alone (unit
-        tests that feed the put queue by hand)."""
+        ``input_ends()``: the timer topic's high watermarks (``CommitLog.high_watermarks``); W
+        then waits for the input (``InputWatermark``). Without it W follows the clock and R alone
+        (unit tests that feed the put queue by hand)."""
         self.ctx = ctx
+        #: R of each shard as last read (``PutShard.read_ms``), for the observations' ``read_ms``:
+        #: a copy the background thread can take while the loop updates it.
+        self._read_known: dict[int, int] = {}
         # Production asks Kafka at most twice a tick while W waits; in process the log answers
         # at once, and a simulated clock must see its input complete as soon as it moves.
         self.input = None if input_ends is None else InputWatermark(
             ctx, input_ends, ctx.config.tick_ms / 2000 if ctx.wait_on_inputs else 0.0,
-            background=ctx.wait_on_inputs)
+            background=ctx.wait_on_inputs, read_ms=self._read_known.copy)
         self.queue = put_queue
         self.open_shard = open_shard
         self.logger = stage_logger(STAGE)
@@ -322,8 +386,9 @@ class EnqueuePut:
         ckpt = shard.load_enqueue_checkpoint()
         now = self.ctx.clock.now_ms()
         tick = shard.tick_ms
-        st = PutShard(shard_id, shard, log, epoch,
-                      headroom_ms=shard.slots * tick - self.ctx.config.roll_window_ms - tick)
+        headroom = shard.slots * tick - self.ctx.config.roll_window_ms - tick
+        st = PutShard(shard_id, shard, log, epoch, headroom_ms=headroom,
+                      w_cap_ms=min(headroom, r_lead_ms(self.ctx.config) - tick))
         if ckpt is None:
             # A new shard starts at the clock; from here on W waits for its input.
             st.write_ms = now
@@ -349,6 +414,7 @@ class EnqueuePut:
                      relinked=report.relinked, corrupt=len(report.corrupt), seconds=round(report.seconds, 3))
         # A checkpointed W had its input complete up to W less the lead it may have run ahead.
         st.input_ms = st.write_ms - self.ctx.config.cancel_lead_ms
+        st.granted_ms = st.write_ms
         self._advance_w(st)
         self._publish(st)
         return st
@@ -470,20 +536,22 @@ class EnqueuePut:
             telemetry.enqueue_put_batch(t0, st.shard_id, _requests(entries), written, st.shard.slot_time)
 
     def _target_w(self, st: PutShard, observe: bool = True) -> int:
-        """Now, capped so that no write (at most W + roll window) can lap an unread slot, and
-        never past the time up to which the shard's input is complete (``InputWatermark``;
-        ``observe``: ask where the timer topic ends if that would move W).
+        """Now, never more than ``w_cap_ms`` past R (module header), and never past what the
+        shard's input grants (``InputWatermark``, ``granted_ms``; ``observe``: ask where the timer
+        topic ends if that would move W).
 
         R only grows, so the last R we read gives a safe cap; R is re-read only when that cap binds."""
         now = self.ctx.clock.now_ms()
-        if now > st.read_ms + st.headroom_ms:
+        if now > st.read_ms + st.w_cap_ms:
             dq = st.shard.load_dequeue_checkpoint()
             st.read_ms = dq.read_ms if dq else st.write_ms
-        target = min(now, st.read_ms + st.headroom_ms)
-        if self.input is not None and target > st.input_ms:
+            self._read_known[st.shard_id] = st.read_ms
+        target = min(now, st.read_ms + st.w_cap_ms)
+        # Observed while W wants more than the input grants, or (with a lead) than it is known complete
+        if self.input is not None and target > min(st.input_ms, st.granted_ms):
             if observe:
                 self._input_complete(st)
-            target = min(target, st.input_ms + self.ctx.config.cancel_lead_ms)
+            target = min(target, st.granted_ms)
         return max(st.write_ms, target)
 
     def _roll_base(self, st: PutShard) -> int:
@@ -496,24 +564,30 @@ class EnqueuePut:
         return max(st.write_ms, min(self.ctx.clock.now_ms(), st.read_ms + st.headroom_ms))
 
     def _input_complete(self, st: PutShard) -> None:
-        """Move ``st.input_ms`` to the newest observation of the timer topic's end that the
-        shard's written offsets have reached, observing again if none is awaited."""
+        """Move ``st.input_ms`` and ``st.granted_ms`` to the newest observation of the timer
+        topic's end that the shard's written offsets have reached, observing again if none is
+        awaited. An observation grants its ``t0`` (+ ``TW_CANCEL_LEAD_MS``), but never more than
+        the R known before it + ``w_cap_ms``: one taken before a roll hop was acknowledged, and
+        reached only after R moved past the hop's roll slot, must not carry W past the hop's
+        delivery time while the hop is still in Kafka."""
         assert self.input is not None
         have = st.next_offsets
         unreached = st.unreached_ends
         if len(unreached) < MAX_UNREACHED_ENDS:
             seen = self.input.observe()
-            if seen is not None and (not unreached or seen[0] > unreached[-1][0]):
-                t0, ends = seen
+            r0 = None if seen is None else seen.read_ms.get(st.shard_id)
+            if seen is not None and r0 is not None and (not unreached or seen.t0 > unreached[-1][0]):
                 shards = self.ctx.config.shards
+                granted = min(seen.t0 + self.ctx.config.cancel_lead_ms, r0 + st.w_cap_ms)
                 # An end that seems to move back (a broker just restarted) is not trusted: the
                 # records below the higher end are waited for, as new ones soon pass it anyway.
-                unreached.append((t0, {p: e for p, e in ends.items() if p % shards == st.shard_id}))
+                unreached.append((seen.t0, granted, {p: e for p, e in seen.ends.items() if p % shards == st.shard_id}))
         done = 0
-        for t0, ends in unreached:
+        for t0, granted, ends in unreached:
             if any(have.get(p, 0) < e for p, e in ends.items()):
                 break
             st.input_ms = max(st.input_ms, t0)
+            st.granted_ms = max(st.granted_ms, granted)
             done += 1
         if done:
             del unreached[:done]
@@ -535,11 +609,12 @@ class EnqueuePut:
             st.input_wait_since = mono
         elif not st.input_wait_logged and mono - st.input_wait_since >= INPUT_WAIT_LOG_S:
             st.input_wait_logged = True
-            behind = {str(p): [st.next_offsets.get(p, 0), e] for p, e in st.unreached_ends[0][1].items()
+            behind = {str(p): [st.next_offsets.get(p, 0), e] for p, e in st.unreached_ends[0][2].items()
                       if st.next_offsets.get(p, 0) < e}
             st.logger.warning("W waits for the timer topic: records acknowledged before it are not written yet "
-                           "(is enqueue-get running?)", waited_s=round(mono - st.input_wait_since, 1),
-                           input_ms=st.input_ms, behind=behind)
+                              "(is enqueue-get running? is a producer's transaction open on a partition? W waits "
+                              "until it ends)", waited_s=round(mono - st.input_wait_since, 1),
+                              input_ms=st.input_ms, behind=behind)
 
     def _advance_w(self, st: PutShard) -> bool:
         """Move W to its target. True if its slot differs from the published one."""

@@ -469,10 +469,14 @@ class Shard:
         log.error("shard %s: corrupt TimerLog record at position %d (reading slot %d): %s; skipped",
                   self.directory, pos, slot_time, why)
 
-    def read_slot(self, slot_time: int, limit_pos: int | None = None) -> Iterator[SlotPiece]:
+    def read_slot(self, slot_time: int, limit_pos: int | None = None, since_pos: int = 0) -> Iterator[SlotPiece]:
         """The slot's records, newest first, column-wise: (positions, records) pieces of at most
         SLOT_PIECE_RECORDS records each, so that a slot of any size is read in bounded memory.
 
+        Only positions in ``[since_pos, limit_pos)``: the TimerLog only appends, so the records
+        at or past a position the slot was read at are exactly those written into it since (its
+        *tail*: dequeue-get reads an open slot's tail at each new checkpoint, dequeue-put looks
+        for cancel markers there); the chain is followed down to ``since_pos`` only.
         Positions >= ``limit_pos`` are never read (readers pass the published flushed_pos; the
         default is the end of the log for the writer, the enqueue checkpoint's flushed_pos for a
         reader). A slot is read by following prev_pos from its last_pos, one pread per record; a
@@ -485,6 +489,10 @@ class Shard:
         slot_time = self.slot_time(slot_time)
         limit_pos = self._limit(limit_pos)
         slot = self.slot(slot_time)
+        if since_pos > slot.first_pos:
+            if since_pos > slot.last_pos or since_pos >= limit_pos:
+                return
+            slot = Slot(slot.slot_time, since_pos, slot.last_pos, slot.num, slot.magic)
         stretch = self._dense_stretch(slot, limit_pos)
         if stretch is not None:
             yield from self._scan(slot_time, *stretch)

@@ -81,7 +81,17 @@ class CommitLog(Protocol):
         ...
 
     def end_offsets(self, topic: str) -> dict[int, int]:
-        """Partition -> offset the next appended record will get."""
+        """Partition -> the end a reader of committed records reaches: on Kafka the last stable
+        offset (below an open transaction's first record), elsewhere the offset the next
+        appended record will get."""
+        ...
+
+    def high_watermarks(self, topic: str) -> dict[int, int]:
+        """Partition -> the offset the next appended record will get, whether the records below
+        it are committed or not (Kafka's high watermark, what a ``read_uncommitted`` reader
+        reaches; the local log has no transactions: its ends). Every record the log acknowledged
+        before the call lies below it, also one appended after another producer's transaction
+        began on the partition, which ``end_offsets`` leaves out until the transaction ends."""
         ...
 
     def start_offsets(self, topic: str) -> dict[int, int]:
@@ -153,9 +163,11 @@ class ExpiringLog(Protocol):
 class AtomicLog(Protocol):
     """A commit log that can write several records all or none."""
 
-    def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+    def append_atomic(self, records: Sequence[OutRecord], transactional_id: str) -> list[tuple[int, int]]:
         """As ``CommitLog.append``, in one transaction: a reader sees every record or none; on
-        failure nothing was written."""
+        failure nothing was written. ``transactional_id`` is the writer's, the same across its
+        restarts: a writer that starts again with it ends what its crashed predecessor left open
+        at once (Kafka aborts it) and fences it."""
         ...
 
 
@@ -230,6 +242,11 @@ class WorkQueue(Protocol):
 
     def heartbeat(self, consumer: str, ttl_ms: int) -> None:
         """``consumer`` is alive for the next ``ttl_ms``."""
+        ...
+
+    def touch(self, partition: int, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        """Reset the pending idle time of the entries still pending with ``consumer`` (a consumer that
+        holds entries on purpose keeps them from ``claim_stale``); returns those it no longer has."""
         ...
 
     def depth(self, partition: int) -> int:

@@ -236,6 +236,20 @@ class MemoryWorkQueue:
     def heartbeat(self, consumer: str, ttl_ms: int) -> None:
         self._alive_until[consumer] = self._clock.now_ms() + ttl_ms
 
+    def touch(self, partition: int, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        qp = self._part(partition)
+        gone = []
+        with qp.lock:
+            now = self._clock.now_ms()
+            for entry_id in entry_ids:
+                entry = qp.pending.get(entry_id)
+                if entry is None or entry.consumer != consumer:
+                    gone.append(entry_id)
+                else:  # to the end: insertion order is staleness order (claim_stale)
+                    del qp.pending[entry_id]
+                    qp.pending[entry_id] = _Pending(entry.payload, consumer, now)
+        return gone
+
     def depth(self, partition: int) -> int:
         qp = self._part(partition)
         with qp.lock:

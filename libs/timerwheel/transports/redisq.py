@@ -75,6 +75,22 @@ for i = 3, #ARGV do redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
 return -1
 """
 
+# KEYS[1] the stream; ARGV group, consumer, entry ids. Each entry still pending with the consumer is
+# claimed by it again (XCLAIM resets its idle time; JUSTID leaves its delivery count); returns the
+# ids it no longer has (acked, deleted, or another consumer's now): a touch never takes an entry back.
+_TOUCH_OWN = """
+local gone = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(gone, ARGV[i])
+  end
+end
+return gone
+"""
+
 # Per (role, shard): KEYS[1] owner key "owner:epoch" with the TTL, KEYS[2] epoch counter,
 # KEYS[3] the grant "owner:epoch" without TTL (cleared by release), so that an owner whose TTL
 # lapsed while nobody acquired can still renew, as the LeaseStore protocol (and the memory
@@ -222,6 +238,7 @@ class RedisWorkQueue:
         self.group = group
         self._max_block_ms = max(1, int(max_block_s * 1000))
         self._put_script = client.register_script(_PUT_IF_ROOM)
+        self._touch_script = client.register_script(_TOUCH_OWN)
         self._ready: set[int] = set()
 
     def key(self, partition: int) -> str:
@@ -377,6 +394,14 @@ class RedisWorkQueue:
     def heartbeat(self, consumer: str, ttl_ms: int) -> None:
         with _redis_call(f"heartbeat of {consumer!r}"):
             self.client.set(alive_key(consumer), b"1", px=ttl_ms)
+
+    def touch(self, partition: int, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        key = self._check(partition)
+        if not entry_ids:
+            return []
+        with _redis_call(f"touch on queue {self.name!r} partition {partition}"):
+            gone = self._touch_script(keys=[key], args=[self.group, consumer, *entry_ids])
+        return [_text(g) for g in gone or ()]
 
     def _claim_dead(self, partition: int, consumer: str, dead_idle_ms: int, max_entries: int) -> list[tuple[str, bytes]]:
         key = self.key(partition)

@@ -121,6 +121,12 @@ class KafkaCommitLog:
         found = self.reader.list_offsets(self.topics.topic_partitions(topic), beginning=False)
         return {tp.partition: o for tp, o in found.items()}
 
+    def high_watermarks(self, topic: str) -> dict[int, int]:
+        """The high watermarks (ListOffsets at ``read_uncommitted``): above ``end_offsets`` while
+        a transaction is open on a partition. enqueue-put's ``W`` waits for these."""
+        found = self.reader.high_watermarks(self.topics.topic_partitions(topic))
+        return {tp.partition: o for tp, o in found.items()}
+
     def start_offsets(self, topic: str) -> dict[int, int]:
         found = self.reader.list_offsets(self.topics.topic_partitions(topic), beginning=True)
         return {tp.partition: o for tp, o in found.items()}
@@ -130,10 +136,11 @@ class KafkaCommitLog:
     def append(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
         return self.appender.append(records)
 
-    def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
-        """Append ``records`` in one Kafka transaction: a ``read_committed`` reader (every stage)
-        sees all of them or none."""
-        return self.appender.append_atomic(records)
+    def append_atomic(self, records: Sequence[OutRecord], transactional_id: str) -> list[tuple[int, int]]:
+        """Append ``records`` in one Kafka transaction under ``transactional_id`` (a short
+        transaction timeout: ``producer`` module header): a ``read_committed`` reader (every
+        stage) sees all of them or none."""
+        return self.appender.append_atomic(records, transactional_id)
 
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
         return self.reader.read(topic, positions)

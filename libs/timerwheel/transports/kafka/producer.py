@@ -18,14 +18,21 @@ What it guarantees:
   the caller retries them. A record reported failed may still have been written (a lost ack),
   so a retry may duplicate it, never lose it.
 - ``append_atomic`` writes records in one transaction (a transactional producer of its own):
-  a ``read_committed`` reader, every stage, sees all of them or none.
+  a ``read_committed`` reader, every stage, sees all of them or none. Its transactional id is
+  the caller's, stable across restarts (``TimerClient``: one per client id), and its transaction
+  timeout short (``ATOMIC_TRANSACTION_TIMEOUT_MS``): while a transaction is open on a timer
+  partition, enqueue-put's ``W`` waits for it to end (a cancel behind it must not be passed), so
+  a client that crashes in the middle holds ``W`` back only until the broker aborts it (the
+  timeout plus the broker's abort sweep, ``transaction.abort.timed.out.transaction.cleanup.
+  interval.ms``, 10 s by default), and not at all once it restarts: ``init_transactions`` under
+  the same id aborts the open transaction at once and fences the crashed producer. (A random id,
+  as before, left it open for the 60 s default, its restart unable to end it.)
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any
@@ -39,7 +46,12 @@ from timerwheel.transports.kafka.admin import Topics
 from timerwheel.transports.kafka.clients import KafkaClients
 from timerwheel.transports.kafka.errors import REFUSED, KafkaLogError, kafka_call, refusal
 
-__all__ = ["Appender"]
+__all__ = ["ATOMIC_TRANSACTION_TIMEOUT_MS", "Appender"]
+
+#: ``append_atomic``'s transaction timeout: a transaction of two records takes tens of ms; one
+#: left open by a crash holds the timer partition's W (see the module header) this long at most,
+#: plus the broker's abort sweep.
+ATOMIC_TRANSACTION_TIMEOUT_MS = 5_000
 
 
 class Appender:
@@ -65,6 +77,8 @@ class Appender:
         self.metadata_waits = 0
         self._producer: Any = None
         self._tx_producer: Any = None
+        #: The transactional id ``_tx_producer`` was made with.
+        self._tx_id = ""
         self._lock = threading.Lock()
 
     def _get_producer(self) -> Any:
@@ -218,19 +232,30 @@ class Appender:
                 self._producer = None
         internals.force_close(producer, 0)
 
-    def append_atomic(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
-        """Append ``records`` in one Kafka transaction; a failed transaction is aborted and raises
-        ``KafkaLogError`` (nothing was written). An empty call only connects the transactional
-        producer (its first ``init_transactions`` takes a while)."""
+    def append_atomic(self, records: Sequence[OutRecord], transactional_id: str) -> list[tuple[int, int]]:
+        """Append ``records`` in one Kafka transaction under ``transactional_id``; a failed
+        transaction is aborted and raises ``KafkaLogError`` (nothing was written), and the producer
+        is made again on the next call (after a fence by another producer with the same id, its
+        ``init_transactions`` fences that one in turn). An empty call only connects the
+        transactional producer (``init_transactions`` takes a while, and aborts a transaction a
+        crashed producer with this id left open)."""
         with self._lock:
             producer = self._tx_producer
+            if producer is not None and self._tx_id != transactional_id:
+                internals.force_close(producer, 5)
+                producer = self._tx_producer = None
             if producer is None:
                 producer = self._clients.producer(
-                    "tx-producer", transactional_id=f"{self._clients.client_id}-tx-{uuid.uuid4().hex}",
+                    "tx-producer", transactional_id=transactional_id,
+                    transaction_timeout_ms=ATOMIC_TRANSACTION_TIMEOUT_MS,
                     compression_type=self._compression, max_request_size=self._max_request_size)
-                with kafka_call("connect the transactional producer"):
-                    producer.init_transactions()
-                self._tx_producer = producer
+                try:
+                    with kafka_call("connect the transactional producer"):
+                        producer.init_transactions()
+                except KafkaLogError:
+                    internals.force_close(producer, 0)
+                    raise
+                self._tx_producer, self._tx_id = producer, transactional_id
             if not records:
                 return []
             try:
@@ -243,6 +268,8 @@ class Appender:
             except kafka_errors.KafkaError as exc:
                 with suppress(kafka_errors.KafkaError):
                     producer.abort_transaction()
+                internals.force_close(producer, 0)  # fenced, or in a state it may not leave: a new one next time
+                self._tx_producer = None
                 raise KafkaLogError(f"append_atomic: transaction of {len(records)} records failed: {exc}") from None
             return written
 

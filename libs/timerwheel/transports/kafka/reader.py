@@ -70,6 +70,9 @@ class Reader:
         #: past the cached end. A start that moved since is caught by the fetch itself.
         self._bounds: dict[TopicPartition, tuple[int, int]] = {}
         self._lock = threading.Lock()
+        #: The ``read_uncommitted`` consumer of ``high_watermarks`` (made on first use) and its lock.
+        self._hw_reader: Any = None
+        self._hw_lock = threading.Lock()
 
     @property
     def fetch_bytes(self) -> int:
@@ -113,6 +116,18 @@ class Reader:
             else:
                 result = reader.end_offsets(tps, timeout_ms=timeout_ms)
         return result
+
+    def high_watermarks(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """Each partition's high watermark: ListOffsets sent at ``read_uncommitted`` (kafka-python
+        asks at its consumer's isolation level), from a consumer of its own that never fetches,
+        under a lock of its own (enqueue-put asks from a thread while nothing else reads)."""
+        with self._hw_lock:
+            if self._hw_reader is None:
+                self._hw_reader = self._clients.consumer("high-watermarks", isolation_level="read_uncommitted")
+            with kafka_call("list high watermarks"):
+                result: dict[TopicPartition, int] = self._hw_reader.end_offsets(
+                    tps, timeout_ms=self._clients.request_timeout_ms)
+            return result
 
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
         hits = self.cache.take(topic, positions)
@@ -217,8 +232,8 @@ class Reader:
             self._record_bytes = sum(sizes) // len(sizes)
 
     def close(self) -> None:
-        with self._lock:
-            for reader in (self._reader, self._large_reader):
+        with self._lock, self._hw_lock:
+            for reader in (self._reader, self._large_reader, self._hw_reader):
                 if reader is not None:
                     reader.close(autocommit=False)
-            self._reader = self._large_reader = None
+            self._reader = self._large_reader = self._hw_reader = None

@@ -291,6 +291,10 @@ class LocalCommitLog:
     def end_offsets(self, topic: str) -> dict[int, int]:
         return {p: self.partition_log(topic, p).end() for p in range(self.partitions(topic))}
 
+    def high_watermarks(self, topic: str) -> dict[int, int]:
+        """The ends: a local append is visible to every reader once it returns (no transactions)."""
+        return self.end_offsets(topic)
+
     def start_offsets(self, topic: str) -> dict[int, int]:
         return {p: self.partition_log(topic, p).start() for p in range(self.partitions(topic))}
 

@@ -1,0 +1,54 @@
+"""What a reader of a shard may trust: the newest published ``enqueue.ckpt`` (``W`` and the
+flushed TimerLog position) once the reader's view shows every record below that position.
+
+dequeue-get reads slots through it (which slots ``W`` lets it read, and up to where), dequeue-put
+gates its releases on it (a record due at ``t`` leaves once ``W > t``, after a look for cancel
+markers below the flushed position). Both hold a read-only ``Shard`` view of the shared data
+directory; only enqueue-put writes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from timerwheel.stages.base import StageContext
+from timerwheel.store import EnqueueCheckpoint, Shard
+
+#: How often enqueue.ckpt is re-read when no in-process notice says it changed.
+CKPT_POLL_S = 0.01
+
+
+@dataclass
+class PublishedView:
+    """A read-only shard view and the newest checkpoint it is complete for (``newest``)."""
+
+    shard_id: int
+    shard: Shard
+    #: enqueue.ckpt as last read, the in-process publication count then, and when (time.monotonic()).
+    ckpt: EnqueueCheckpoint | None = None
+    version: int = -1
+    read_at: float = 0.0
+    #: The shard view shows every record below ``ckpt``'s flushed position (Shard.refresh).
+    visible: bool = False
+
+    def newest(self, ctx: StageContext) -> EnqueueCheckpoint | None:
+        """The published checkpoint once the view shows every record below its flushed position,
+        else None (another node's bytes not visible here yet: nothing may be taken for absent).
+
+        Re-read when this process's enqueue-put says it published (``ctx.published_w``), else at
+        most every CKPT_POLL_S (an enqueue-put in another process): reading the file each step
+        costs more than the rest of an idle step."""
+        version = ctx.published_w.get(self.shard_id, 0)
+        now = time.monotonic()
+        if self.ckpt is None or version != self.version or now - self.read_at >= CKPT_POLL_S:
+            ckpt = self.shard.load_enqueue_checkpoint()
+            if ckpt is None:
+                return None
+            self.version, self.read_at = version, now
+            if ckpt != self.ckpt or not self.visible:
+                self.ckpt = ckpt
+                self.visible = self.shard.refresh(ckpt)
+                if not self.visible:
+                    ctx.metrics.inc("stale_views", shard=self.shard_id)
+        return self.ckpt if self.visible else None

@@ -1,0 +1,257 @@
+"""dequeue-put releases each record at its own time (issue 30): held in a heap, never early by
+its own clock, never before its shard's W passed it, one by one rather than a batch at its latest
+record's time; a held entry stays unacknowledged, so a crash makes it late, never lost.
+
+The first tests drive dequeue-put alone on a simulated clock, with W published by hand into a
+real shard's enqueue.ckpt; the others step the five stages by hand (``test_late_input.Stages``)
+with the wheel read ahead (TW_LOOKAHEAD_MS 1000).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_dequeue_put_checks import record
+from test_late_input import START, Stages
+from timerwheel import SimulatedClock, TimerConfig
+from timerwheel.records import Record
+from timerwheel.stages import base, dequeue_put
+from timerwheel.stages.base import StageContext
+from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem, DoneEntry
+from timerwheel.stages.dequeue_put import DequeuePut
+from timerwheel.store import EnqueueCheckpoint, Shard
+from timerwheel.store.layout import open_reader_if_exists, open_shard
+from timerwheel.transports.local.log import LocalCommitLog
+from timerwheel.transports.memory import MemoryWorkQueue
+
+SLOT = START + 1_000
+
+
+class PutRig:
+    """dequeue-put over in-process queues timed by the simulated clock, and shard 0 whose W the
+    test publishes (``publish``)."""
+
+    def __init__(self, tmp_path: Path, clock: SimulatedClock) -> None:
+        self.clock = clock
+        self.config = TimerConfig(data_dir=str(tmp_path), shards=1, fsync=False, lookahead_ms=1_000)
+        self.log = LocalCommitLog(tmp_path / "log", fsync=False, clock=clock)
+        self.log.ensure_topic("dest", 1)
+        self.writer: Shard = open_shard(self.config, 0, writer=True)
+        self.deliver_q = MemoryWorkQueue("deliver", 1, 64, clock=clock)
+        self.done_q = MemoryWorkQueue("done", 1, 64, clock=clock)
+        self.stages: list[DequeuePut] = []
+        self.publish(START)
+
+    def stage(self, consumer: str) -> DequeuePut:
+        ctx = StageContext(self.config, self.clock, consumer=consumer)
+        put = DequeuePut(ctx, self.log, self.deliver_q, self.done_q, [0], lambda s: open_reader_if_exists(self.config, s))
+        self.stages.append(put)
+        return put
+
+    def publish(self, write_ms: int) -> None:
+        """W = ``write_ms``, as enqueue-put publishes it; dequeue-put's view is told at once."""
+        self.writer.save_enqueue_checkpoint(EnqueueCheckpoint(flushed_pos=self.writer.flush(), write_ms=write_ms,
+                                                              next_offsets={}, epoch=1))
+        for put in self.stages:
+            put.ctx.published_w[0] = put.ctx.published_w.get(0, 0) + 1
+
+    def hand_over(self, *records: Record) -> None:
+        """One deliver entry of ``records``, read from slot SLOT as dequeue-getmsg passes it on."""
+        items = tuple(DeliverItem(DELIVER, SLOT, START - 60_000, r, 0, r.offset) for r in records)
+        self.deliver_q.put(0, [DeliverEntry(0, 1, SLOT, 0, items).encode()], 1.0)
+
+    def sent(self) -> dict[str, int]:
+        """Message id -> tw-delivered-at of what reached ``dest``."""
+        consumer = self.log.consumer("dest", {0: 0})
+        try:
+            return {(r.header("tw-id") or b"").decode(): int(r.header("tw-delivered-at") or 0)
+                    for r in consumer.poll(1000, 0)}
+        finally:
+            consumer.close()
+
+    def done(self) -> int:
+        """Messages reported finished to dequeue-get so far."""
+        got = self.done_q.get(0, "get", 100, 0)
+        return sum(n for _eid, payload in got for n in DoneEntry.decode(payload).counts.values())
+
+    def close(self) -> None:
+        for put in self.stages:
+            put.close()
+        self.writer.close()
+        self.log.close()
+
+
+@pytest.fixture
+def clock() -> SimulatedClock:
+    return SimulatedClock(start_ms=START)
+
+
+@pytest.fixture
+def rig(tmp_path: Path, clock: SimulatedClock) -> Iterator[PutRig]:
+    r = PutRig(tmp_path, clock)
+    yield r
+    r.close()
+
+
+def test_never_early_by_its_own_clock_and_each_record_at_its_own_time(rig: PutRig, clock: SimulatedClock) -> None:
+    put = rig.stage("a")
+    rig.publish(START + 3_600_000)  # W far ahead (enqueue-put's clock ahead of ours): only our clock gates
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 50), record(3, "dest", SLOT + 90))
+    put.step(0)
+    assert rig.sent() == {} and rig.deliver_q.depth(0) == 1  # held, unacknowledged
+    seen: dict[str, int] = {}
+    while clock.now_ms() < SLOT + 200:
+        put.step(0)
+        for mid, at in rig.sent().items():
+            seen.setdefault(mid, clock.now_ms())
+            assert at >= {"m1": SLOT + 10, "m2": SLOT + 50, "m3": SLOT + 90}[mid], f"{mid} early"
+        clock.advance(5)
+    # each at its own time (not held for the batch's latest), stamped at release
+    assert rig.sent() == {"m1": SLOT + 10, "m2": SLOT + 50, "m3": SLOT + 90} == seen
+    assert rig.deliver_q.depth(0) == 0 and rig.done() == 3  # acked once all three were out
+
+
+def test_a_record_at_the_start_of_a_slot_leaves_once_w_passes_it(rig: PutRig, clock: SimulatedClock) -> None:
+    put = rig.stage("a")
+    rig.hand_over(record(1, "dest", SLOT))
+    clock.set(SLOT + 30)
+    rig.publish(SLOT)  # W at the record's time: a cancel due then may not be written yet
+    put.step(0)
+    assert rig.sent() == {} and rig.done() == 0
+    clock.set(SLOT + 40)
+    rig.publish(SLOT + 1)
+    put.step(0)
+    assert rig.sent() == {"m1": SLOT + 40}  # at W, not at the slot's end (SLOT + 100)
+    assert rig.done() == 1
+
+
+def test_a_crash_while_records_are_held_loses_none(rig: PutRig, clock: SimulatedClock,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base, "CLAIM_EVERY_S", 0.0)
+    first = rig.stage("a")
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 20))
+    first.step(0)
+    assert rig.sent() == {} and rig.deliver_q.pending(0) != {}  # held by "a", unacknowledged
+    # "a" dies holding them (never steps again, never said it lives): "b" claims them ...
+    second = rig.stage("b")
+    second.deliver_q.heartbeat("b", 60_000)
+    clock.advance(base.DEAD_IDLE_MS)
+    second.step(0)
+    assert set(rig.deliver_q.pending(0).values()) == {"b"}
+    assert rig.sent() == {}  # ... and holds them for their time in turn
+    clock.set(SLOT + 50)
+    rig.publish(SLOT + 50)
+    second.step(0)
+    assert rig.sent() == {"m1": SLOT + 50, "m2": SLOT + 50}  # late, not lost
+    assert rig.deliver_q.depth(0) == 0 and rig.done() == 2
+
+
+def test_a_live_replica_keeps_the_entries_it_holds(rig: PutRig, clock: SimulatedClock,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """W stands still for longer than CLAIM_IDLE_MS (enqueue-put down): the held entry stays with
+    the replica that holds it; another live one does not take it for a stuck consumer's."""
+    monkeypatch.setattr(base, "CLAIM_EVERY_S", 0.0)
+    monkeypatch.setattr(dequeue_put, "TOUCH_EVERY_S", 0.0)
+    monkeypatch.setattr(dequeue_put, "TOUCH_AFTER_S", 0.0)
+    holder, other = rig.stage("a"), rig.stage("b")
+    rig.hand_over(record(1, "dest", SLOT + 10))
+    rig.deliver_q.heartbeat("a", 600_000)  # both alive (a stage process's Heartbeat thread)
+    rig.deliver_q.heartbeat("b", 600_000)
+    holder.step(0)
+    for _ in range(8):
+        clock.advance(base.CLAIM_IDLE_MS // 4)
+        for put in (other, holder):  # the other looks first: were the entry idle, it would take it
+            put.step(0)
+    assert set(rig.deliver_q.pending(0).values()) == {"a"}
+    rig.publish(clock.now_ms())
+    holder.step(0)
+    other.step(0)
+    assert list(rig.sent()) == ["m1"] and rig.done() == 1
+
+
+# -- the five stages, read ahead ------------------------------------------------------------
+
+
+@pytest.fixture
+def stages(tmp_path: Path) -> Iterator[Stages]:
+    s = Stages(tmp_path, lookahead_ms=1_000)
+    yield s
+    s.close()
+
+
+def advance(s: Stages, to_ms: int, step_ms: int = 10) -> None:
+    while s.clock.now_ms() < to_ms:
+        s.clock.advance(min(step_ms, to_ms - s.clock.now_ms()))
+        s.run(rounds=2)
+
+
+def test_a_cancel_after_the_read_ahead_drops_the_held_message(stages: Stages) -> None:
+    kept = stages.client.schedule("dest", b"kept", deliver_at_ms=START + 2_010)
+    doomed = stages.client.schedule("dest", b"doomed", deliver_at_ms=START + 2_020)
+    stages.run()
+    advance(stages, START + 1_100)
+    assert stages.dput.holding(0) == 1  # slot 2_000 read ahead: both held by dequeue-put
+    stages.client.cancel(doomed)  # its marker goes into the slot's tail, past where it was read
+    advance(stages, START + 2_200)
+    assert stages.delivered() == [kept.message_id]
+    assert stages.ctx.metrics.counter("cancelled", topic="dest") == 1
+    assert stages.ctx.metrics.counter("cancel_missed") == 0
+
+
+def test_a_short_delay_into_an_open_slot_is_delivered(stages: Stages) -> None:
+    stages.run()
+    advance(stages, START + 1_000)
+    assert START + 1_500 in stages.dget.owned[0].open  # read ahead while empty
+    short = stages.client.schedule("dest", b"short", deliver_at_ms=START + 1_550)
+    advance(stages, START + 1_100)
+    assert stages.dput.holding(0) == 1  # read from the open slot's tail, held for its time
+    advance(stages, START + 1_700)
+    assert stages.delivered() == [short.message_id]
+    raw = stages.log.consumer("dest", {0: 0}).poll(10, 0)[0].header("tw-delivered-at")
+    assert int(raw or 0) >= START + 1_550
+
+
+def test_r_never_passes_an_open_slot(stages: Stages) -> None:
+    m = stages.client.schedule("dest", b"m", deliver_at_ms=START + 1_010)
+    stages.run()
+    advance(stages, START + 1_050)
+    # W moves within the slot with new input (enqueue-put publishes W = now with each batch)
+    stages.client.schedule("dest", b"later", deliver_at_ms=START + 60_000)
+    deadline = time.monotonic() + 10  # dequeue-put sees the new W within CKPT_POLL_S
+    while not stages.delivered() and time.monotonic() < deadline:
+        stages.run(rounds=1)
+    assert stages.delivered() == [m.message_id]  # finished while its slot is still open
+    stages.run()  # dequeue-get counts it done
+    dg = stages.dget.owned[0]
+    assert not dg.in_flight
+    assert START + 1_000 in dg.open
+    assert stages.dget.owned[0].shard.load_dequeue_checkpoint().read_ms <= START + 1_000  # type: ignore[union-attr]
+    advance(stages, START + 1_200)
+    assert START + 1_000 not in dg.open  # final once W passed its end: R moves past it
+    assert stages.dget.owned[0].shard.load_dequeue_checkpoint().read_ms > START + 1_000  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("lookahead_ms", [0, 1_000])
+def test_two_cancels_whose_id_hashes_collide_both_cancel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         lookahead_ms: int) -> None:
+    import timerwheel.stages.enqueue_get as eg
+    from timerwheel import wire
+
+    monkeypatch.setattr(eg, "id_hash", lambda message_id: 42)
+    monkeypatch.setattr(wire, "id_hash", lambda message_id: 42)
+    s = Stages(tmp_path, lookahead_ms=lookahead_ms)
+    try:
+        a = s.client.schedule("dest", b"a", deliver_at_ms=START + 2_010, message_id="a")
+        b = s.client.schedule("dest", b"b", deliver_at_ms=START + 2_020, message_id="b")
+        kept = s.client.schedule("dest", b"c", deliver_at_ms=START + 2_030, message_id="c")
+        s.client.cancel(a)
+        s.client.cancel(b)
+        s.run()
+        advance(s, START + 2_300, 50)
+        assert s.delivered() == [kept.message_id]
+        assert s.ctx.metrics.counter("cancelled", topic="dest") == 2
+    finally:
+        s.close()
