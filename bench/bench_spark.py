@@ -29,6 +29,31 @@ def _timed(what: str, fn: Any) -> float:
     return s
 
 
+def header(key: str, value: Any) -> Any:
+    """A Kafka header of Spark's Kafka sink: ``key`` and the column ``value`` as text."""
+    from pyspark.sql import functions as F
+
+    return F.struct(F.lit(key).alias("key"), value.cast("string").cast("binary").alias("value"))
+
+
+def fill(spark: Any, kcfg: Any, n: int, timer: str, dest: str, since_ms: int, span_ms: int) -> Any:
+    """N timer records on ``timer`` (ids m0, m1, ..., due from ``since_ms`` over ``span_ms``, 100-byte
+    values) and a delivery of each on ``dest``, written through Spark's Kafka sink; returns the
+    ids' frame (mid, id)."""
+    from pyspark.sql import functions as F
+    from timerwheel.jobs.spark import write_topic
+
+    ids = spark.range(n).select(F.concat(F.lit("m"), F.col("id")).alias("mid"), F.col("id"))
+    deliver = F.lit(since_ms) + F.col("id") % span_ms
+    key, value = F.col("mid").cast("binary").alias("key"), F.lit(b"x" * 100).alias("value")
+    write_topic(ids.select(key, value, F.array(header("tw-topic", F.lit(dest)), header("tw-deliver-at", deliver),
+                                               header("tw-id", F.col("mid"))).alias("headers")), kcfg, timer)
+    write_topic(ids.select(key, value, F.array(header("tw-id", F.col("mid")),
+                                               header("tw-delivered-at", deliver + F.col("id") % 500))
+                           .alias("headers")), kcfg, dest)
+    return ids
+
+
 def main() -> None:
     from pyspark.sql import functions as F
     from timerwheel.config import TimerConfig
@@ -44,18 +69,8 @@ def main() -> None:
     timer, dest, plain = f"bench-spark-timer-{tag}", f"bench-spark-dest-{tag}", f"bench-spark-plain-{tag}"
     now = int(time.time() * 1000)
 
-    def h(k: str, v: Any) -> Any:
-        return F.struct(F.lit(k).alias("key"), v.cast("string").cast("binary").alias("value"))
-
-    ids = spark.range(n).select(F.concat(F.lit("m"), F.col("id")).alias("mid"), F.col("id"))
-    deliver = F.lit(now - 3_600_000) + F.col("id") % 3_600_000
     say(f"filling {n:,} timer records and {n:,} deliveries")
-    write_topic(ids.select(F.col("mid").cast("binary").alias("key"), F.lit(b"x" * 100).alias("value"),
-                           F.array(h("tw-topic", F.lit(dest)), h("tw-deliver-at", deliver), h("tw-id", F.col("mid")))
-                           .alias("headers")), kcfg, timer)
-    write_topic(ids.select(F.col("mid").cast("binary").alias("key"), F.lit(b"x" * 100).alias("value"),
-                           F.array(h("tw-id", F.col("mid")), h("tw-delivered-at", deliver + F.col("id") % 500))
-                           .alias("headers")), kcfg, dest)
+    ids = fill(spark, kcfg, n, timer, dest, now - 3_600_000, 3_600_000)
 
     def plain_read() -> None:
         df = read_topics(spark, kcfg, [timer, dest])
@@ -98,9 +113,9 @@ def main() -> None:
 
     def plain_write() -> None:
         df = spark.read.parquet(rows)
-        write_topic(df.select("key", "value", F.array(h("tw-topic", F.col("topic")),
-                                                      h("tw-deliver-at", F.col("deliver_at_ms")),
-                                                      h("tw-id", F.col("id"))).alias("headers")), kcfg, plain)
+        write_topic(df.select("key", "value", F.array(header("tw-topic", F.col("topic")),
+                                                      header("tw-deliver-at", F.col("deliver_at_ms")),
+                                                      header("tw-id", F.col("id"))).alias("headers")), kcfg, plain)
 
     write_s = _timed("plain Spark Kafka write", plain_write)
     bulk_s = _timed("bulk-schedule", lambda: bulk.main(rows, "parquet", os.path.join(out, "rejects"), bcfg,

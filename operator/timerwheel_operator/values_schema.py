@@ -52,6 +52,9 @@ def _obj(props: Schema, required: list[str] | None = None, doc: str = "") -> Sch
 _FREE_MAP: Schema = {"type": "object"}
 _STRING_MAP: Schema = {"type": "object", "additionalProperties": {"type": "string"}}
 _QUANTITIES: Schema = {"type": "object", "additionalProperties": json_schema_of(QUANTITY)}
+#: A size as Spark reads it (spark.executor.memory): a number of MiB, or with a unit (512m, 2g).
+_SPARK_SIZE = r"[0-9]+([kKmMgGtTpP][bB]?|[bB])?"
+_PORT: Schema = {"type": "integer", "minimum": 1024, "maximum": 65535}
 #: A Prometheus duration (30s, 5m, 1h30m).
 _DURATION: Schema = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h|d|w|y))+$"}
 _MS: Schema = {"type": "integer", "minimum": 0}
@@ -99,12 +102,36 @@ def values_schema() -> Schema:
                 }, ["repository", "pullPolicy"], "the Spark image (services/spark/Dockerfile)"),
                 "master": {"type": "string", "minLength": 1},
                 "resources": _obj({"requests": _QUANTITIES, "limits": _QUANTITIES}),
+                "driverMemory": {"type": "string", "pattern": f"^{_SPARK_SIZE}$"},
                 "dataClaim": {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"},
+                "kubernetes": _obj({
+                    "enabled": {"type": "boolean"},
+                    "executors": _obj({
+                        "instances": {"type": "integer", "minimum": 1},
+                        "cores": {"type": "integer", "minimum": 1},
+                        "memory": {"type": "string", "pattern": f"^{_SPARK_SIZE}$"},
+                        "memoryOverhead": {"type": "string", "pattern": f"^({_SPARK_SIZE})?$"},
+                    }),
+                    "apiServer": {"type": "string", "pattern": r"^(https?://[^\s]+)?$"},
+                    "driverPort": _PORT,
+                    "blockManagerPort": _PORT,
+                    "serviceAccount": _obj({
+                        "create": {"type": "boolean"},
+                        "name": {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"},
+                    }),
+                    "conf": {"type": "object", "propertyNames": {"pattern": r"^spark\.[^\s=:]+$"},
+                             "additionalProperties": {"type": "string", "pattern": r"^[^\n\r]*$"}},
+                }, None, "Spark's Kubernetes scheduler: the job's pod the driver, executor pods of the Spark image"),
                 "audit": _obj({
                     "enabled": {"type": "boolean"},
                     "schedule": {"type": "string", "minLength": 9},
                     "graceMs": {"type": "integer", "minimum": 0},
                     "topics": {"type": "string", "pattern": r"^([a-zA-Z0-9._-]{1,249}(,[a-zA-Z0-9._-]{1,249})*)?$"},
+                }),
+                "forecast": _obj({
+                    "enabled": {"type": "boolean"},
+                    "schedule": {"type": "string", "minLength": 9},
+                    "hours": {"type": "integer", "minimum": 1},
                 }),
                 "bulk": _obj({
                     "enabled": {"type": "boolean"},
@@ -112,14 +139,14 @@ def values_schema() -> Schema:
                     "format": {"type": "string", "enum": ["parquet", "csv", "json"]},
                     "rejects": {"type": "string", "minLength": 1},
                 }),
-            }, None, "optional Spark jobs: the audit CronJob and the bulk-schedule Job"),
+            }, None, "optional Spark jobs: the audit and forecast CronJobs and the bulk-schedule Job"),
             "console": _obj({
                 "enabled": {"type": "boolean"},
                 "actionToken": _obj({
                     "secretName": {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"},
                     "key": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$"},
                 }, None, "the Secret holding the token that unlocks the console's actions (empty: read-only)"),
-                "port": {"type": "integer", "minimum": 1024, "maximum": 65535},
+                "port": _PORT,
                 "sampleEverySeconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 600},
                 "resources": _obj({"requests": _QUANTITIES, "limits": _QUANTITIES}),
                 "podAnnotations": _STRING_MAP,

@@ -5,6 +5,11 @@ passed as ``spark.jars``; ``TW_SPARK_JARS`` names a directory of them instead (t
 it), and without either Spark resolves the connector itself (``spark.jars.packages``). One session
 per process: ``session`` returns the active one if there is one, so tests share a single JVM.
 
+The master is ``local[*]``, or ``k8s://<API server>`` on Spark's own Kubernetes scheduler (the
+chart's ``spark.kubernetes``, docs/spark.md): this process is then the driver, in client mode, and
+the image, the executors and their pod template come from ``spark-defaults.conf`` in
+``SPARK_CONF_DIR``. The settings ``session`` makes below are the jobs' own and win over that file.
+
 Kafka is reached with the service's own settings (``TimerConfig``: ``TW_KAFKA_*``, TLS and SASL):
 ``security.spark_kafka_options`` gives them to Spark's source and sink as ``kafka.``-prefixed Java
 client properties, ``kafka_client_options`` to the admin client that lists the topics. Before Spark
