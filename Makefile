@@ -123,6 +123,7 @@ down:
 	-scripts/kafka.sh down
 	-scripts/redis.sh down
 	-TW_KAFKA_INSTANCE=secure scripts/kafka.sh down
+	-TW_KAFKA_INSTANCE=noauto scripts/kafka.sh down
 	-TW_REDIS_INSTANCE=secure scripts/redis.sh down
 
 clean: down
