@@ -33,7 +33,10 @@ def test_pending_matches_a_model_through_rolls_cancels_and_deliveries(tmp_path: 
                 else:
                     model[ticket.message_id] = (topic, ticket.deliver_at_ms)
             tw.wait_idle()  # written before the clock moves: a cancel written after its time is too late
-            clock.advance(rng.randrange(300, 5_000))
+            # To a tick's start: pending reads the wheel from R, which never passes the slot W is
+            # in, so a message read ahead and delivered within the current tick is listed until
+            # it ends (docs/cli.md); at a tick's start that slot holds nothing due yet.
+            clock.advance(rng.randrange(3, 50) * 100)
             tw.wait_idle()
             now = clock.now_ms()
             for topic in TOPICS:
