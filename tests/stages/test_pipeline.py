@@ -126,17 +126,20 @@ def test_a_hash_collision_never_cancels_another_message(
     make_tw: Callable[..., EmbeddedTimerwheel], clock: SimulatedClock, monkeypatch: object
 ) -> None:
     import timerwheel.stages.enqueue_get as eg
+    import timerwheel.wire
 
     tw = make_tw()
     real = eg.id_hash
-    eg.id_hash = lambda message_id: 42  # type: ignore[assignment]  # every id collides
+    # Every id collides, for every stage that hashes one: enqueue-get writing the TimerLog, and
+    # dequeue-put matching a held message against markers written after it was read ahead.
+    eg.id_hash = timerwheel.wire.id_hash = lambda message_id: 42  # type: ignore[assignment]
     try:
         a = tw.schedule("t", b"a", delay_ms=1_000, message_id="a")
         tw.schedule("t", b"b", delay_ms=1_000, message_id="b")
         tw.cancel(a)
         step_through(tw, clock, [a.deliver_at_ms], clock.now_ms() + 3_000)
     finally:
-        eg.id_hash = real
+        eg.id_hash = timerwheel.wire.id_hash = real
     assert [r.value for r in tw.read("t")] == [b"b"]
 
 
