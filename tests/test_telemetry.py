@@ -151,6 +151,11 @@ def test_a_delivered_message_is_one_linked_trace_from_send_to_delivery(
             and s.attributes is not None and s.attributes.get("messaging.operation.type") == "send"
             and "messaging.batch.message_count" in s.attributes]
     assert len(puts) >= hops + 1
+    # ... through the hop record: its traceparent is the roll's span, which the next hop's
+    # enqueue-put links (so one trace runs through the pods, where no span is shared in memory).
+    rolls = [s for s in puts if s.name == f"send {timer_topic}"]
+    enqueue_links = {li.context.span_id for s in done if s.name == "enqueue-put" for li in s.links}  # type: ignore[union-attr]
+    assert len(rolls) == hops and all(r.context.span_id in enqueue_links for r in rolls)  # type: ignore[union-attr]
     _, r_trace, r_span, _ = header(rolled_record, "traceparent").split("-")
     assert (int(r_trace, 16), int(r_span, 16)) in {_key(s) for s in puts}
 

@@ -146,6 +146,9 @@ class Round:
     out: list[OutRecord] = field(default_factory=list)
     #: index in ``out`` of each delivery -> what it delivers.
     deliveries: dict[int, Held] = field(default_factory=dict)
+    #: index in ``out`` of each roll hop (it carries the round's trace context, as a delivery does:
+    #: the next hop's spans link it, one trace from the send to the consumer).
+    hops: list[int] = field(default_factory=list)
     delivered: dict[str, int] = field(default_factory=dict)
     rolled: dict[str, int] = field(default_factory=dict)
     cancelled: dict[str, int] = field(default_factory=dict)
@@ -329,6 +332,7 @@ class DequeuePut(QueueStage):
         raw_roll = hdr.get(H_ROLL)
         headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, int(raw_roll) if raw_roll else 0,
                                  h.item.enqueued_ms)
+        rnd.hops.append(len(rnd.out))
         rnd.out.append(OutRecord(self.ctx.config.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
         _count(rnd.rolled, h.topic)
         rnd.finished.append((h.held, h.item))
@@ -448,7 +452,7 @@ class DequeuePut(QueueStage):
         span = telemetry.dequeue_put_start() if rnd.out or rnd.finished else None
         if span is not None:
             trace = telemetry.inject(span)
-            for i in rnd.deliveries:
+            for i in (*rnd.deliveries, *rnd.hops):
                 rnd.out[i] = rnd.out[i]._replace(headers=telemetry.replace_trace_headers(rnd.out[i].headers, trace))
         now = rnd.now
 
