@@ -40,6 +40,11 @@ REDIS_BOUND = SHARDS * (QUEUE_BYTES + 3 * BATCH_BYTES)
 #: poll on (measured +48 to +90 MiB above its baseline with 2 MiB fetches, flat in the burst: a
 #: run peaked 6 MiB under an 8-batch margin, so it has 16; the burst itself is 480 MB).
 BOUNDS = {"enqueue-get": PROCESS_BOUND + 16 * BATCH_BYTES, "redis": REDIS_BOUND}
+#: How far a flat peak moves between bursts of the same process: what kafka-python buffered of
+#: fetch responses is anywhere in the +48..+90 MiB above (21 fetches apart; CI saw enqueue-get at
+#: 112 MiB for 200 records and 145 for 600, then 131 and 140). A peak growing with the burst adds
+#: hundreds of MiB (the 400 more records are 320 MB).
+SPREAD = {"enqueue-get": 24 * BATCH_BYTES}
 
 
 #: A burst fails only when no record of it was delivered for this long (the machine may be loaded).
@@ -92,8 +97,8 @@ def test_peaks_stay_flat_as_a_burst_of_large_records_grows(tmp_path: Path, kafka
                 f"(settings-derived bound); peaks {peaks}")
         # 400 more records (320 MB) than the smaller burst: a peak that grew with the burst would
         # add twice what the first 190 records added (and hundreds of MiB); flat means at most what
-        # they added, or a quarter of the bound.
-        growth = max(bound / 4, peaks[SMALL][name] - base[name])
+        # they added, a quarter of the bound, or (enqueue-get) its fetch buffers' spread.
+        growth = max(bound / 4, peaks[SMALL][name] - base[name], SPREAD.get(name, 0) / MiB)
         assert peaks[LARGE][name] <= peaks[SMALL][name] + growth, (
             f"{name}: peak grew with the burst, {peaks[SMALL][name]} MiB for {SMALL} -> {peaks[LARGE][name]} "
             f"for {LARGE}; peaks {peaks}")
