@@ -326,16 +326,10 @@ class DequeuePut(QueueStage):
                                                                           item.fire_ms)))
 
     def _roll(self, rnd: Round, h: Held) -> None:
-        """A roll hop whose slot ``W`` passed: back to the timer topic, one roll more."""
-        rec, hdr = h.record, h.headers
-        deliver_ms = self.ctx.rules.delivery_time(rec, rnd.now, check_max=False, headers=hdr)
-        raw_roll = hdr.get(H_ROLL)
-        headers = rolled_headers(rec, message_id_of(rec, hdr), deliver_ms, int(raw_roll) if raw_roll else 0,
-                                 h.item.enqueued_ms)
+        """A roll hop whose slot ``W`` passed: back to the timer topic, one roll more, carrying the
+        round's trace context (``Round.hops``)."""
         rnd.hops.append(len(rnd.out))
-        rnd.out.append(OutRecord(self.ctx.config.timer_topic, rec.key, rec.value, headers, partition=rec.partition))
-        _count(rnd.rolled, h.topic)
-        rnd.finished.append((h.held, h.item))
+        self._roll_back(rnd, h, self.ctx.rules.delivery_time(h.record, rnd.now, check_max=False, headers=h.headers))
 
     def _dead_letter(self, rnd: Round, held: HeldEntry, item: DeliverItem, topic: str, reason: str) -> None:
         rec = item.record
@@ -345,7 +339,8 @@ class DequeuePut(QueueStage):
         rnd.finished.append((held, item))
 
     def _roll_back(self, rnd: Round, h: Held, due: int) -> None:
-        """A record due far past this clock: back to the timer topic, due at its own time."""
+        """Back to the timer topic, due at ``due``, one roll more: a roll hop (``_roll``), or a
+        record due far past this clock (due at its own time)."""
         rec = h.record
         raw_roll = h.headers.get(H_ROLL)
         rnd.out.append(OutRecord(self.ctx.config.timer_topic, rec.key, rec.value,
