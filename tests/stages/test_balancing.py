@@ -102,43 +102,55 @@ def _fetched(w: World, shard: int) -> list[FetchEntry]:
 
 def test_dequeue_get_drains_before_it_hands_a_shard_over_and_the_next_owner_reads_no_slot_again(
         tmp_path: Path) -> None:
+    """The draining owner waits for what it sent to come back done, and for the slots it read
+    ahead (TW_LOOKAHEAD_MS) to become final: R then passes them, and the next owner reads none of
+    them again (it did, and delivered them twice, while they were open at the hand-over)."""
     w = World(tmp_path)
     to_b = sorted(s for s, m in assignment([A, B], "dequeue-get", range(SHARDS)).items() if m == B)
     assert to_b and len(to_b) < SHARDS
+    assert w.config.effective_lookahead_ms >= 600
     put = w.put(A)
     for s in range(SHARDS):
-        w.put_q.put(s, [_entry(s, range(0, 3), START + 1_000)], 1.0)
+        w.put_q.put(s, [_entry(s, range(0, 3), START + 1_000), _entry(s, range(3, 4), START + 2_500)], 1.0)
     put.step(0)
     a = w.get(A)
     b = None
     try:
         w.clock.set(START + 2_000)
-        put.step(0)  # W past the messages' slot
+        put.step(0)  # W past the first messages' slot; the last one's is read ahead, open
         a.step(0)
         shard = to_b[0]
         sent = _fetched(w, shard)
-        assert sum(len(e.items) for e in sent) == 3
+        assert sum(len(e.items) for e in sent) == 4
         b = w.get(B)
         a.step(0)
         epoch_a = a.owned[shard].epoch
-        assert a.owned[shard].draining is not None  # no longer a's, but 3 messages are in flight
+        assert a.owned[shard].draining is not None  # no longer a's, but 4 messages are in flight
         b.step(0)
         assert shard not in b.owned
         for e in sent:  # dequeue-put reports them done
             w.done_q.put(shard, [DoneEntry(shard, e.generation, {e.slot_time: len(e.items)})], 1.0)
         a.step(0)
+        assert shard in a.owned  # everything came back, but the read-ahead slot is still open
+        w.clock.set(START + 4_000)
+        put.step(0)  # W past every slot a read ahead: they are final
+        for _ in range(100):  # a re-reads enqueue.ckpt at most every CKPT_POLL_S
+            a.step(0)
+            if shard not in a.owned:
+                break
+            time.sleep(CKPT_POLL_S)
         assert shard not in a.owned
         read_ms = a.ctx.metrics.gauge("read_ms", shard=shard)
-        assert read_ms is not None and read_ms > START + 1_000
+        assert read_ms is not None and read_ms > START + 2_500
         b.step(0)
-        assert shard in b.owned and b.owned[shard].read_ms == read_ms
+        assert shard in b.owned and b.owned[shard].read_ms >= read_ms  # from where a stopped (or past it)
         assert b.owned[shard].epoch > epoch_a
         b.step(0)
-        assert _fetched(w, shard) == []  # the delivered slot is not read again
+        assert _fetched(w, shard) == []  # neither the delivered slot nor the read-ahead one is read again
         for s in range(SHARDS):
-            w.put_q.put(s, [_entry(s, range(3, 5), START + 3_000)], 1.0)
+            w.put_q.put(s, [_entry(s, range(4, 6), START + 6_000)], 1.0)
         put.step(0)
-        w.clock.set(START + 4_000)
+        w.clock.set(START + 7_000)
         put.step(0)
         a.step(0)
         fetched: list[FetchEntry] = []

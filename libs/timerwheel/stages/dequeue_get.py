@@ -223,8 +223,9 @@ class GetShard(OwnedShard):
         return sum(self.in_flight.values())
 
     def settled(self) -> bool:
-        """No slot open, nothing waiting to be sent, nothing sent and not yet done."""
-        return self.reader is None and not self.in_flight and not self.outbox
+        """No slot being read or open (read ahead, not final yet), nothing waiting to be sent,
+        nothing sent and not yet done: R is past everything this owner sent."""
+        return self.reader is None and not self.open and not self.in_flight and not self.outbox
 
 
 class DequeueGet:
@@ -342,13 +343,14 @@ class DequeueGet:
         ckpt = None
         while self._flush_outbox(st) and in_flight < self.ctx.config.max_in_flight:
             if st.reader is None:
-                if st.draining is not None:
-                    break  # being handed over: finish the slot in hand, open no other
                 if ckpt is None:
                     ckpt = self._published(st)
                     if ckpt is None:
                         break
-                st.reader = self._next_reader(st, ckpt)
+                # Being handed over: no new slot is opened, but the open ones are read on until
+                # final (else R stays at the first of them, and the next owner reads again, and
+                # delivers again, what was read ahead).
+                st.reader = self._next_reader(st, ckpt, tails_only=st.draining is not None)
                 if st.reader is None:
                     break
             reader = st.reader
@@ -383,9 +385,10 @@ class DequeueGet:
         ahead = min(self.ctx.clock.now_ms(), ckpt.write_ms) + lookahead
         return max(st.shard.slot_time(ckpt.write_ms), st.shard.slot_time(ahead) + st.shard.tick_ms)
 
-    def _next_reader(self, st: GetShard, ckpt: EnqueueCheckpoint) -> SlotReader | None:
+    def _next_reader(self, st: GetShard, ckpt: EnqueueCheckpoint, tails_only: bool = False) -> SlotReader | None:
         """What to read next at ``ckpt`` (flushed position P): the tail of an open slot read at an
-        older position, else the next slot before the horizon (``_horizon``); None: nothing.
+        older position, else (unless ``tails_only``) the next slot before the horizon
+        (``_horizon``); None: nothing.
 
         An open slot becomes final, and leaves ``st.open``, once its tail is read up to the flushed
         position of a checkpoint whose ``W`` passed its end: enqueue-put writes nothing into it
@@ -401,6 +404,8 @@ class DequeueGet:
             if slot_time + tick <= write_ms:
                 del st.open[slot_time]
                 self._final(state)
+        if tails_only:
+            return None
         end = self._horizon(st, ckpt)
         if st.cursor >= end:
             return None
