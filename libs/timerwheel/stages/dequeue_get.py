@@ -300,9 +300,18 @@ class DequeueGet:
         block = self._idle_wait_s(timeout_s) if wait and self._idle else 0
         done = get_by(self.ctx, self.done_q, list(self.owned), 1000, block) if self.owned else {}
         work = 0
+        try:
+            # Every shard's done entries first: they are this consumer's pending entries now, and
+            # one shard's failing read (a torn file on a shared volume) must not leave another's
+            # uncounted; its R, and W with it (capped by R), would stand still until STALL_S.
+            for st in list(self.owned.values()):
+                work += self._drain_done(st, done.pop(st.shard_id, []))
+        except BaseException:
+            self._reclaim_pending()
+            raise
         for st in list(self.owned.values()):
             try:
-                work += self._step_shard(st, done.get(st.shard_id, []))
+                work += self._step_shard(st, None)  # its done entries counted above
                 if st.draining is not None and self._drained(st):
                     self._hand_over(st)
             except FencedError as exc:
@@ -311,6 +320,13 @@ class DequeueGet:
         if not work and not wait:
             self.ctx.idle_wait(STAGE, self._idle_wait_s(timeout_s) if self.ctx.frugal and self.owned else timeout_s)
         return work
+
+    def _reclaim_pending(self) -> None:
+        """A step failed with done entries taken and not counted: they stay pending for this
+        consumer, and a plain read never returns them again, so each owned shard claims its own
+        pending entries again at its next step (``take_over_pending``)."""
+        for st in self.owned.values():
+            st.reclaim = True
 
     def _idle_wait_s(self, timeout_s: float) -> float:
         """How long an idle step may wait on the done queue (``ctx.wait_on_inputs``): W comes
@@ -336,8 +352,8 @@ class DequeueGet:
                 wait = min(wait, max(CKPT_POLL_S, (at - now) / 1000))
         return wait
 
-    def _step_shard(self, st: GetShard, done: list[tuple[str, bytes]]) -> int:
-        work = self._drain_done(st, done)
+    def _step_shard(self, st: GetShard, done: list[tuple[str, bytes]] | None) -> int:
+        work = self._drain_done(st, done) if done is not None else 0
         in_flight = st.messages_in_flight()
         batch = self.ctx.config.batch_size
         ckpt = None

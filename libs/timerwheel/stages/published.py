@@ -13,10 +13,13 @@ import time
 from dataclasses import dataclass
 
 from timerwheel.stages.base import StageContext
-from timerwheel.store import EnqueueCheckpoint, Shard
+from timerwheel.store import CorruptCheckpointError, EnqueueCheckpoint, Shard
 
 #: How often enqueue.ckpt is re-read when no in-process notice says it changed.
 CKPT_POLL_S = 0.01
+#: How long enqueue.ckpt may read as unreadable before that is an error: on a volume shared by two
+#: nodes (NFS, FUSE) a reader may see a file just replaced with the old one's size for a moment.
+TORN_READ_PATIENCE_S = 5.0
 
 
 @dataclass
@@ -31,6 +34,8 @@ class PublishedView:
     read_at: float = 0.0
     #: The shard view shows every record below ``ckpt``'s flushed position (Shard.refresh).
     visible: bool = False
+    #: Since when enqueue.ckpt reads as unreadable (time.monotonic()), or 0.
+    torn_since: float = 0.0
 
     def newest(self, ctx: StageContext) -> EnqueueCheckpoint | None:
         """The published checkpoint once the view shows every record below its flushed position,
@@ -42,7 +47,18 @@ class PublishedView:
         version = ctx.published_w.get(self.shard_id, 0)
         now = time.monotonic()
         if self.ckpt is None or version != self.version or now - self.read_at >= CKPT_POLL_S:
-            ckpt = self.shard.load_enqueue_checkpoint()
+            try:
+                ckpt = self.shard.load_enqueue_checkpoint()
+            except CorruptCheckpointError:
+                # Another node's rename seen half (new name, old size): what we had still holds,
+                # and the file is read again next time; for long, it is an error (the step's).
+                self.torn_since = self.torn_since or now
+                if now - self.torn_since >= TORN_READ_PATIENCE_S:
+                    raise
+                ctx.metrics.inc("stale_views", shard=self.shard_id)
+                self.read_at = now
+                return self.ckpt if self.visible else None
+            self.torn_since = 0.0
             if ckpt is None:
                 return None
             self.version, self.read_at = version, now
