@@ -363,7 +363,7 @@ def dequeue_put_batch(span: Span, cfg: TimerConfig, rules: TimerRules, entries: 
                       out: Sequence[OutRecord], now_ms: int, kinds: Mapping[str, int]) -> None:
     """Links per delivered / rolled message, outcome spans for cancelled and dead-lettered ones.
 
-    ``entries`` are the decoded DeliverEntries; ``kinds`` maps DELIVER/ROLL/CANCELLED to codec values."""
+    ``entries`` are the decoded DeliverEntries; ``kinds`` maps DELIVER/ROLL/CANCELLED/DUPLICATE to codec values."""
     tr = _tracer
     links = Links()
     count = 0
@@ -379,10 +379,11 @@ def dequeue_put_batch(span: Span, cfg: TimerConfig, rules: TimerRules, entries: 
             attrs["timerwheel.roll"] = int(raw_roll) if raw_roll else 0
             attrs["timerwheel.slot_time"] = entry.slot_time
             attrs["timerwheel.shard"] = entry.shard
-            if item.kind == kinds["CANCELLED"]:
+            if item.kind in (kinds["CANCELLED"], kinds.get("DUPLICATE", -1)):
                 if tr is not None:
                     o = _outcome_span(tr, "dequeue-put", rec.headers, attrs)
-                    o.add_event("cancelled", {"messaging.message.id": attrs["messaging.message.id"]})
+                    o.add_event("cancelled" if item.kind == kinds["CANCELLED"] else "copy dropped",
+                                {"messaging.message.id": attrs["messaging.message.id"]})
                     o.end()
                 continue
             if item.kind == kinds["DELIVER"]:

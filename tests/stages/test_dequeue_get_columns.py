@@ -1,6 +1,7 @@
 """dequeue-get reads a slot column-wise: the fetch items and the markers it finds must be exactly
 those the rule gives record by record (``expected_items`` below, the oracle), cancels and id-hash
-collisions included, whether the slot is small (read once) or large (streamed in pieces)."""
+collisions and copies of one message (same id hash and delivery time) included, whether the slot
+is small (read once) or large (streamed in pieces)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,19 @@ def expected_items(shard: Shard, slot_time: int) -> tuple[list[FetchItem], dict[
         if r.flags & (Flag.DELETE | Flag.ROLL) == Flag.DELETE:
             markers.setdefault(r.id_hash, []).append((r.src_partition, r.src_offset))
     items, matched = [], set()
+    first: dict[tuple[int, int], tuple[int, int]] = {}
     for pos, r in records:
         if r.flags & (Flag.DELETE | Flag.ROLL) == Flag.DELETE:
             continue
         ref = markers.get(r.id_hash) if not r.flags & Flag.ROLL else None
         if ref is not None:
             matched.add(r.id_hash)
+        same_as = None
+        if not r.flags & Flag.ROLL:  # a copy: the same id hash and delivery time as an earlier message
+            src = first.setdefault((r.id_hash, r.deliver_ms), (r.src_partition, r.src_offset))
+            same_as = src if src != (r.src_partition, r.src_offset) else None
         items.append(FetchItem(pos, r.flags, r.src_partition, r.src_offset, r.deliver_ms, r.enqueue_ms,
-                               tuple(ref or ())))
+                               tuple(ref or ()), same_as))
     return items, markers, matched
 
 
@@ -73,6 +79,7 @@ def test_column_wise_items_equal_record_wise_items(tmp_path: Path, monkeypatch: 
         assert reader.matched == matched and matched
         assert any(len(item.cancels) > 1 for item in items)  # colliding markers all carried
         assert any(item.flags & Flag.ROLL for item in items)
+        assert any(item.same_as for item in items)  # copies referenced
         assert all(type(item) is FetchItem for item in itertools.islice(items, 50))
     finally:
         shard.close()

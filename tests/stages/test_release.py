@@ -17,7 +17,7 @@ import pytest
 from test_dequeue_put_checks import record
 from test_late_input import START, Stages
 from timerwheel import SimulatedClock, TimerConfig
-from timerwheel.records import Record
+from timerwheel.records import OutRecord, Record
 from timerwheel.stages import base, dequeue_put
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem, DoneEntry
@@ -253,5 +253,69 @@ def test_two_cancels_whose_id_hashes_collide_both_cancel(tmp_path: Path, monkeyp
         advance(s, START + 2_300, 50)
         assert s.delivered() == [kept.message_id]
         assert s.ctx.metrics.counter("cancelled", topic="dest") == 2
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------ copies (issue 31, design 2.5)
+
+def _timer_records(s: Stages) -> list[Record]:
+    out: list[Record] = []
+    for p in range(s.config.timer_partitions):
+        out += s.log.consumer(s.config.timer_topic, {p: 0}).poll(10_000, 0)
+    return out
+
+
+def test_a_roll_hop_written_twice_delivers_once(tmp_path: Path) -> None:
+    """A hop done again (dequeue-put crashed between its write and its acknowledgement, or a
+    dequeue-get re-read its roll slot from R) is a second timer record with the same id and
+    delivery time: both land in the slot of that time, and one is delivered."""
+    s = Stages(tmp_path, roll_window_ms=3_000)
+    try:
+        m = s.client.schedule("dest", b"far", deliver_at_ms=START + 5_050)
+        s.run()
+        hops: list[Record] = []
+        while not hops:
+            assert s.clock.now_ms() < START + 4_500, "no roll hop written"
+            advance(s, s.clock.now_ms() + 100)
+            hops = [r for r in _timer_records(s) if r.header("tw-roll")]
+        hop = hops[0]
+        assert int(hop.header("tw-deliver-at") or 0) == START + 5_050
+        s.log.append([OutRecord(s.config.timer_topic, hop.key, hop.value, hop.headers, partition=hop.partition)])
+        advance(s, START + 5_400)
+        assert s.delivered() == [m.message_id]
+        assert s.ctx.metrics.counter("copies_dropped", topic="dest") == 1
+    finally:
+        s.close()
+
+
+def test_a_copy_written_into_a_slot_after_its_read_ahead_is_dropped(stages: Stages) -> None:
+    first = stages.client.schedule("dest", b"m", deliver_at_ms=START + 2_010, message_id="same")
+    stages.run()
+    advance(stages, START + 1_100)
+    assert stages.dput.holding(0) == 1  # slot 2_000 read ahead, the message held
+    stages.client.schedule("dest", b"m", deliver_at_ms=START + 2_010, message_id="same")  # into its tail
+    other = stages.client.schedule("dest", b"m", deliver_at_ms=START + 2_020, message_id="same")  # another time
+    advance(stages, START + 2_200)
+    assert sorted(stages.delivered()) == sorted([first.message_id, other.message_id])
+    assert stages.ctx.metrics.counter("copies_dropped", topic="dest") == 1
+
+
+def test_two_messages_whose_id_hashes_collide_at_one_time_are_both_delivered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import timerwheel.stages.enqueue_get as eg
+    from timerwheel import wire
+
+    monkeypatch.setattr(eg, "id_hash", lambda message_id: 42)
+    monkeypatch.setattr(wire, "id_hash", lambda message_id: 42)
+    s = Stages(tmp_path)
+    try:
+        a = s.client.schedule("dest", b"a", deliver_at_ms=START + 2_010, message_id="a")
+        b = s.client.schedule("dest", b"b", deliver_at_ms=START + 2_010, message_id="b")
+        s.run()
+        advance(s, START + 2_300, 50)
+        assert sorted(s.delivered()) == sorted([a.message_id, b.message_id])
+        assert s.ctx.metrics.counter("copies_missed") == 1
+        assert s.ctx.metrics.counter("copies_dropped", topic="dest") == 0
     finally:
         s.close()

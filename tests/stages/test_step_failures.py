@@ -5,10 +5,10 @@ it (capped by R), still until STALL_S (CI: a two-node chaos run stopped deliveri
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DoneEntry, FetchEntry, PutEntry, PutRequest
@@ -60,7 +60,7 @@ class Rig:
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Rig:
+def rig(tmp_path: Path) -> Iterator[Rig]:
     r = Rig(tmp_path)
     yield r
     r.close()

@@ -16,7 +16,8 @@ done       shard                 DoneEntry: per slot, how many messages dequeue-
 The entries are internal (never a public interface): a queue is drained before an upgrade that
 changes them, or its entries are moved aside as undecodable (``base.decoded``) and their slots
 sent again by dequeue-get after ``STALL_S`` (late, never lost). Issue 30 added ``read_pos`` to
-fetch and deliver entries and made a fetch item's cancel marker a list of candidates.
+fetch and deliver entries and made a fetch item's cancel marker a list of candidates; issue 31 a
+fetch item's ``same_as`` (read from entries without it as None) and the DUPLICATE kind.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ class FetchItem(NamedTuple):
     #: The cancel markers whose id hash matches, (source partition, offset) each, to be
     #: confirmed on the full id (two cancels whose ids collide both count); () if none.
     cancels: tuple[tuple[int, int], ...] = ()
+    #: An earlier copy of the same message in the slot (same id hash and delivery time), its
+    #: (source partition, offset): confirmed on the full id, this one finishes as a DUPLICATE
+    #: (a roll hop done twice; design 2.5). None if none.
+    same_as: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +161,16 @@ class FetchEntry:
         make = FetchItem._make
         for i in items:  # msgpack gives lists: the cancels as a tuple of pairs, as they were
             i[6] = tuple(map(tuple, i[6])) if i[6] else ()
+            if len(i) == 7:
+                i.append(None)  # an entry from before same_as
+            elif i[7] is not None:
+                i[7] = tuple(i[7])
         return cls(shard, gen, slot, read_pos, tuple(map(make, items)), rest[0] if rest else None)
 
 
-#: What dequeue-put does with an item.
-DELIVER, ROLL, CANCELLED, MISSING = 0, 1, 2, 3
+#: What dequeue-put does with an item (DUPLICATE: another copy of the message in its slot is
+#: delivered, this one finishes without output).
+DELIVER, ROLL, CANCELLED, MISSING, DUPLICATE = 0, 1, 2, 3, 4
 
 
 class DeliverItem(NamedTuple):

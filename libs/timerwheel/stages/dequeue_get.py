@@ -20,6 +20,10 @@ With ``L`` = 0 every slot is final when read: read once, as before issue 30.
   tails too. Markers that match nothing are counted (``cancel_missed``): a cancel that came
   after delivery has no effect (one read after its message was sent from an open slot is
   dequeue-put's to apply, not counted).
+* Copies of one message in a slot (the same id hash and delivery time: a roll hop done twice
+  after a crash, design 2.5) are sent with a reference to the first copy (``same_as``), kept for
+  an open slot's later tails too; dequeue-getmsg confirms on the full id and the copy finishes
+  as a DUPLICATE, without output. Roll hops never multiply a delivery, in both modes.
 * Every other record — a message due now or a roll hop — is sent to the fetch queue in
   batches, at most ``max_in_flight`` messages per shard outstanding (flow control; a slot of
   a million messages is streamed, never held). A batch also ends at TW_BATCH_BYTES of source
@@ -44,6 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -89,6 +94,11 @@ _ROLL = int(Flag.ROLL)
 Markers = dict[int, list[tuple[int, int]]]
 #: Id hashes of the messages sent from an open slot kept at most (for ``cancel_missed`` only).
 SENT_HASHES_MAX = 100_000
+#: (id hash, delivery time) -> (source partition, offset) of the first copy of each message read in
+#: a slot (``Seen``), kept for at most this many messages per slot (about 4 MB); past it, copies
+#: are no longer told apart in that slot (delivered twice in at-least-once).
+SEEN_MAX = 20_000
+Seen = dict[tuple[int, int] | int, tuple[int, int]]
 
 
 @dataclass
@@ -105,6 +115,9 @@ class OpenSlot:
     #: Id hashes of the messages sent from the slot (a marker read later may cancel one of them in
     #: dequeue-put: not a missed cancel); None once past SENT_HASHES_MAX.
     sent: list[npt.NDArray[np.uint64]] | None = field(default_factory=list)
+    #: The first copy of each message sent from the slot (``Seen``; None past SEEN_MAX): a copy read
+    #: in a later tail is a DUPLICATE of it.
+    seen: Seen | None = field(default_factory=dict)
 
 
 @dataclass
@@ -125,6 +138,8 @@ class SlotReader:
     marker_hashes: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     #: The open slot this read belongs to (None: the slot was final when read, read once).
     open: OpenSlot | None = None
+    #: The first copy of each message read in the slot so far (``Seen``); None past SEEN_MAX.
+    seen: Seen | None = field(default_factory=dict)
 
 
 def open_slot(shard: Shard, slot_time: int, limit_pos: int, since_pos: int = 0,
@@ -135,7 +150,8 @@ def open_slot(shard: Shard, slot_time: int, limit_pos: int, since_pos: int = 0,
     SMALL_SLOT records; a larger one is read again for its items, a piece at a time: memory stays
     bounded whatever its size."""
     reader = SlotReader(slot_time, limit_pos, state.markers if state is not None else {}, iter(()),
-                        matched=state.matched if state is not None else set(), open=state)
+                        matched=state.matched if state is not None else set(), open=state,
+                        seen=state.seen if state is not None else {})
     held: list[SlotPiece] | None = []
     count = 0
     for piece in shard.read_slot(slot_time, limit_pos, since_pos):
@@ -183,6 +199,7 @@ def fetch_items(positions: npt.NDArray[np.int64], records: RecordArray, reader: 
             h = int(id_hashes[k])
             cancels[k] = tuple(markers[h])
             reader.matched.add(h)
+    same = _copies(reader, msgs, flags, msg_positions) if reader.seen is not None and n else [None] * n
     state = reader.open
     if state is not None and state.sent is not None and n:
         state.sent.append(id_hashes[(flags & _ROLL) == 0].copy())
@@ -191,8 +208,30 @@ def fetch_items(positions: npt.NDArray[np.int64], records: RecordArray, reader: 
     # FetchItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop
     return list(map(tuple.__new__, itertools.repeat(FetchItem), zip(
         msg_positions.tolist(), flags.tolist(), msgs["src_partition"].tolist(), msgs["src_offset"].tolist(),
-        msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(), cancels, strict=True,
+        msgs["deliver_ms"].tolist(), msgs["enqueue_ms"].tolist(), cancels, same, strict=True,
     )))
+
+
+def _copies(reader: SlotReader, msgs: RecordArray, flags: npt.NDArray[np.integer[Any]],
+            positions: npt.NDArray[np.int64]) -> list[tuple[int, int] | None]:
+    """For each of ``msgs``, the source position of an earlier copy of the same message in the
+    slot (same id hash and delivery time: design 2.5, the copies of a roll hop done twice), or
+    None; the first copies are remembered in ``reader.seen``. Roll hops are not matched (their
+    delivery time is in the record, not the TimerLog)."""
+    seen = reader.seen
+    assert seen is not None
+    srcs = list(zip(msgs["src_partition"].tolist(), msgs["src_offset"].tolist(), strict=True))
+    keys: list[tuple[int, int] | int] = list(zip(msgs["id_hash"].tolist(), msgs["deliver_ms"].tolist(), strict=True))
+    rolled = (flags & _ROLL) != 0
+    if rolled.any():
+        for k in np.flatnonzero(rolled).tolist():
+            keys[k] = int(positions[k])  # a key of its own
+    firsts = list(map(seen.setdefault, keys, srcs))
+    if len(seen) > SEEN_MAX:
+        reader.seen = None
+        if reader.open is not None:
+            reader.open.seen = None
+    return [first if first != src else None for first, src in zip(firsts, srcs, strict=True)]
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """dequeue-getmsg: fetch requests -> the original records, read in batches.
 
 Stateless. Takes fetch entries from its queue partitions, reads every source record they
-name (and the cancel markers they reference) from the timer topic in one batched call
-grouped per partition, and passes each on to dequeue-put as DELIVER, ROLL, CANCELLED (the
-full id of the message equals the marker's ``tw-cancel``) or MISSING (the source record is
-gone from the log: reported and dead-lettered, never retried forever — PITFALLS #7480).
+name (and the cancel markers and earlier copies they reference) from the timer topic in one
+batched call grouped per partition, and passes each on to dequeue-put as DELIVER, ROLL,
+CANCELLED (the full id of the message equals the marker's ``tw-cancel``), DUPLICATE (an
+earlier copy of it in the slot has the same full id: design 2.5) or MISSING (the source record
+is gone from the log: reported and dead-lettered, never retried forever — PITFALLS #7480).
 
 Memory is bounded in bytes, whatever the record sizes: a step's entries are read in groups of
 about TW_BATCH_BYTES of records (estimated from the last read's mean record size), each group
@@ -26,6 +27,7 @@ from timerwheel.stages.base import QueueStage, StageContext, decoded, put_blocki
 from timerwheel.stages.codec import (
     CANCELLED,
     DELIVER,
+    DUPLICATE,
     MISSING,
     ROLL,
     DeliverEntry,
@@ -42,9 +44,9 @@ STAGE = "dequeue-getmsg"
 _ROLL = int(Flag.ROLL)
 #: C-level getters of fetch-item fields: a fetch item's (src_partition, src_offset), ...
 _POSITION = operator.itemgetter(FetchItem._fields.index("src_partition"), FetchItem._fields.index("src_offset"))
-_FLAGS, _FIRE_MS, _ENQUEUED_MS, _SRC_PARTITION, _SRC_OFFSET, _CANCELS = (
+_FLAGS, _FIRE_MS, _ENQUEUED_MS, _SRC_PARTITION, _SRC_OFFSET, _CANCELS, _SAME_AS = (
     operator.itemgetter(FetchItem._fields.index(name))
-    for name in ("flags", "fire_ms", "enqueued_ms", "src_partition", "src_offset", "cancels"))
+    for name in ("flags", "fire_ms", "enqueued_ms", "src_partition", "src_offset", "cancels", "same_as"))
 #: Every flags value with the ROLL bit.
 _ROLLED = frozenset(f for f in range(2 * max(Flag)) if f & _ROLL)
 
@@ -108,9 +110,10 @@ class DequeueGetMsg(QueueStage):
     def _serve(self, fetches: dict[int, list[FetchEntry]], wanted: dict[tuple[int, int], Record | None] | None) -> None:
         """One read of the commit log for ``fetches``, passed on to the deliver queue."""
         # The records in item order (a position may repeat: read returns it for each), and
-        # separately the few cancel markers whose id hash matched.
+        # separately the few cancel markers whose id hash matched and earlier copies referenced.
         positions = [pos for part in fetches.values() for f in part for pos in map(_POSITION, f.items)]
-        markers = sorted({(p, o) for part in fetches.values() for f in part for i in f.items for p, o in i.cancels})
+        markers = sorted({(p, o) for part in fetches.values() for f in part for i in f.items for p, o in i.cancels}
+                         | {i.same_as for part in fetches.values() for f in part for i in f.items if i.same_as})
         found = self.commit_log.read(self.ctx.config.timer_topic, positions + markers)
         marker_records = dict(zip(markers, found[len(positions):], strict=True))
         sizes = [len(r.value or b"") for r in found[:len(positions)] if r is not None]  # the values dominate
@@ -138,7 +141,7 @@ class DequeueGetMsg(QueueStage):
             end = start + len(f.items)
             records = found[start:end]
             items = f.items
-            if (None in records or any(map(_CANCELS, items))
+            if (None in records or any(map(_CANCELS, items)) or any(map(_SAME_AS, items))
                     or not _ROLLED.isdisjoint(map(_FLAGS, items))):
                 each = [self._kind(item, rec, markers) for item, rec in zip(items, records, strict=True)]
                 missing += each.count(MISSING)
@@ -163,6 +166,11 @@ class DequeueGetMsg(QueueStage):
             return MISSING
         if item.flags & _ROLL:
             return ROLL
+        if item.same_as is not None:
+            first = markers[item.same_as]
+            if first is not None and message_id_of(first) == message_id_of(record):
+                return DUPLICATE  # the first copy carries the message (and meets its cancels)
+            self.ctx.metrics.inc("copies_missed")  # id-hash collision: another message
         if not item.cancels:
             return DELIVER
         if any(confirmed(record, markers[(p, o)]) for p, o in item.cancels):

@@ -20,8 +20,8 @@ dropped as CANCELLED. Two markers of one id hash both count.
 
 What is released in one loop round goes out in one append, ``tw-delivered-at`` stamped at release,
 with the control headers removed and ``tw-id``, ``tw-roll``, ``tw-enqueued-at`` stamped. Items that
-are not held go out in the round they arrive: a CANCELLED one (dequeue-getmsg confirmed a marker) is
-dropped and counted; a MISSING one and a destination the allow-list refuses (tightened since, or
+are not held go out in the round they arrive: a CANCELLED one (dequeue-getmsg confirmed a marker)
+and a DUPLICATE (another copy of the message in its slot carries it) are dropped and counted; a MISSING one and a destination the allow-list refuses (tightened since, or
 a forged entry) are dead-lettered. A DELIVER item due more than TW_LOOKAHEAD_MS + EARLY_WAIT_MAX_S
 past this clock (a clock far off) goes back to the timer topic with its own time, like a roll.
 A ROLL item (a roll hop) is held too, until ``W`` passes its slot's time (so that a crash, which
@@ -70,6 +70,7 @@ from timerwheel.stages.base import (
 from timerwheel.stages.codec import (
     CANCELLED,
     DELIVER,
+    DUPLICATE,
     MISSING,
     ROLL,
     DeliverEntry,
@@ -152,6 +153,8 @@ class Round:
     delivered: dict[str, int] = field(default_factory=dict)
     rolled: dict[str, int] = field(default_factory=dict)
     cancelled: dict[str, int] = field(default_factory=dict)
+    #: Copies of a message in its slot finished without output (DUPLICATE).
+    copies: dict[str, int] = field(default_factory=dict)
     dead: dict[str, int] = field(default_factory=dict)
     held_for_topic: dict[str, int] = field(default_factory=dict)
     #: Delivery times of the records delivered (lateness), by index in ``out``.
@@ -317,6 +320,9 @@ class DequeuePut(QueueStage):
             to_hold.append(Held(held, item, rec, hdr, topic, dest_partition))
         elif kind == CANCELLED:
             _count(rnd.cancelled, topic)
+            rnd.finished.append((held, item))
+        elif kind == DUPLICATE:  # another copy of it in the slot carries the message
+            _count(rnd.copies, topic)
             rnd.finished.append((held, item))
         else:
             assert kind == ROLL
@@ -486,6 +492,8 @@ class DequeuePut(QueueStage):
             m.inc_many("rolled", "topic", rnd.rolled)
         if rnd.cancelled:
             m.inc_many("cancelled", "topic", rnd.cancelled)
+        if rnd.copies:
+            m.inc_many("copies_dropped", "topic", rnd.copies)
         if rnd.dead:
             m.inc_many("dead_lettered", "topic", rnd.dead)
         if span is not None:
@@ -495,7 +503,8 @@ class DequeuePut(QueueStage):
             entries = [DeliverEntry(e.entry.shard, e.entry.generation, e.entry.slot_time, e.entry.read_pos, tuple(items))
                        for e, items in ended.values()]
             telemetry.dequeue_put_batch(span, cfg, ctx.rules, entries, rnd.out, now,
-                                        {"DELIVER": DELIVER, "ROLL": ROLL, "CANCELLED": CANCELLED})
+                                        {"DELIVER": DELIVER, "ROLL": ROLL, "CANCELLED": CANCELLED,
+                                         "DUPLICATE": DUPLICATE})
 
     def _finish(self, finished: list[tuple[HeldEntry, DeliverItem]]) -> None:
         """Count the items finished; report each entry all of whose items are (its slot's count to
