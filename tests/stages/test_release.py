@@ -172,6 +172,38 @@ def test_a_live_replica_keeps_the_entries_it_holds(rig: PutRig, clock: Simulated
     assert list(rig.sent()) == ["m1"] and rig.done() == 1
 
 
+@pytest.mark.parametrize("fails", ["report", "ack"])
+def test_a_report_or_ack_that_fails_is_retried_and_the_entry_finished_once(
+        rig: PutRig, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """Redis gone for a moment after the delivery: the step fails, the next one reports the entry
+    done (once) and acknowledges it. Before, the entry stayed held and touched for good, its slot
+    never done, R and W (capped by R) stood still until dequeue-get re-sent it (STALL_S)."""
+    put = rig.stage("a")
+    rig.hand_over(record(1, "dest", SLOT + 10))
+    clock.set(SLOT + 20)
+    rig.publish(SLOT + 20)
+    queue = rig.done_q if fails == "report" else rig.deliver_q
+    method = "put" if fails == "report" else "ack"
+    real = getattr(queue, method)
+    calls = []
+
+    def once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args)
+        if len(calls) == 1:
+            raise ConnectionError("Redis gone")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(queue, method, once)
+    with pytest.raises(ConnectionError):
+        put.step(0)
+    assert rig.sent() == {"m1": SLOT + 20}  # delivered before the failure
+    put.step(0)
+    assert rig.done() == 1 and rig.deliver_q.depth(0) == 0  # reported once, acknowledged
+    assert put.holding(0) == 0
+    put.step(0)
+    assert rig.done() == 0 and rig.sent() == {"m1": SLOT + 20}  # nothing twice
+
+
 # -- the five stages, read ahead ------------------------------------------------------------
 
 

@@ -190,6 +190,11 @@ class DequeuePut(QueueStage):
         #: The round being filled: what arrived and goes out at once, then what is released.
         self._round: Round | None = None
         self._touched = time.monotonic()
+        #: Finished entries not reported and acknowledged yet, by (shard, generation) of their report
+        #: (``_report``): a failed report or ack (Redis gone for a moment) is retried at the next
+        #: step, so no finished entry is left held and touched for good.
+        self._unreported: dict[tuple[int, int], list[HeldEntry]] = {}
+        self._unacked: dict[int, list[HeldEntry]] = {}
 
     # ---------------------------------------------------------------- the loop
 
@@ -197,6 +202,7 @@ class DequeuePut(QueueStage):
         """Take new entries (waiting at most until the next held record is due), then release
         every held record whose time has come, in one append with what arrived."""
         self._touch()
+        self._report()  # what a failed step finished and could not report
         taken = super().step(min(timeout_s, self._wait_s()))
         return taken + self._release()
 
@@ -510,27 +516,33 @@ class DequeuePut(QueueStage):
         """Count the items finished; report each entry all of whose items are (its slot's count to
         dequeue-get), then ack it. Report before ack: a crash in between redelivers the entry (a
         bounded duplicate) instead of stalling the slot until dequeue-get sends it again."""
-        done: list[HeldEntry] = []
         for held, _item in finished:
             held.left -= 1
             if held.left == 0 and not held.lost:  # a lost one is another consumer's to ack
-                done.append(held)
-        if not done:
-            return
-        counts: dict[tuple[int, int], dict[int, int]] = {}
-        for held in done:
-            e = held.entry
-            slots = counts.setdefault((e.shard, e.generation), {})
-            slots[e.slot_time] = slots.get(e.slot_time, 0) + len(e.items)
-        for (shard, generation), by_slot in counts.items():
+                e = held.entry
+                self._unreported.setdefault((e.shard, e.generation), []).append(held)
+        self._report()
+
+    def _report(self) -> None:
+        """Report the finished entries (one done entry per shard and generation), then ack them;
+        each report and each ack leaves the to-do lists only once it succeeded, so a failure
+        (raised to the step) is retried by the next step without counting anything twice."""
+        while self._unreported:
+            (shard, generation), done = next(iter(self._unreported.items()))
+            by_slot: dict[int, int] = {}
+            for held in done:
+                by_slot[held.entry.slot_time] = by_slot.get(held.entry.slot_time, 0) + len(held.entry.items)
             put_blocking(self.ctx, self.done_q, shard, [wire(self.done_q, DoneEntry(shard, generation, by_slot))],
                          self.logger.bind(shard=shard))
-        acks: dict[int, list[str]] = {}
-        for held in done:
-            acks.setdefault(held.partition, []).append(held.entry_id)
-            self._entries.pop((held.partition, held.entry_id), None)
-        for partition, ids in acks.items():
-            self.deliver_q.ack(partition, ids)
+            del self._unreported[(shard, generation)]
+            for held in done:
+                self._unacked.setdefault(held.partition, []).append(held)
+        while self._unacked:
+            partition, done = next(iter(self._unacked.items()))
+            self.deliver_q.ack(partition, [held.entry_id for held in done])
+            del self._unacked[partition]
+            for held in done:
+                self._entries.pop((held.partition, held.entry_id), None)
 
     # ---------------------------------------------------------------- held entries
 
