@@ -51,7 +51,8 @@ from timerwheel.wire import MAX_EPOCH_MS, Ticket
 RETENTION_EVERY_S = 60.0
 #: How often an idle enqueue-get looks for timer records another process appended (``timerwheel
 #: schedule``, a ``TimerClient`` on the same data directory): what this process schedules wakes it
-#: at once. A look reads each timer partition's end (a few syscalls).
+#: at once. A look reads each timer partition's end (a few syscalls). After 2 s with nothing,
+#: every 50 ms (``enqueue_get.QUIET_POLL_S``).
 EXTERNAL_POLL_S = 0.01
 #: How long any other idle stage waits for a wake at most: each is woken by what gives it work
 #: (a put into its queue, a new W, R moving), enqueue-put and dequeue-get wait less when

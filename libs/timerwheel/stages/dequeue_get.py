@@ -633,16 +633,20 @@ class DequeueGet:
     def caught_up(self) -> bool:
         """Every owned shard has sent every slot it may read now (``_horizon``) and the tails of its
         open slots up to the published flushed position, and seen delivered every message of a
-        final slot (those of open slots may be held by dequeue-put until their time: with
-        TW_LOOKAHEAD_MS 0 there is none)."""
+        final slot that ended by now (those of open slots, and of slots ending after now, may be
+        held by dequeue-put until their time)."""
         def done(st: GetShard) -> bool:
             ckpt = st.shard.load_enqueue_checkpoint()
             if ckpt is None:
                 return st.reader is None and not st.outbox and not st.in_flight
             tick = st.shard.tick_ms
+            # In flight and fine: an open slot's messages, and those of a slot that ends after now
+            # (dequeue-put holds them for their time: W may be ahead of this clock, a restart on a
+            # clock behind the stored W); dequeue-put's caught_up says none of them is due.
+            held_until = min(ckpt.write_ms, self.ctx.clock.now_ms())
             return (st.reader is None and not st.outbox and st.cursor >= self._horizon(st, ckpt)
                     and all(o.read_pos >= ckpt.flushed_pos and t + tick > ckpt.write_ms for t, o in st.open.items())
-                    and all(t + tick > ckpt.write_ms for t in st.in_flight))
+                    and all(t + tick > held_until for t in st.in_flight))
 
         return not self.owner.waiting and all(done(st) for st in list(self.owned.values()))
 

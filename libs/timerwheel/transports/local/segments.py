@@ -39,6 +39,7 @@ import itertools
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -54,6 +55,9 @@ __all__ = ["DEFAULT_SEGMENT_BYTES", "PartitionLog", "SegmentFiles"]
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 _BATCH_END = 1 << 63
+#: A directory modified this recently may have changed again within the same timestamp (file
+#: systems stamp with a coarse clock): its unchanged mtime proves nothing then (``_dir_changed``).
+_RACY_MTIME_NS = 2_000_000_000
 _POS_MASK = _BATCH_END - 1
 _MAX_FETCH_BYTES = 8 * 1024 * 1024
 #: Sparse reads: offsets this close share one index pread, frames this close one data pread.
@@ -119,6 +123,8 @@ class PartitionLog:
         self.write_lock = threading.Lock()
         self._view_lock = threading.Lock()
         self._bases: list[int] = []
+        #: The directory's mtime when it was last listed (``_dir_changed``).
+        self._listed_mtime_ns = -1
         self._open: dict[int, SegmentFiles] = {}
         self._closed = False
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -130,6 +136,7 @@ class PartitionLog:
 
     def _refresh(self) -> None:
         """Re-list segments (another process may have rolled or deleted some). View lock held."""
+        self._listed_mtime_ns = os.stat(self.dir).st_mtime_ns  # before: a change after it is seen next time
         logs, idxs = set(), set()
         for name in os.listdir(self.dir):
             stem, _, ext = name.partition(".")
@@ -146,12 +153,18 @@ class PartitionLog:
         full (a writer rolls then) or was deleted (retention): two fstats instead of a listdir.
         View lock held."""
         if not self._bases:
-            return True
+            return self._dir_changed()  # a partition nobody wrote yet: one stat, not a listing
         seg = self._open.get(self._bases[-1])
         if seg is None:
             return True
         st = os.fstat(seg.log_fd)
         return st.st_size >= self._segment_bytes or st.st_nlink == 0
+
+    def _dir_changed(self) -> bool:
+        """Could a segment have been created or removed since the last listing? Its directory's
+        mtime moved, or is too recent to tell (``_RACY_MTIME_NS``). View lock held."""
+        mtime = os.stat(self.dir).st_mtime_ns
+        return mtime != self._listed_mtime_ns or time.time_ns() - mtime < _RACY_MTIME_NS
 
     def _segment(self, base: int) -> SegmentFiles | None:
         """View lock held."""
