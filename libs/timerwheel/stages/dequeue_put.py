@@ -21,8 +21,9 @@ dropped as CANCELLED. Two markers of one id hash both count.
 What is released in one loop round goes out in one append, ``tw-delivered-at`` stamped at release,
 with the control headers removed and ``tw-id``, ``tw-roll``, ``tw-enqueued-at`` stamped. Items that
 are not held go out in the round they arrive: a CANCELLED one (dequeue-getmsg confirmed a marker)
-and a DUPLICATE (another copy of the message in its slot carries it) are dropped and counted; a MISSING one and a destination the allow-list refuses (tightened since, or
-a forged entry) are dead-lettered. A DELIVER item due more than TW_LOOKAHEAD_MS + EARLY_WAIT_MAX_S
+and a DUPLICATE (another copy of the message in its slot carries it) are dropped and counted; a
+MISSING one and a destination the allow-list refuses (tightened since, or a forged entry) are
+dead-lettered. A DELIVER item due more than TW_LOOKAHEAD_MS + EARLY_WAIT_MAX_S
 past this clock (a clock far off) goes back to the timer topic with its own time, like a roll.
 A ROLL item (a roll hop) is held too, until ``W`` passes its slot's time (so that a crash, which
 reads the slots from ``R`` on again, never hops a message twice from a slot ``W`` had not passed),
