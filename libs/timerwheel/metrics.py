@@ -49,6 +49,7 @@ COUNTERS: dict[str, str] = {
     "cancel_requests": "cancel records read from the timer topic",
     "cancel_missed": "cancel markers that named another message (an id-hash collision)",
     "copies_dropped": "copies of a message met in its slot (a roll hop done twice) finished without output, per topic",
+    "stale_dropped": "held records of an older dequeue-get owner's entries finished without output (its successor reads them again), per topic",
     "copies_missed": "records taken for a copy of another in their slot that named another message (an id-hash collision)",
     "append_retries": "writes to the commit log retried",
     "queue_full_waits": "waits of a work-queue producer on a full queue (back-pressure)",

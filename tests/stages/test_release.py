@@ -21,8 +21,9 @@ from timerwheel.records import OutRecord, Record
 from timerwheel.stages import base, dequeue_put
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem, DoneEntry
+from timerwheel.stages.dequeue_get import GENERATION_BITS
 from timerwheel.stages.dequeue_put import DequeuePut
-from timerwheel.store import EnqueueCheckpoint, Shard
+from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Shard
 from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryWorkQueue
@@ -202,6 +203,34 @@ def test_a_report_or_ack_that_fails_is_retried_and_the_entry_finished_once(
     assert put.holding(0) == 0
     put.step(0)
     assert rig.done() == 0 and rig.sent() == {"m1": SLOT + 20}  # nothing twice
+
+
+def test_held_records_of_an_older_dequeue_get_owner_are_dropped_not_delivered(
+        rig: PutRig, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dequeue-get restarted (or replaced) reads the slots again from R under a new epoch, and
+    sends again what its predecessor's entries carry: those entries, held by dequeue-put for their
+    time or claimed from a dead dequeue-put, are dropped rather than delivered beside the new ones
+    (a kill -9 of every stage delivered about a second of read-ahead twice)."""
+    monkeypatch.setattr(dequeue_put, "OWNER_EPOCH_EVERY_S", 0.0, raising=False)
+    put = rig.stage("a")
+    old_gen, new_gen = 1 << GENERATION_BITS, 2 << GENERATION_BITS
+    rig.writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=SLOT, epoch=1))
+    items = tuple(DeliverItem(DELIVER, SLOT, START - 60_000, r, 0, r.offset)
+                  for r in (record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 20)))
+    rig.deliver_q.put(0, [DeliverEntry(0, old_gen, SLOT, 0, items).encode()], 1.0)
+    put.step(0)  # held for their time
+    rig.writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=SLOT, epoch=2))  # a new owner
+    rig.deliver_q.put(0, [DeliverEntry(0, new_gen, SLOT, 0, items).encode()], 1.0)  # ... reads them again
+    clock.set(SLOT + 50)
+    rig.publish(SLOT + 50)
+    for _ in range(3):
+        put.step(0)
+    assert rig.sent() == {"m1": SLOT + 50, "m2": SLOT + 50}
+    out = rig.log.consumer("dest", {0: 0})
+    assert len(out.poll(1000, 0)) == 2  # once each (before: twice)
+    out.close()
+    assert put.ctx.metrics.counter("stale_dropped", topic="dest") == 2
+    assert rig.deliver_q.depth(0) == 0  # both entries finished and acknowledged
 
 
 # -- the five stages, read ahead ------------------------------------------------------------

@@ -343,6 +343,13 @@ class DequeueGet:
         ckpt = shard.load_dequeue_checkpoint() or ckpt
         log = stage_logger(STAGE, shard_id)
         log.info("owning shard", epoch=epoch, read_ms=ckpt.read_ms)
+        # R under our epoch at once: dequeue-put drops the entries of an older owner (it reads
+        # again, from R, everything they carry), rather than deliver them beside ours.
+        try:
+            shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=ckpt.read_ms, epoch=epoch))
+        except FencedError:
+            self.owner.ownership.release_all_of(shard_id)
+            return None  # a newer owner saved already: not ours after all
         return GetShard(shard_id, shard, log, epoch, epoch << GENERATION_BITS, ckpt.read_ms, ckpt.read_ms)
 
     def step(self, timeout_s: float) -> int:

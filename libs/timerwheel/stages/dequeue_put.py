@@ -79,10 +79,10 @@ from timerwheel.stages.codec import (
     DoneEntry,
     wire,
 )
-from timerwheel.stages.dequeue_get import markers_of
+from timerwheel.stages.dequeue_get import GENERATION_BITS, markers_of
 from timerwheel.stages.dequeue_getmsg import confirmed
 from timerwheel.stages.published import CKPT_POLL_S, PublishedView
-from timerwheel.store import Shard
+from timerwheel.store import CorruptCheckpointError, Shard
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
     H_ERROR,
@@ -104,6 +104,8 @@ HOLD_RETRY_MAX_MS = 60_000
 #: A record due more than TW_LOOKAHEAD_MS + this past this process's clock is not held: its clock
 #: and dequeue-get's disagree by that much, and it goes back to the timer topic with its own time.
 EARLY_WAIT_MAX_S = 5.0
+#: How often the release gate reads a shard's dequeue.ckpt for its owner's epoch (``_owner_epoch``).
+OWNER_EPOCH_EVERY_S = 0.1
 #: Held entries are touched (their pending idle time reset) once held this long, this often: a
 #: third of the time after which another replica would take them for a stuck consumer's.
 TOUCH_AFTER_S = CLAIM_IDLE_MS / 3000
@@ -156,6 +158,8 @@ class Round:
     cancelled: dict[str, int] = field(default_factory=dict)
     #: Copies of a message in its slot finished without output (DUPLICATE).
     copies: dict[str, int] = field(default_factory=dict)
+    #: Records of entries an older dequeue-get owner sent, finished without output (``_gate``).
+    stale: dict[str, int] = field(default_factory=dict)
     dead: dict[str, int] = field(default_factory=dict)
     held_for_topic: dict[str, int] = field(default_factory=dict)
     #: Delivery times of the records delivered (lateness), by index in ``out``.
@@ -191,6 +195,8 @@ class DequeuePut(QueueStage):
         #: The round being filled: what arrived and goes out at once, then what is released.
         self._round: Round | None = None
         self._touched = time.monotonic()
+        #: Shard -> (its dequeue-get owner's epoch, when read): ``_owner_epoch``.
+        self._owner_epochs: dict[int, tuple[int, float]] = {}
         #: Finished entries not reported and acknowledged yet, by (shard, generation) of their report
         #: (``_report``): a failed report or ack (Redis gone for a moment) is retried at the next
         #: step, so no finished entry is left held and touched for good.
@@ -393,9 +399,16 @@ class DequeuePut(QueueStage):
         for shard_id, held in by_shard.items():
             view = self._view(shard_id)
             ckpt = view.newest(self.ctx) if view is not None else None
+            owner_epoch = self._owner_epoch(shard_id, view)
             ready: list[Held] = []
             for h in held:
-                if ckpt is not None and h.due < ckpt.write_ms:
+                if h.held.entry.generation >> GENERATION_BITS < owner_epoch:
+                    # Sent by a dequeue-get that has since lost the shard: its successor reads
+                    # the slots again from R, this record among them, and sends it anew.
+                    rnd = rnd or self._new_round()
+                    _count(rnd.stale, h.topic)
+                    rnd.finished.append((h.held, h.item))
+                elif ckpt is not None and h.due < ckpt.write_ms:
                     ready.append(h)
                 else:
                     heapq.heappush(self._heap, (h.due, next(self._seq), h))
@@ -413,6 +426,23 @@ class DequeuePut(QueueStage):
                     rnd.finished.append((h.held, h.item._replace(kind=CANCELLED)))
                 else:
                     self._deliver(rnd, h)
+
+    def _owner_epoch(self, shard_id: int, view: PublishedView | None) -> int:
+        """The epoch of the shard's dequeue-get owner as its dequeue.ckpt says (read at most every
+        OWNER_EPOCH_EVERY_S; 0 while unknown: nothing is taken for stale then)."""
+        mono = time.monotonic()
+        known = self._owner_epochs.get(shard_id)
+        if known is not None and mono - known[1] < OWNER_EPOCH_EVERY_S:
+            return known[0]
+        epoch = 0
+        if view is not None:
+            try:
+                ckpt = view.shard.load_dequeue_checkpoint()
+            except CorruptCheckpointError:
+                ckpt = None  # torn on a shared volume: unknown this time
+            epoch = ckpt.epoch if ckpt is not None else 0
+        self._owner_epochs[shard_id] = (epoch, mono)
+        return epoch
 
     def _cancelled(self, shard: Shard, ready: list[Held], flushed_pos: int) -> set[int]:
         """``id()`` of the records a cancel marker in their slot's tail ``[read_pos, flushed_pos)``
@@ -501,6 +531,8 @@ class DequeuePut(QueueStage):
             m.inc_many("cancelled", "topic", rnd.cancelled)
         if rnd.copies:
             m.inc_many("copies_dropped", "topic", rnd.copies)
+        if rnd.stale:
+            m.inc_many("stale_dropped", "topic", rnd.stale)
         if rnd.dead:
             m.inc_many("dead_lettered", "topic", rnd.dead)
         if span is not None:
