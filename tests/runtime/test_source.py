@@ -151,6 +151,33 @@ def test_a_data_dir_from_before_the_source_is_refused_when_its_offsets_are_beyon
     assert load_source(cfg.data_dir) is None, "a refused start recorded the new topic"
 
 
+class _LiveOwner:
+    """The commit log as a stage starting beside a running enqueue-put sees it: between the ends
+    it is asked for and whatever it reads next, a record arrives and the shards checkpoint it."""
+
+    def __init__(self, log: KafkaCommitLog, cfg: TimerConfig) -> None:
+        self.log, self.cfg = log, cfg
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.log, name)
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        ends = self.log.end_offsets(topic)
+        self.log.append([OutRecord(topic, None, b"v", partition=p) for p in (0, 1)])
+        make_shards(self.cfg, self.log.end_offsets(topic), T0)
+        return ends
+
+
+def test_a_live_volume_whose_checkpoints_move_while_the_start_checks_them_is_not_refused(
+        tmp_path: Path, kafka: KafkaCommitLog) -> None:
+    """The checkpoints are read before the ends: the other order refused a stage (re)started
+    beside a running enqueue-put whose checkpoint passed the ends read a moment before."""
+    cfg = _config(tmp_path)
+    _written_from(cfg, kafka, 3)
+    check_source(cfg, _LiveOwner(kafka, cfg), adopt=False, production=True)  # type: ignore[arg-type]
+    assert all(o == 4 for o in kafka.end_offsets(cfg.timer_topic).values())
+
+
 def test_a_data_dir_from_before_the_source_is_adopted_and_then_held_to_it(
         tmp_path: Path, kafka: KafkaCommitLog, kafka_bootstrap: str) -> None:
     cfg = _config(tmp_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,9 @@ from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet,
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.dequeue_get import STOP_DRAIN_S
 from timerwheel.stages.ownership import Ownership
+from timerwheel.stages.published import TORN_READ_PATIENCE_S
 from timerwheel.store import checkpoint
+from timerwheel.store.checkpoint import CorruptCheckpointError
 from timerwheel.store.deployment import SETTINGS_FILE, Source, load_settings, load_source, store_source
 from timerwheel.store.layout import found_shards, open_reader_if_exists, open_shard, shard_dir
 from timerwheel.store.shard import ENQUEUE_CKPT
@@ -147,11 +150,27 @@ def check_source(cfg: TimerConfig, commit_log: CommitLog, *, adopt: bool, produc
 def offsets_beyond_end(cfg: TimerConfig, commit_log: CommitLog) -> list[str]:
     """``shard S partition P resumes at O, the partition ends at E`` for each partition that an
     enqueue checkpoint of the data directory resumes beyond the timer topic's end."""
-    ends, offsets_of = commit_log.end_offsets(cfg.timer_topic), checkpoint_offsets_of(cfg)
+    # The checkpoints first, the ends then: a running enqueue-put checkpoints offsets the topic
+    # had reached when it read them, and ends only grow (the other order refused a live volume).
+    offsets_of = checkpoint_offsets_of(cfg)
+    resumes = {shard: sorted(_patiently(offsets_of, shard).items()) for shard in found_shards(cfg.data_dir)}
+    ends = commit_log.end_offsets(cfg.timer_topic)
     return [f"shard {shard} partition {p} resumes at {offset}, "
             + (f"the partition ends at {ends[p]}" if p in ends else "the topic has no such partition")
-            for shard in found_shards(cfg.data_dir) for p, offset in sorted(offsets_of(shard).items())
-            if offset > ends.get(p, -1)]
+            for shard, offsets in resumes.items() for p, offset in offsets if offset > ends.get(p, -1)]
+
+
+def _patiently(read: Callable[[int], dict[int, int]], shard: int) -> dict[int, int]:
+    """``read(shard)``, read again while the checkpoint reads torn (another node's rename seen half on
+    a shared volume), for at most TORN_READ_PATIENCE_S; then its error."""
+    deadline = time.monotonic() + TORN_READ_PATIENCE_S
+    while True:
+        try:
+            return read(shard)
+        except CorruptCheckpointError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _rebase_advice(cfg: TimerConfig, production: bool) -> str:
