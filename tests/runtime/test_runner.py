@@ -166,6 +166,13 @@ def test_a_heartbeat_that_fails_is_logged_once_and_once_more_when_it_works_again
     assert [json.loads(x)["event"] for x in out.getvalue().splitlines()] == ["heartbeat failed", "heartbeat works again"]
 
 
+def test_a_heartbeat_ended_on_stop_says_at_once_that_the_consumer_is_gone() -> None:
+    queue = FlakyQueue()
+    beat = Heartbeat(queue, "me", threading.Event()).start()
+    beat.end()
+    assert queue.beats == [("me", HEARTBEAT_TTL_MS), ("me", 0)] and not beat.thread.is_alive()
+
+
 def test_run_returns_only_after_the_gauge_samplers_last_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stage closes its shards (unmapping their wheels) once ``run`` returns: a sample still
     reading them then crashed the process (SIGSEGV on SIGTERM). ``run`` waits for the sampler."""

@@ -46,9 +46,10 @@ class PutRig:
         self.stages: list[DequeuePut] = []
         self.publish(START)
 
-    def stage(self, consumer: str) -> DequeuePut:
+    def stage(self, consumer: str, stop_drain_s: float = 0.0) -> DequeuePut:
         ctx = StageContext(self.config, self.clock, consumer=consumer)
-        put = DequeuePut(ctx, self.log, self.deliver_q, self.done_q, [0], lambda s: open_reader_if_exists(self.config, s))
+        put = DequeuePut(ctx, self.log, self.deliver_q, self.done_q, [0], lambda s: open_reader_if_exists(self.config, s),
+                         stop_drain_s=stop_drain_s)
         self.stages.append(put)
         return put
 
@@ -148,6 +149,27 @@ def test_a_crash_while_records_are_held_loses_none(rig: PutRig, clock: Simulated
     second.step(0)
     assert rig.sent() == {"m1": SLOT + 50, "m2": SLOT + 50}  # late, not lost
     assert rig.deliver_q.depth(0) == 0 and rig.done() == 2
+
+
+@pytest.mark.parametrize("drain_s", [5.0, 0.0])
+def test_a_stopping_replica_releases_what_it_holds_at_its_time_before_it_leaves(
+        rig: PutRig, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch, drain_s: float) -> None:
+    """SIGTERM (a rolling update): ``close`` takes nothing new and releases the held records as
+    their time comes, reports and acks them, so no held entry is left for another replica (whose
+    dequeue-get owner may read their slots again meanwhile). Without a drain they stay pending."""
+    put = rig.stage("a", stop_drain_s=drain_s)
+    rig.publish(SLOT + 1_000)
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 300))
+    put.step(0)
+    assert rig.sent() == {} and rig.deliver_q.pending(0) != {}
+    monkeypatch.setattr(time, "sleep", lambda s: clock.advance(max(1, int(s * 1000))))  # the drain's waits
+    rig.stages.remove(put)
+    put.close()
+    if drain_s:
+        assert rig.sent() == {"m1": SLOT + 10, "m2": SLOT + 300}  # each at its own time
+        assert rig.deliver_q.depth(0) == 0 and rig.done() == 2
+    else:
+        assert rig.sent() == {} and set(rig.deliver_q.pending(0).values()) == {"a"}
 
 
 def test_a_live_replica_keeps_the_entries_it_holds(rig: PutRig, clock: SimulatedClock,

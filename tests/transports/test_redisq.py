@@ -177,6 +177,17 @@ def test_entries_of_a_consumer_whose_heartbeat_lapsed_are_claimed_early(client: 
     assert q.claim_stale(0, "r2", idle_ms=60_000, max_entries=10) == []
 
 
+def test_a_consumer_that_stopped_says_so_and_its_entries_move_on_without_its_ttl(client: redis.Redis) -> None:
+    q = queue(client)
+    q.put(0, [b"a"], timeout_s=1)
+    q.heartbeat("stopping", ttl_ms=60_000)
+    left = q.get(0, "stopping", 1, 1)
+    time.sleep(0.1)
+    assert q.claim_stale(0, "r", idle_ms=60_000, max_entries=10, dead_idle_ms=50) == []  # alive
+    q.heartbeat("stopping", ttl_ms=0)  # Heartbeat.end: the process stopped
+    assert q.claim_stale(0, "r", idle_ms=60_000, max_entries=10, dead_idle_ms=50) == left
+
+
 def test_claim_stale_respects_max_entries_across_a_long_pending_list(client: redis.Redis) -> None:
     q = queue(client, bound=1000)
     q.put(0, [b"%d" % i for i in range(300)], timeout_s=1)

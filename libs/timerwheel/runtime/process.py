@@ -113,7 +113,8 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
             sample_gauges(metrics, sources, shards, count_wheel=bool(shards) and wheel_count_every.due(),
                           now_ms=ctx.clock.now_ms() if shards else None)
 
-        Heartbeat(next(iter(transports.queues.values())), ctx.consumer, ctx.stop).start()
+        # Its own stop: it beats on while the stage drains on SIGTERM, and ends after (``end``).
+        heartbeat = Heartbeat(next(iter(transports.queues.values())), ctx.consumer, threading.Event()).start()
         tracked = TrackedStage(stage)
         tune_interpreter()
         heap.tune_malloc()
@@ -125,6 +126,7 @@ def run_stage(name: str, cfg: TimerConfig) -> int:
             runner.run()
         finally:
             runner.close()
+            heartbeat.end()
             transports.commit_log.close()
             log.info("stopped", steps=runner.steps, errors=runner.errors)
     except _StopBeforeStart:

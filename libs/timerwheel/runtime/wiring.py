@@ -250,5 +250,5 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Tran
         return DequeueGetMsg(ctx, log, queues[Q_FETCH], queues[Q_DELIVER], range(cfg.shards))
     if name == "dequeue-put":
         return DequeuePut(ctx, log, queues[Q_DELIVER], queues[Q_DONE], range(cfg.shards),
-                          lambda s: open_reader_if_exists(cfg, s))
+                          lambda s: open_reader_if_exists(cfg, s), stop_drain_s=0.0 if sole else STOP_DRAIN_S)
     raise ConfigError("stage", f"unknown stage {name!r}")

@@ -176,10 +176,12 @@ class DequeuePut(QueueStage):
     stage = STAGE
 
     def __init__(self, ctx: StageContext, commit_log: CommitLog, deliver_queue: WorkQueue, done_queue: WorkQueue,
-                 partitions: Sequence[int], open_shard: Callable[[int], Shard | None]) -> None:
+                 partitions: Sequence[int], open_shard: Callable[[int], Shard | None], stop_drain_s: float = 0.0) -> None:
         """``open_shard(id)``: a read-only view of a shard (None while it does not exist yet): the
-        release gate reads its enqueue.ckpt and its slots' tails."""
+        release gate reads its enqueue.ckpt and its slots' tails. ``stop_drain_s``: how long
+        ``close`` releases what is held (STOP_DRAIN_S in a stage process, 0 in the embedded one)."""
         super().__init__(ctx, deliver_queue, partitions)
+        self.stop_drain_s = stop_drain_s
         self.commit_log = commit_log
         self.deliver_q = deliver_queue
         self.done_q = done_queue
@@ -604,5 +606,20 @@ class DequeuePut(QueueStage):
             heapq.heapify(self._heap)
 
     def close(self) -> None:
+        """Stopping (SIGTERM): take nothing new, release what is held as its time comes (read
+        ahead: about TW_LOOKAHEAD_MS), report and ack it, for at most ``stop_drain_s``; so a
+        rolling update hands over no held entry. What is still held then stays pending: another
+        replica claims it once this process's heartbeat is gone (the runner ends it on stop)."""
+        deadline = time.monotonic() + self.stop_drain_s
+        try:
+            while self._entries and time.monotonic() < deadline:
+                self._touch()
+                self._report()
+                self._release()
+                time.sleep(max(0.001, min(self._wait_s(), 0.02, deadline - time.monotonic())))
+            if self.stop_drain_s > 0:
+                self.logger.info("drained on stop", held=len(self._entries))
+        except Exception as exc:  # noqa: BLE001 - best effort: another replica takes what is left
+            self.logger.warning("drain on stop ended", reason=str(exc)[:200], held=len(self._entries))
         for view in self._views.values():
             view.shard.close()

@@ -241,7 +241,8 @@ class WorkQueue(Protocol):
         ...
 
     def heartbeat(self, consumer: str, ttl_ms: int) -> None:
-        """``consumer`` is alive for the next ``ttl_ms``."""
+        """``consumer`` is alive for the next ``ttl_ms``; 0: not any more (a process that stopped:
+        what it left pending is claimed after DEAD_IDLE_MS, not after its last TTL)."""
         ...
 
     def touch(self, partition: int, consumer: str, entry_ids: Sequence[str]) -> list[str]:

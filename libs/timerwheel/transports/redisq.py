@@ -393,7 +393,10 @@ class RedisWorkQueue:
 
     def heartbeat(self, consumer: str, ttl_ms: int) -> None:
         with _redis_call(f"heartbeat of {consumer!r}"):
-            self.client.set(alive_key(consumer), b"1", px=ttl_ms)
+            if ttl_ms > 0:
+                self.client.set(alive_key(consumer), b"1", px=ttl_ms)
+            else:
+                self.client.delete(alive_key(consumer))
 
     def touch(self, partition: int, consumer: str, entry_ids: Sequence[str]) -> list[str]:
         key = self._check(partition)
