@@ -133,6 +133,8 @@ class StageProcess:
     env: dict[str, str]
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    #: Stopped on purpose (``Pipeline.stop``), not dead.
+    stopped: bool = False
     _log: IO[bytes] | None = None
 
     @property
@@ -253,6 +255,7 @@ class Pipeline:
         proc = self.procs.get(name) or self.add(name.split("#", 1)[0], name)
         assert not proc.alive(), f"{name} is already running (pid {proc.pid})"
         proc.starts += 1
+        proc.stopped = False
         if proc._log is not None:
             proc._log.close()
         proc._log = open(proc.log_path, "ab")  # noqa: SIM115 - stays open while the process runs
@@ -335,6 +338,7 @@ class Pipeline:
         proc = self.procs[name]
         if proc.popen is None or proc.popen.poll() is not None:
             return proc.popen.returncode if proc.popen else None
+        proc.stopped = True
         if not terminated:  # one SIGTERM only: a second one during interpreter shutdown kills it
             proc.popen.send_signal(signal.SIGCONT)
             proc.popen.send_signal(signal.SIGTERM)
@@ -371,8 +375,9 @@ class Pipeline:
                              f"{self.tails()}")
 
     def dead(self) -> list[str]:
-        """Processes that were started and have exited on their own."""
-        return [n for n, p in self.procs.items() if p.popen is not None and p.popen.poll() is not None]
+        """Processes that were started and have exited on their own (not by ``stop``)."""
+        return [n for n, p in self.procs.items() if p.popen is not None and p.popen.poll() is not None
+                and not p.stopped]
 
     def tails(self, names: Iterable[str] | None = None, lines: int = 25) -> str:
         out = []

@@ -7,11 +7,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from harness import STAGES, Collector, Pipeline, TimerProducer, free_port, is_ready, make_report, now_ms, tail
+from harness import (
+    STAGES,
+    Collector,
+    LoadRun,
+    Pipeline,
+    TimerProducer,
+    free_port,
+    is_ready,
+    make_report,
+    now_ms,
+    tail,
+)
 from timerwheel.store.format import RECORD_SIZE
 
 pytestmark = pytest.mark.e2e
@@ -108,6 +120,48 @@ def test_each_stage_answers_its_probes_and_stops_on_sigterm(
         assert all(c["epoch"] >= 1 for c in ckpts), ckpts
     finally:
         pipe.stop_all()
+
+
+#: Duplicates a rolling update may cause, of the messages scheduled: the code before dequeue-put
+#: drained on SIGTERM delivered 3.7 % twice (54 of 1461), 0 since.
+ROLLING_DUPLICATE_FRACTION = 0.01
+
+
+def test_a_rolling_update_of_every_stage_under_load_loses_nothing_and_repeats_almost_nothing(
+    tmp_path: Path, kafka_bootstrap: str, redis_url: str
+) -> None:
+    """As a Deployment rolls (maxSurge 1, maxUnavailable 0): a new process of each stage is ready
+    before the old one gets SIGTERM, all five stages at once, under 50 msg/s. The old dequeue-put
+    releases what it holds at its time before it leaves and its heartbeat ends at once, so the old
+    dequeue-get's drain settles and its successor does not read again what was delivered."""
+    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=2)
+    dest = pipe.new_dest("rolling", 4)
+    failed: list[str] = []
+
+    def roll(name: str) -> None:
+        try:
+            pipe.start(f"{name}#2")
+            pipe.stop(name)
+        except AssertionError as exc:
+            failed.append(f"{name}: {exc}")
+
+    with pipe.running(), LoadRun(pipe, dest, seed=31, rate=50, min_delay_ms=1_000, max_delay_ms=5_000) as run:
+        time.sleep(4)
+        threads = [threading.Thread(target=roll, args=(name,)) for name in STAGES]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failed, failed
+        time.sleep(3)
+        missing, rep = run.drain("rolling update", 60)
+        stopped = {name: pipe.procs[name].popen.returncode for name in STAGES}  # type: ignore[union-attr]
+    print(rep.line(), flush=True)
+    assert stopped == dict.fromkeys(STAGES, 0), stopped
+    assert not missing and not rep.lost and not rep.early, rep.line()
+    assert rep.duplicated <= ROLLING_DUPLICATE_FRACTION * rep.scheduled, rep.line()
+    drained = [e for e in pipe.log_lines("dequeue-put") if e.get("event") == "drained on stop"]
+    assert drained and drained[-1]["held"] == 0, drained
 
 
 def test_a_timer_topic_retention_below_one_and_a_half_roll_windows_is_refused(
