@@ -36,6 +36,7 @@ class Stages:
         self.clock = SimulatedClock(START)
         t = local_transports(cfg, self.clock)
         self.log, q = t.commit_log, t.queues
+        self.queues, self.leases = q, t.leases
         self.log.ensure_topic(cfg.timer_topic, cfg.timer_partitions)
         self.log.ensure_topic(cfg.dlq_topic, 1)
         self.log.ensure_topic("dest", 1)

@@ -20,9 +20,10 @@ from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages import base, dequeue_put
 from timerwheel.stages.base import StageContext
-from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem, DoneEntry
-from timerwheel.stages.dequeue_get import GENERATION_BITS
+from timerwheel.stages.codec import DELIVER, Q_DONE, Q_FETCH, DeliverEntry, DeliverItem, DoneEntry
+from timerwheel.stages.dequeue_get import GENERATION_BITS, DequeueGet
 from timerwheel.stages.dequeue_put import DequeuePut
+from timerwheel.stages.ownership import Ownership
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Shard
 from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.local.log import LocalCommitLog
@@ -257,7 +258,6 @@ def test_held_records_of_an_older_dequeue_get_owner_are_dropped_not_delivered(
 
 # -- the five stages, read ahead ------------------------------------------------------------
 
-
 @pytest.fixture
 def stages(tmp_path: Path) -> Iterator[Stages]:
     s = Stages(tmp_path, lookahead_ms=1_000)
@@ -402,3 +402,31 @@ def test_two_messages_whose_id_hashes_collide_at_one_time_are_both_delivered(
         assert s.ctx.metrics.counter("copies_dropped", topic="dest") == 0
     finally:
         s.close()
+
+
+def test_what_a_dequeue_get_that_left_had_sent_is_not_released_before_its_successor_reads_it(
+        stages: Stages, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A StatefulSet's rolling update: the dequeue-get pod stops (its drain cut short, messages in
+    flight) and its successor starts seconds later. dequeue-put must not release meanwhile what
+    the one that left had sent: the successor reads those slots again from R and sends them anew
+    (the code before delivered them twice)."""
+    monkeypatch.setattr(dequeue_put, "OWNER_EPOCH_EVERY_S", 0.0)
+    msg = stages.client.schedule("dest", b"m", deliver_at_ms=START + 2_010)
+    stages.run()
+    advance(stages, START + 1_100)
+    assert stages.dput.holding(0) == 1  # read ahead, held
+    left = stages.dget
+    epoch = left.owned[0].epoch
+    left.close()  # stop_drain_s 0: the drain cut short
+    while stages.clock.now_ms() < START + 2_300:  # no dequeue-get for a while
+        stages.clock.advance(10)
+        for stage in (stages.get, stages.put, stages.getmsg, stages.dput):
+            stage.step(0)
+    assert stages.delivered() == []  # dropped, not released
+    assert stages.ctx.metrics.counter("stale_dropped", topic="dest") == 1
+    cfg = stages.config
+    stages.dget = DequeueGet(stages.ctx, [0], lambda s: open_reader_if_exists(cfg, s), stages.queues[Q_FETCH],
+                             stages.queues[Q_DONE], Ownership(stages.leases, "dequeue-get", "next", cfg.lease_ttl_ms))
+    advance(stages, START + 2_500)
+    assert stages.dget.owned[0].epoch > epoch + 1
+    assert stages.delivered() == [msg.message_id]  # once

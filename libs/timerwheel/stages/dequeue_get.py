@@ -635,7 +635,19 @@ class DequeueGet:
         """Release a drained shard: R is saved already (``_advance_r``), so its next owner
         starts where this one stopped."""
         self.owner.ownership.check(st.shard_id)
+        self._mark_released(st)
         self.owner.hand_over(st, read_ms=st.read_ms, in_flight=st.messages_in_flight())
+
+    def _mark_released(self, st: GetShard) -> None:
+        """Before the lease goes: R under the epoch after ours, so that dequeue-put drops what we
+        sent and it still holds (its ``_owner_epoch``) at once, not only when the next owner
+        takes the shard. The next owner reads those slots again from R and sends them anew;
+        released on their time meanwhile, they would go out twice (a StatefulSet's rolling
+        update leaves the shard without an owner for seconds). The next owner's epoch is above
+        this one (``_take`` acquires above the checkpoint's)."""
+        if not st.in_flight:
+            return  # nothing we sent is held anywhere
+        st.shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=st.read_ms, epoch=st.epoch + 1))
 
     def caught_up(self) -> bool:
         """Every owned shard has sent every slot it may read now (``_horizon``) and the tails of its
@@ -677,6 +689,12 @@ class DequeueGet:
             if not busy:
                 break
             time.sleep(0.005)
+        for st in list(self.owned.values()):
+            try:
+                self.owner.ownership.check(st.shard_id)
+                self._mark_released(st)
+            except Exception as exc:  # noqa: BLE001 - the next owner's take marks them all the same
+                st.logger.warning("release not marked", reason=str(exc)[:200])
         self.owner.leave()
         for shard in self._views.values():
             shard.close()
