@@ -31,6 +31,13 @@ then goes back to the timer topic's same partition (so it stays in its shard, wh
 marker will go) with an absolute ``tw-deliver-at`` and ``tw-roll`` + 1.
 The append is retried until it succeeds: a due message is never dropped.
 
+A held record whose entry a dequeue-get owner sent under an older epoch than the one its shard's
+dequeue.ckpt now carries is **stale**: that owner was replaced, or let the shard go with it in
+flight (it then saves the next epoch itself); the next owner reads the slot again from ``R`` and
+sends the record anew, so this one is finished without output (``stale_dropped``).
+On SIGTERM the stage takes nothing new and releases what it holds as its time comes, for at most
+``stop_drain_s`` (``close``), so that a rolling update hands no held entry over.
+
 An entry is **finished** once all its items are: its slot's count is reported to dequeue-get, and
 only then is it acked. So held entries stay unacknowledged in the work queue: a crash makes their
 records late, never lost (another replica claims a dead consumer's entries, after DEAD_IDLE_MS once
