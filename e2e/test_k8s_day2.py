@@ -58,6 +58,11 @@ pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
 #: messages still in flight has its slots read again by the next owner. With the clean hand-over
 #: (drained first) there are none; a stage pod killed mid-batch can repeat its batch.
 DUPLICATE_FRACTION = 0.02
+#: The recovery test stops both shard owners, so shard 0 (not recovered, outside the report's
+#: may_deliver_twice) may repeat what was released from the slot its stalled W stood in when its
+#: dequeue-get left: at most the messages due within the read-ahead (TW_LOOKAHEAD_MS, 1 s) at that
+#: shard's half of the 50 msg/s.
+OTHER_SHARD_REPEATS = 25
 
 
 #: The chart's audit CronJob (spark.audit), run by hand in the last test.
@@ -283,7 +288,7 @@ def test_recovery_of_a_lost_dequeue_checkpoint_runs_a_job_and_loses_nothing(inst
     print(f"FIGURE recovery of a lost dequeue checkpoint under 50 msg/s: Job created {job_seen:.1f} s and the "
           f"TimerWheel Ready {to_ready:.1f} s after the file was lost (owners restarted meanwhile); recover took "
           f"{record['report'].get('seconds')} s, may_deliver_twice={twice}; {rep.line()}", flush=True)
-    _check(rep, missing, rel, twice)
+    _check(rep, missing, rel, twice + OTHER_SHARD_REPEATS)
 
 
 def _condition_seen(rel: Release, seen: set[str], ok: Callable[[], bool]) -> Callable[[], bool]:
