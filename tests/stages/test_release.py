@@ -18,13 +18,14 @@ from test_dequeue_put_checks import record
 from test_late_input import START, Stages
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.records import OutRecord, Record
-from timerwheel.stages import base, dequeue_put
+from timerwheel.stages import base, dequeue_put, enqueue_get
 from timerwheel.stages.base import StageContext
-from timerwheel.stages.codec import DELIVER, Q_DONE, Q_FETCH, DeliverEntry, DeliverItem, DoneEntry
+from timerwheel.stages.codec import DELIVER, Q_DONE, Q_FETCH, Q_PUT, DeliverEntry, DeliverItem, DoneEntry
 from timerwheel.stages.dequeue_get import GENERATION_BITS, DequeueGet
 from timerwheel.stages.dequeue_put import DequeuePut
+from timerwheel.stages.enqueue_put import EnqueuePut
 from timerwheel.stages.ownership import Ownership
-from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Shard
+from timerwheel.store import RECORD_SIZE, DequeueCheckpoint, EnqueueCheckpoint, Shard
 from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryWorkQueue
@@ -430,3 +431,46 @@ def test_what_a_dequeue_get_that_left_had_sent_is_not_released_before_its_succes
     advance(stages, START + 2_500)
     assert stages.dget.owned[0].epoch > epoch + 1
     assert stages.delivered() == [msg.message_id]  # once
+
+
+def _segment(s: Stages) -> Path:
+    (segment,) = sorted((Path(s.config.data_dir) / "shard-0000" / "timerlog").glob("*.tlog"))
+    return segment
+
+
+def test_a_cancel_written_after_a_recovery_that_lost_checkpointed_records_still_cancels(
+        stages: Stages, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TimerLog's last record, checkpointed as durable, is lost while enqueue-put is down (the
+    chaos test tears it). The restarted owner resumes from the records left and Kafka hands the lost
+    one over again; what it writes first must not go to a position dequeue-get had read up to
+    already: a cancel there was behind the slot's read and dequeue-put's look from its read
+    position, so the held message it cancels was delivered (the code before)."""
+    monkeypatch.setattr(enqueue_get, "REWIND_CHECK_S", 0.0)  # enqueue-get looks for a checkpoint behind it at each step
+    stages.run()
+    advance(stages, START + 1_000)
+    assert START + 2_000 in stages.dget.owned[0].open  # read ahead while empty
+    doomed = stages.client.schedule("dest", b"doomed", deliver_at_ms=START + 2_020, message_id="doomed-0")
+    for stage in (stages.get, stages.put):
+        stage.step(0)
+    lost = stages.client.schedule("dest", b"lost", deliver_at_ms=START + 60_000, message_id="lost-4")
+    assert doomed.partition != lost.partition  # the lost record's partition is read again after the cancel's
+    for stage in (stages.get, stages.put):
+        stage.step(0)
+    advance(stages, START + 1_100)  # the open slot's tail read up to past the lost record
+    assert stages.dput.holding(0) == 1
+    stages.put.close()  # its checkpoint names the lost record as durable
+    segment = _segment(stages)
+    with open(segment, "r+b") as f:
+        f.truncate(segment.stat().st_size - RECORD_SIZE)
+    cfg = stages.config
+    stages.put = EnqueuePut(stages.ctx, [0], lambda s: open_shard(cfg, s, writer=True), stages.queues[Q_PUT],
+                            Ownership(stages.leases, "enqueue-put", "next", cfg.lease_ttl_ms),
+                            input_ends=stages.timer_topic_ends)
+    stages.client.cancel(doomed)
+    advance(stages, START + 2_200)
+    assert stages.delivered() == []
+    assert stages.ctx.metrics.counter("cancelled", topic="dest") == 1
+    stages.put.close()
+    again = open_shard(cfg, 0, writer=True)  # the positions left unused are never checked again
+    assert again.recovery is not None and (again.recovery.corrupt_count, again.recovery.truncated_bytes) == (0, 0)
+    again.close()

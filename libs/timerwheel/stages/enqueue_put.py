@@ -405,8 +405,12 @@ class EnqueuePut:
                 # Resume after the newest source offset still in the TimerLog (design §4.4), not
                 # after the checkpoint's, so that Kafka hands the lost records over again.
                 st.next_offsets = _offsets_after_loss(shard, st.next_offsets, ckpt.flushed_pos - report.end_pos)
+                # Readers read up to that checkpoint: what is written from here on goes past it
+                # (``Shard.skip_to``), never at a position they took as read.
+                skipped = shard.skip_to(ckpt.flushed_pos)
                 log.warning("TimerLog lost checkpointed records; resuming from the records it still holds",
-                            flushed_pos=ckpt.flushed_pos, end_pos=report.end_pos, offsets=st.next_offsets)
+                            flushed_pos=ckpt.flushed_pos, end_pos=report.end_pos, offsets=st.next_offsets,
+                            skipped_bytes=skipped)
             for p, offset in report.max_src_offsets.items():
                 st.next_offsets[p] = max(st.next_offsets.get(p, 0), offset + 1)
             log.info("recovered", epoch=epoch, checked_from=report.checked_from, end_pos=report.end_pos,

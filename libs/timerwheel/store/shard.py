@@ -360,6 +360,24 @@ class Shard:
         self._unsynced_records = 0
         return pos
 
+    def skip_to(self, pos: int) -> int:
+        """Leave the positions from the end up to ``pos`` unused: zero bytes there (invalid records,
+        linked into no slot), made durable with the wheel (``sync_wheel``, so that no later
+        recovery checks them again). Returns the bytes skipped.
+
+        For a recovery that lost records a checkpoint had published (a torn or lost tail): readers
+        saw positions up to that checkpoint's flushed position, and take what they read of a slot
+        as read for good (dequeue-get's open slots, dequeue-put's look for cancels from where its
+        record was read). A record written again at one of those positions, a cancel the source
+        sends again for one, would be behind every reader of its slot."""
+        self._need_writer("skip positions")
+        gap = pos - self.log.end_pos
+        if gap <= 0:
+            return 0
+        self.log.append_packed(bytes(gap))
+        self.sync_wheel()
+        return gap
+
     # ---------------------------------------------------------------- the reader's view
 
     def refresh(self, published: EnqueueCheckpoint) -> bool:
