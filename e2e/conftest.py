@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from infra import (  # noqa: E402
     kafka_bootstrap,
+    kafka_cluster3,
     kafka_control,
     kafka_noauto_bootstrap,
     redis_control,
@@ -19,7 +20,7 @@ from infra import (  # noqa: E402
 )
 from k8s_cluster import k8s, registry  # noqa: E402
 
-__all__ = ["k8s", "registry", "kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "redis_control", "redis_url",
+__all__ = ["k8s", "registry", "kafka_bootstrap", "kafka_cluster3", "kafka_control", "kafka_noauto_bootstrap", "redis_control", "redis_url",
            "secure_kafka", "secure_redis"]
 
 

@@ -150,15 +150,17 @@ class Pipeline:
     """The five stage processes of one test, sharing a data directory, topics and a Redis DB."""
 
     def __init__(self, workdir: Path, kafka: str, redis_url: str, *, mounts: TwoMounts | None = None,
-                 tw_env: dict[str, str] | None = None, **settings: object) -> None:
+                 tw_env: dict[str, str] | None = None, replication: int = 1, **settings: object) -> None:
         """``mounts``: the two-node layout — the data directory is ``mounts.base``, the enqueue
         stages use it through ``mounts.a`` and the dequeue stages through ``mounts.b`` (two
         ``bindfs -o auto_cache`` mounts: two page caches, as on two nodes of an NFS volume).
         ``tw_env``: security settings (``TW_KAFKA_SASL_*``, ...) of the stages and of the
-        harness's own clients."""
+        harness's own clients. ``replication``: of the topics the harness creates (3 on
+        ``kafka_cluster3``)."""
         uid = uuid.uuid4().hex[:8]
         self.uid = uid
         self.kafka = kafka
+        self.replication = replication
         self.workdir = workdir
         self.mounts = mounts
         self.data_dir = mounts.base if mounts is not None else workdir / "data"
@@ -225,7 +227,7 @@ class Pipeline:
         return self._admin
 
     def create_topic(self, topic: str, partitions: int, configs: dict[str, str] | None = None) -> None:
-        self.admin.create_topics([NewTopic(topic, partitions, 1, topic_configs=configs or {})])
+        self.admin.create_topics([NewTopic(topic, partitions, self.replication, topic_configs=configs or {})])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             found = self.admin.describe_topics([topic])

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# A local single-node Apache Kafka (KRaft, broker + controller in one JVM) on 127.0.0.1.
+# A local single-node Apache Kafka (KRaft, broker + controller in one JVM) on 127.0.0.1, or a
+# cluster of several such nodes (TW_KAFKA_BROKERS, below).
 #
 #   scripts/kafka.sh up        fetch the broker with Maven (first time), format, start, wait until it answers
 #   scripts/kafka.sh down      stop it and delete its data
-#   scripts/kafka.sh stop      stop it, keep data and port (`start` or `up` brings the same broker back)
-#   scripts/kafka.sh start     start the stopped broker again (same data, same port)
-#   scripts/kafka.sh restart   stop + start: what chaos tests call to bounce the broker mid-run
+#   scripts/kafka.sh stop [I]  stop it, keep data and port (`start` or `up` brings the same broker back)
+#   scripts/kafka.sh kill [I]  SIGKILL it (no controlled shutdown), keep data and port
+#   scripts/kafka.sh start [I] start the stopped broker again (same data, same port)
+#   scripts/kafka.sh restart [I]  stop + start: what chaos tests call to bounce the broker mid-run
 #   scripts/kafka.sh status    exit 0 when running and answering
 #   scripts/kafka.sh env       print TW_KAFKA_BOOTSTRAP=127.0.0.1:PORT (and, with an external
 #                              listener, TW_KAFKA_EXTERNAL_BOOTSTRAP=HOST:PORT2)
@@ -33,6 +35,19 @@
 # storage tool at format time) and PLAIN; .env then also holds TW_KAFKA_SASL_SSL_BOOTSTRAP,
 # TW_KAFKA_SASL_SSL_CAFILE, TW_KAFKA_SASL_SSL_USERNAME, TW_KAFKA_SASL_SSL_PASSWORD_FILE.
 # E.g. TW_KAFKA_INSTANCE=secure TW_KAFKA_SASL_SSL=true scripts/kafka.sh up (what the tests run).
+#
+# TW_KAFKA_BROKERS=N (1 to 5, default 1; read when the instance is first made, kept after): a KRaft
+# cluster of N nodes, each broker and controller (the quorum's voters are all N), on free ports,
+# each with its state in .run/<instance>/broker-I/ and TW_KAFKA_HEAP defaulting to 256 MB. With 3
+# or more: replication factor 3 and min.insync.replicas 2 for new topics, the offsets and the
+# transaction state log; brokers are fenced 6 s after their last heartbeat (the default is 9 s).
+# .env's TW_KAFKA_BOOTSTRAP lists every broker in index order (broker I has node.id I). stop, kill,
+# start and restart take a broker's index I (1..N) to act on that broker alone; without it they
+# act on all. No TW_LISTEN_HOST or SASL_SSL listener for a cluster. E.g. for failover tests:
+#   TW_KAFKA_INSTANCE=cluster3 TW_KAFKA_BROKERS=3 scripts/kafka.sh up
+#   TW_KAFKA_INSTANCE=cluster3 scripts/kafka.sh kill 2; ...; TW_KAFKA_INSTANCE=cluster3 scripts/kafka.sh start 2
+# Every broker aborts a transaction that passed its timeout within about a second
+# (transaction.abort.timed.out.transaction.cleanup.interval.ms=1000; Kafka's default is 10 s).
 set -euo pipefail
 
 NAME=kafka${TW_KAFKA_INSTANCE:+-$TW_KAFKA_INSTANCE}
@@ -46,9 +61,44 @@ SASL_SSL="${TW_KAFKA_SASL_SSL:-false}"
 [[ "$SASL_SSL" == true || "$SASL_SSL" == false ]] || die "TW_KAFKA_SASL_SSL must be true or false, got '$SASL_SSL'"
 SASL_USER=timerwheel
 
+# The instance's directory; a cluster's brokers each have theirs below it (node selects one).
+INSTANCE="$STATE"
+BROKERS="${TW_KAFKA_BROKERS:-}"
+[[ -z "$BROKERS" || "$BROKERS" =~ ^[1-5]$ ]] || die "TW_KAFKA_BROKERS must be 1 to 5, got '$BROKERS'"
+made_brokers=""
+if [[ -f "$INSTANCE/brokers" ]]; then made_brokers="$(cat "$INSTANCE/brokers")"
+elif [[ -f "$INSTANCE/server.properties" ]]; then made_brokers=1; fi
+if [[ -n "$made_brokers" ]]; then
+    [[ -z "$BROKERS" || "$BROKERS" == "$made_brokers" ]] ||
+        die "${INSTANCE#"$ROOT"/} was made with $made_brokers broker(s), not TW_KAFKA_BROKERS=$BROKERS: run 'scripts/kafka.sh down' first"
+    BROKERS="$made_brokers"
+fi
+BROKERS="${BROKERS:-1}"
+if ((BROKERS > 1)); then
+    [[ "$SASL_SSL" == false ]] || die "TW_KAFKA_SASL_SSL=true is for a single broker, not TW_KAFKA_BROKERS=$BROKERS"
+    [[ -z "${TW_LISTEN_HOST:-}" ]] || die "TW_LISTEN_HOST is for a single broker, not TW_KAFKA_BROKERS=$BROKERS"
+fi
+#: Replication of new topics, the offsets and the transaction state log, and the ISR writes need.
+RF=$((BROKERS < 3 ? BROKERS : 3))
+MIN_ISR=$((RF >= 3 ? 2 : 1))
+
 POM="$ROOT/scripts/kafka/pom.xml"
-HEAP="${TW_KAFKA_HEAP:--Xmx512m -Xms512m}"
+if ((BROKERS > 1)); then HEAP="${TW_KAFKA_HEAP:--Xmx256m -Xms256m}"; else HEAP="${TW_KAFKA_HEAP:--Xmx512m -Xms512m}"; fi
 START_TIMEOUT="${TW_KAFKA_START_TIMEOUT:-120}"
+
+# The state directory of broker $1 (1..BROKERS): the instance's own for a single broker.
+node_dir() { if ((BROKERS == 1)); then echo "$INSTANCE"; else echo "$INSTANCE/broker-$1"; fi; }
+
+# Select broker $1: STATE, PID_FILE and NODE_ID name it for the functions below.
+NODE_ID=1
+node() {
+    NODE_ID="$1"
+    STATE="$(node_dir "$1")"
+    PID_FILE="$STATE/$NAME.pid"
+}
+
+# The brokers' indexes, 1..BROKERS.
+nodes() { seq 1 "$BROKERS"; }
 
 libs_dir() {
     local hash
@@ -64,19 +114,28 @@ fetch() {
 # Only our broker: the pid must still be a kafka.Kafka JVM reading our config.
 running_pid() { pid_matching "kafka.Kafka $STATE/server.properties"; }
 
+# The selected broker's address.
 bootstrap() { echo "127.0.0.1:$(port)"; }
 
-# The broker answers metadata requests and lists itself: it is registered and unfenced.
+# Every broker's address, in index order, comma-separated (what clients bootstrap from).
+all_bootstrap() {
+    local i out=""
+    for i in $(nodes); do out+="${out:+,}127.0.0.1:$(cat "$(node_dir "$i")/port")"; done
+    echo "$out"
+}
+
+# The selected broker answers metadata requests and lists itself, registered and unfenced.
 healthy() {
     local addr
     addr="$(bootstrap)"
     if "$PYTHON" -c 'import kafka' 2>/dev/null; then
-        "$PYTHON" - "$addr" <<'EOF' >/dev/null 2>&1
+        "$PYTHON" - "$addr" "$NODE_ID" <<'EOF' >/dev/null 2>&1
 import sys
 from kafka import KafkaAdminClient
 admin = KafkaAdminClient(bootstrap_servers=sys.argv[1], request_timeout_ms=3000, bootstrap_timeout_ms=3000)
 try:
-    sys.exit(0 if admin.describe_cluster().get("brokers") else 1)
+    brokers = admin.describe_cluster().get("brokers") or []
+    sys.exit(0 if any(b.get("broker_id") == int(sys.argv[2]) and not b.get("is_fenced") for b in brokers) else 1)
 finally:
     admin.close()
 EOF
@@ -89,7 +148,7 @@ EOF
 external() { [[ -f "$STATE/external-host" ]] && echo "$(cat "$STATE/external-host"):$(cat "$STATE/external-port")"; }
 
 write_env() {
-    echo "TW_KAFKA_BOOTSTRAP=$(bootstrap)" >"$ENV_FILE"
+    echo "TW_KAFKA_BOOTSTRAP=$(all_bootstrap)" >"$ENV_FILE"
     if external >/dev/null; then echo "TW_KAFKA_EXTERNAL_BOOTSTRAP=$(external)" >>"$ENV_FILE"; fi
     sasl_ssl_env >>"$ENV_FILE"
 }
@@ -108,10 +167,10 @@ write_config() {
         protocols="$protocols,EXTERNAL:PLAINTEXT"
     fi
     cat >"$STATE/server.properties" <<EOF
-# Generated by scripts/kafka.sh: a single-node KRaft broker for development and tests.
+# Generated by scripts/kafka.sh: node $NODE_ID of a $BROKERS-node KRaft cluster (broker and controller) for development and tests.
 process.roles=broker,controller
-node.id=1
-controller.quorum.voters=1@127.0.0.1:$cport
+node.id=$NODE_ID
+controller.quorum.voters=$(voters)
 listeners=$listeners
 advertised.listeners=$advertised
 controller.listener.names=CONTROLLER
@@ -119,19 +178,21 @@ inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=$protocols
 log.dirs=$STATE/data
 num.partitions=1
-default.replication.factor=1
-min.insync.replicas=1
+default.replication.factor=$RF
+min.insync.replicas=$MIN_ISR
 auto.create.topics.enable=$AUTO_CREATE
-offsets.topic.replication.factor=1
+offsets.topic.replication.factor=$RF
 offsets.topic.num.partitions=4
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
+transaction.state.log.replication.factor=$RF
+transaction.state.log.min.isr=$MIN_ISR
 transaction.state.log.num.partitions=4
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+# A transaction past its timeout (a zombie producer's) is aborted within about a second of it.
+transaction.abort.timed.out.transaction.cleanup.interval.ms=1000
+share.coordinator.state.topic.replication.factor=$RF
+share.coordinator.state.topic.min.isr=$MIN_ISR
 group.initial.rebalance.delay.ms=0
-num.network.threads=2
-num.io.threads=4
+num.network.threads=$((BROKERS > 1 ? 1 : 2))
+num.io.threads=$((BROKERS > 1 ? 2 : 4))
 log.retention.hours=168
 log.segment.bytes=268435456
 log.retention.check.interval.ms=60000
@@ -139,6 +200,13 @@ log.retention.check.interval.ms=60000
 # (Kafka 4 rejects timestamps more than one hour in the future by default).
 log.message.timestamp.after.max.ms=9223372036854775807
 EOF
+    if ((BROKERS > 1)); then
+        cat >>"$STATE/server.properties" <<EOF
+# A killed broker is fenced, and leaves the ISRs, 6 s after its last heartbeat (defaults 2 s, 9 s).
+broker.heartbeat.interval.ms=1000
+broker.session.timeout.ms=6000
+EOF
+    fi
     cat >"$STATE/log4j2.properties" <<'EOF'
 status = warn
 appender.file.type = RollingFile
@@ -210,18 +278,33 @@ sasl_ssl_env() {
     echo "TW_KAFKA_SASL_SSL_PASSWORD_FILE=$STATE/tls/$SASL_USER.password"
 }
 
-format_storage() {
-    local libs="$1" cluster_id scram=()
-    [[ -f "$STATE/data/meta.properties" ]] && return 0
-    mapfile -t scram < <(scram_args)
-    # As Kafka's own Uuid.randomUuid: never an id that starts with "-", which the format tool's
-    # argument parser takes for an option (1 id in 64; it failed a fresh CI run once).
-    cluster_id="$("$PYTHON" -c '
+# The controller quorum: every node, by its index and controller port.
+voters() {
+    local i out=""
+    for i in $(nodes); do out+="${out:+,}$i@127.0.0.1:$(cat "$(node_dir "$i")/controller-port")"; done
+    echo "$out"
+}
+
+# The instance's cluster id, made once (every node of a cluster is formatted with it).
+cluster_id() {
+    if [[ ! -s "$INSTANCE/cluster-id" ]]; then
+        # As Kafka's own Uuid.randomUuid: never an id that starts with "-", which the format tool's
+        # argument parser takes for an option (1 id in 64; it failed a fresh CI run once).
+        "$PYTHON" -c '
 import base64, uuid
 cid = "-"
 while cid.startswith("-"):
     cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-print(cid)')"
+print(cid)' >"$INSTANCE/cluster-id" || true
+    fi
+    cat "$INSTANCE/cluster-id"
+}
+
+format_storage() {
+    local libs="$1" cluster_id scram=()
+    [[ -f "$STATE/data/meta.properties" ]] && return 0
+    mapfile -t scram < <(scram_args)
+    cluster_id="$(cluster_id)"
     [[ -n "$cluster_id" ]] || die "could not make a cluster id with $PYTHON"
     java -Xmx256m -cp "$libs/*" -Dlog4j2.configurationFile="$STATE/log4j2.properties" \
         -Dkafka.logs.dir="$STATE/logs" kafka.tools.StorageTool format \
@@ -229,8 +312,9 @@ print(cid)')"
         || { cat "$STATE/logs/format.log" >&2; die "formatting the KRaft log dir failed"; }
 }
 
-launch() {
-    local libs pid deadline
+# Start the selected broker's JVM (its pid in PID_FILE); await_up waits until it answers.
+spawn() {
+    local libs
     libs="$(libs_dir)"
     port_free "$(port)" || die "port $(port) is taken by another process; run 'scripts/kafka.sh down' and 'up' to pick new ports"
     port_free "$(cat "$STATE/controller-port")" || die "controller port $(cat "$STATE/controller-port") is taken; run 'scripts/kafka.sh down' and 'up'"
@@ -246,8 +330,12 @@ launch() {
         -Dlog4j2.configurationFile="$STATE/log4j2.properties" -Dkafka.logs.dir="$STATE/logs" \
         -cp "$libs/*" kafka.Kafka "$STATE/server.properties" \
         >>"$STATE/logs/stdout.log" 2>&1 </dev/null 9>&- &
-    pid=$!
-    echo "$pid" >"$PID_FILE"
+    echo "$!" >"$PID_FILE"
+}
+
+await_up() {
+    local pid deadline
+    pid="$(cat "$PID_FILE")"
     deadline=$((SECONDS + START_TIMEOUT))
     until healthy; do
         if ! kill -0 "$pid" 2>/dev/null; then
@@ -261,10 +349,39 @@ launch() {
         fi
         sleep 0.5
     done
-    write_env
-    log "broker up on $(bootstrap)$(external >/dev/null && echo " and $(external)") (pid $pid)"
 }
 
+launch() {
+    spawn
+    await_up
+    write_env
+    log "broker up on $(bootstrap)$(external >/dev/null && echo " and $(external)") (pid $(cat "$PID_FILE"))"
+}
+
+stop_broker() {
+    local pid i
+    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 300; i++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        log "broker $pid did not stop within 30s; killing it"
+        kill -KILL "$pid" 2>/dev/null || true
+        while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    fi
+    rm -f "$PID_FILE"
+}
+
+# SIGKILL the selected broker, as a crash of its machine would end it; wait until it is gone.
+kill_broker() {
+    local pid
+    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
+    kill -KILL "$pid" 2>/dev/null || true
+    while running_pid >/dev/null; do sleep 0.05; done
+    rm -f "$PID_FILE"
+}
 
 # TW_LISTEN_HOST asks for an external listener this broker's config lacks: note it (new port).
 want_external() {
@@ -282,7 +399,7 @@ cmd_up() {
     if want_external "$host"; then
         if running_pid >/dev/null; then
             log "adding a listener on $(cat "$STATE/external-host.new") (TW_LISTEN_HOST): restarting the broker"
-            stop_running 30
+            stop_broker
         fi
         mv "$STATE/external-host.new" "$STATE/external-host"
         mv "$STATE/external-port.new" "$STATE/external-port"
@@ -303,7 +420,7 @@ cmd_up() {
     fi
     need_java_maven
     fetch
-    stop_running 30 # a hung or half-started broker of ours
+    stop_broker # a hung or half-started broker of ours
     if [[ -f "$STATE/port" ]] && ! { port_free "$(port)" && port_free "$(cat "$STATE/controller-port")"; }; then
         log "the ports of the stopped broker are taken by another process: starting a new broker"
         rm -f "$STATE/server.properties"
@@ -317,6 +434,7 @@ cmd_up() {
         cport="$(free_port)"
         while [[ "$cport" == "$port" ]]; do cport="$(free_port)"; done
         write_config "$port" "$cport"
+        echo 1 >"$STATE/brokers"
         if [[ "$SASL_SSL" == true ]]; then
             local sport
             sport="$(free_port)"
@@ -327,18 +445,105 @@ cmd_up() {
     launch
 }
 
-cmd_start() {
-    [[ -f "$STATE/server.properties" ]] || die "no stopped broker in ${STATE#"$ROOT"/}: use 'up'"
-    cmd_up
+cmd_up_all() { if ((BROKERS > 1)); then cluster_up; else cmd_up; fi; }
+
+# --- a cluster (TW_KAFKA_BROKERS > 1) ---------------------------------------------------------------
+
+# New ports, configs and a cluster id for every node; data formatted at their first start.
+make_cluster() {
+    local i used=" " p
+    rm -rf "$INSTANCE"
+    mkdir -p "$INSTANCE"
+    for i in $(nodes); do
+        mkdir -p "$(node_dir "$i")"
+        for p in port controller-port; do
+            local free
+            free="$(free_port)"
+            while [[ "$used" == *" $free "* ]]; do free="$(free_port)"; done
+            used+="$free "
+            echo "$free" >"$(node_dir "$i")/$p"
+        done
+    done
+    for i in $(nodes); do
+        node "$i"
+        write_config "$(port)" "$(cat "$STATE/controller-port")"
+    done
+    echo "$BROKERS" >"$INSTANCE/brokers"
+}
+
+# Every node running and answering.
+cluster_healthy() {
+    local i
+    for i in $(nodes); do
+        node "$i"
+        running_pid >/dev/null && healthy || return 1
+    done
+}
+
+# Start the nodes that are not running (the quorum forms only once most of them run), then wait
+# for each.
+cluster_up() {
+    local i
+    if [[ -f "$INSTANCE/brokers" ]] && cluster_healthy; then
+        write_env
+        return 0
+    fi
+    need_java_maven
+    fetch
+    [[ -f "$INSTANCE/brokers" ]] || make_cluster
+    for i in $(nodes); do
+        node "$i"
+        running_pid >/dev/null || spawn
+    done
+    for i in $(nodes); do
+        node "$i"
+        await_up
+    done
+    write_env
+    log "$BROKERS brokers up on $(all_bootstrap)"
+}
+
+# Start broker $1 of a made instance again and wait until it answers.
+start_one() {
+    node "$1"
+    [[ -f "$STATE/server.properties" ]] || die "no stopped broker $1 in ${STATE#"$ROOT"/}: use 'up'"
+    if ! running_pid >/dev/null; then
+        need_java_maven
+        fetch
+        spawn
+    fi
+    await_up
+    write_env
+    log "broker $1 up on $(bootstrap) (pid $(cat "$PID_FILE"))"
+}
+
+each_node() {
+    local i
+    for i in $(nodes); do
+        node "$i"
+        "$@"
+    done
+}
+
+# Stop every broker: TERM to all at once (one by one, the last would wait for a quorum that
+# is gone), then wait for each.
+stop_all() {
+    local i pid
+    for i in $(nodes); do
+        node "$i"
+        if pid="$(running_pid)"; then kill -TERM "$pid" 2>/dev/null || true; fi
+    done
+    each_node stop_broker
 }
 
 cmd_down() {
-    stop_running 30
-    rm -rf "$STATE" "$ENV_FILE"
+    # Its data goes too: no need for a controlled shutdown.
+    if ((BROKERS > 1)); then each_node kill_broker; else stop_broker; fi
+    rm -rf "$INSTANCE" "$ENV_FILE"
 }
 
 main() {
-    local verb="${1:-}"
+    local verb="${1:-}" index="${2:-}"
     mkdir -p "$RUN"
     case "$verb" in
     env)
@@ -347,24 +552,41 @@ main() {
         return 0
         ;;
     status)
-        running_pid >/dev/null && healthy && { echo "running on $(bootstrap)"; return 0; }
+        [[ -f "$(node_dir 1)/port" ]] && cluster_healthy && { echo "running on $(all_bootstrap)"; return 0; }
         echo "not running"
         return 1
         ;;
-    up | down | start | stop | restart) ;;
-    *) die "usage: scripts/kafka.sh up|down|start|stop|restart|status|env" ;;
+    up | down) ;;
+    start | stop | kill | restart)
+        [[ -z "$index" || ("$index" =~ ^[1-9]$ && "$index" -le "$BROKERS") ]] ||
+            die "$verb: no broker $index in ${INSTANCE#"$ROOT"/} (brokers 1..$BROKERS)"
+        ;;
+    *) die "usage: scripts/kafka.sh up|down|start [I]|stop [I]|kill [I]|restart [I]|status|env" ;;
     esac
     exec 9>"$RUN/$NAME.lock"
     flock 9
+    if [[ -n "$index" ]]; then
+        case "$verb" in
+        start) start_one "$index" ;;
+        stop) node "$index"; stop_broker ;;
+        kill) node "$index"; kill_broker ;;
+        restart) node "$index"; stop_broker; start_one "$index" ;;
+        esac
+        return 0
+    fi
     case "$verb" in
-    up) cmd_up ;;
+    kill) each_node kill_broker ;;
+    stop) stop_all ;;
     down) cmd_down ;;
-    start) cmd_start ;;
-    stop) stop_running 30 ;;
+    up) cmd_up_all ;;
+    start)
+        [[ -f "$(node_dir 1)/server.properties" ]] || die "no stopped broker in ${INSTANCE#"$ROOT"/}: use 'up'"
+        cmd_up_all
+        ;;
     restart)
-        [[ -f "$STATE/server.properties" ]] || die "no broker to restart: use 'up'"
-        stop_running 30
-        cmd_up
+        [[ -f "$(node_dir 1)/server.properties" ]] || die "no broker to restart: use 'up'"
+        stop_all
+        cmd_up_all
         ;;
     esac
 }

@@ -3,6 +3,7 @@ directory for the shared-volume tests (see two_mounts.py)."""
 
 from infra import (
     kafka_bootstrap,
+    kafka_cluster3,
     kafka_control,
     kafka_noauto_bootstrap,
     redis_control,
@@ -12,5 +13,5 @@ from infra import (
 )
 from two_mounts import mounts
 
-__all__ = ["kafka_bootstrap", "kafka_control", "kafka_noauto_bootstrap", "mounts", "redis_control", "redis_url",
+__all__ = ["kafka_bootstrap", "kafka_cluster3", "kafka_control", "kafka_noauto_bootstrap", "mounts", "redis_control", "redis_url",
            "secure_kafka", "secure_redis"]

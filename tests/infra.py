@@ -17,8 +17,10 @@ import os
 import random
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,10 +70,10 @@ def free_port() -> int:
 _UP_TIMEOUT_S = 900
 
 
-def _script(name: str, verb: str, timeout_s: float = 300,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _script(name: str, verb: str, timeout_s: float = 300, env: dict[str, str] | None = None,
+            args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(ROOT / "scripts" / f"{name}.sh"), verb],
+        [str(ROOT / "scripts" / f"{name}.sh"), verb, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -239,3 +241,100 @@ def sasl_ssl_env(kafka: dict[str, str], mechanism: str = "SCRAM-SHA-512") -> dic
         "TW_KAFKA_SASL_PASSWORD_FILE": kafka["TW_KAFKA_SASL_SSL_PASSWORD_FILE"],
         "TW_KAFKA_SSL_CAFILE": kafka["TW_KAFKA_SASL_SSL_CAFILE"],
     }
+
+
+#: The three-broker KRaft cluster of ``kafka_cluster3``: scripts/kafka.sh with these variables.
+CLUSTER3_ENV = {"TW_KAFKA_INSTANCE": "cluster3", "TW_KAFKA_BROKERS": "3"}
+
+
+class KafkaCluster:
+    """Three script-managed brokers (``kafka_cluster3``): replication factor 3 and min.insync.replicas
+    2 for new topics, the offsets and the transaction state log. Broker ``i`` (1..3) is the one
+    with node.id ``i``; ``kill``, ``stop``, ``start`` and ``restart`` act on it alone, through
+    ``scripts/kafka.sh VERB i``, and ``start`` returns once it is registered and unfenced."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        #: Broker i's own address is ``addresses[i - 1]``.
+        self.addresses = bootstrap.split(",")
+
+    def _run(self, verb: str, broker: int) -> None:
+        done = _script("kafka", verb, timeout_s=_UP_TIMEOUT_S, env=CLUSTER3_ENV, args=(str(broker),))
+        if done.returncode != 0:
+            pytest.fail(f"scripts/kafka.sh {verb} {broker} (cluster3) failed (exit {done.returncode}): "
+                        f"{done.stderr.strip()[-2000:]}", pytrace=False)
+
+    def kill(self, broker: int) -> None:
+        """SIGKILL: no controlled shutdown, the partitions it led are leaderless until the
+        controller fences it (6 s without a heartbeat) and elects others."""
+        self._run("kill", broker)
+
+    def stop(self, broker: int) -> None:
+        self._run("stop", broker)
+
+    def start(self, broker: int) -> None:
+        self._run("start", broker)
+
+    def restart(self, broker: int) -> None:
+        self._run("restart", broker)
+
+    def partitions(self, topic: str) -> list[dict[str, Any]]:
+        """The topic's partitions as the cluster describes them (``leader_id``, ``replica_nodes``,
+        ``isr_nodes``), by partition index."""
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, client_id="tw-test-cluster3")
+        try:
+            (found,) = admin.describe_topics([topic])
+        finally:
+            admin.close()
+        return sorted(found["partitions"], key=lambda p: int(p["partition_index"]))
+
+    def wait_in_sync(self, topic: str, timeout_s: float = 120) -> None:
+        """Until every partition of ``topic`` has a leader and all its replicas in sync: a broker
+        started again has caught up, so killing another leaves min.insync.replicas."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            parts = self.partitions(topic)
+            if parts and all(p["leader_id"] >= 0 and sorted(p["isr_nodes"]) == sorted(p["replica_nodes"])
+                             for p in parts):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"{topic} not fully in sync within {timeout_s:.0f} s: {parts}", pytrace=False)
+            time.sleep(0.2)
+
+
+def _prime_internal_topics(bootstrap: str) -> None:
+    """Make the consumer offsets and transaction state topics while all three brokers run: Kafka
+    creates them at first use with replication factor 3, which it refuses with a broker down."""
+    from kafka import KafkaAdminClient, KafkaProducer
+    from kafka.errors import CoordinatorNotAvailableError
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="tw-test-cluster3")
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            try:
+                admin.describe_groups(["tw-test-cluster3-prime"])  # finds (so makes) the group coordinator
+                break
+            except CoordinatorNotAvailableError:  # the offsets topic is being made
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    finally:
+        admin.close()
+    producer = KafkaProducer(bootstrap_servers=bootstrap, transactional_id="tw-test-cluster3-prime")
+    try:
+        producer.init_transactions()  # finds (so makes) the transaction coordinator
+    finally:
+        producer.close(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster3() -> Iterator[KafkaCluster]:
+    """A KRaft cluster of three brokers, each broker and controller (``TW_KAFKA_INSTANCE=cluster3
+    TW_KAFKA_BROKERS=3 scripts/kafka.sh up``), its internal topics made; started only for the
+    tests that ask for it and stopped at the end of the session like the others."""
+    for settings in _instance("kafka", CLUSTER3_ENV, "kafka-cluster3", ("TW_KAFKA_BOOTSTRAP",)):
+        _prime_internal_topics(settings["TW_KAFKA_BOOTSTRAP"])
+        yield KafkaCluster(settings["TW_KAFKA_BOOTSTRAP"])
