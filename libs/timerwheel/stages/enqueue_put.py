@@ -12,9 +12,12 @@ Owns shards. For each batch of entries of a shard:
    ``R``, see below), save ``enqueue.ckpt`` atomically, and only then ack the queue.
 
 Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
-unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
-that holds records: dequeue-get reads a due slot in its tick, while an empty wheel costs one
-checkpoint a second. The embedded runtime does the same on the system clock
+unchanged W is published once a second only (IDLE_PUBLISH_S), but every PUBLISH_STEP_MS it moves
+through a slot that holds records: dequeue-put releases a record once W passes its time, so one
+due mid-slot waits ~10 ms for W, not the slot's end, while an empty wheel costs one checkpoint a
+second. Any step publishes the same way (``_records_wait``), and while such records are due
+within the look-ahead and W waits for its input, the timer topic's end is asked every
+OBSERVE_SOON_S instead of twice a tick. The embedded runtime does the same on the system clock
 (``StageContext.frugal``), waiting in ``idle_wait`` instead (a put by enqueue-get wakes it).
 
 A crash anywhere leaves either the old checkpoint (the entries are redelivered or re-read
@@ -600,10 +603,11 @@ class EnqueuePut:
     def _input_complete(self, st: PutShard, soon: bool = False) -> None:
         """Move ``st.input_ms`` and ``st.granted_ms`` to the newest observation of the timer
         topic's end that the shard's written offsets have reached, observing again (``soon``:
-        records wait, see ``InputWatermark.observe``) if none is awaited. An observation grants its ``t0`` (+ ``TW_CANCEL_LEAD_MS``), but never more than
-        the R known before it + ``w_cap_ms``: one taken before a roll hop was acknowledged, and
-        reached only after R moved past the hop's roll slot, must not carry W past the hop's
-        delivery time while the hop is still in Kafka."""
+        records wait, see ``InputWatermark.observe``) if none is awaited. An observation grants
+        its ``t0`` (+ ``TW_CANCEL_LEAD_MS``), but never more than the R known before it +
+        ``w_cap_ms``: one taken before a roll hop was acknowledged, and reached only after R moved
+        past the hop's roll slot, must not carry W past the hop's delivery time while the hop is
+        still in Kafka."""
         assert self.input is not None
         have = st.next_offsets
         unreached = st.unreached_ends
