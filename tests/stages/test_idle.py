@@ -173,3 +173,32 @@ def test_a_message_scheduled_while_idle_is_delivered_in_its_tick(install: Callab
     consumer.close()
     delivered_at = int(got[0].header("tw-delivered-at") or 0)
     assert due <= delivered_at <= due + TICK_MS
+
+
+def test_a_message_due_mid_slot_is_delivered_without_waiting_for_the_slot_end(
+        install: Callable[[Clock], Installation], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Neither the idle publication nor the slot's end comes: only W's steps inside the slot holding the message.
+    monkeypatch.setattr(enqueue_put_module, "IDLE_PUBLISH_S", 3600.0)
+    clock = SimulatedClock(START)
+    inst = install(clock)
+    due = clock.now_ms() + 2_050
+    client = TimerClient(inst.log, inst.config, clock)
+    client.schedule("dest", b"early", deliver_at_ms=due - 100)  # its slot ending publishes W into the next one
+    client.schedule("dest", b"mid", deliver_at_ms=due)
+    put = inst.stages["enqueue-put"]
+    assert wait_until(lambda: sum(sum(st.next_offsets.values()) for st in list(put.owned.values())) == 2, 30, 0.02), \
+        "the messages did not reach the TimerLog"
+    clock.set(due - 20)
+    assert wait_until(lambda: max(inst.write_ms()) == due - 20, 30, 0.02), "W not published past the early slot"
+    step = enqueue_put_module.PUBLISH_STEP_MS
+    clock.set(due + 2 * step)  # held there, mid-slot
+    consumer = inst.log.consumer("dest", {0: 0})
+    got: dict[bytes, int] = {}
+
+    def mid_delivered() -> bool:
+        got.update((r.value, int(r.header("tw-delivered-at") or 0)) for r in consumer.poll(10, 0))
+        return b"mid" in got
+
+    assert wait_until(mid_delivered, 30, 0.02), f"not delivered while the clock stood mid-slot: W {inst.write_ms()}"
+    consumer.close()
+    assert due <= got[b"mid"] <= due + 2 * step

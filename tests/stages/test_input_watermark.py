@@ -108,6 +108,24 @@ def test_no_request_unless_asked(setup: tuple[InputWatermark, Ends, StageContext
     assert ends.requests == 1
 
 
+def test_asked_soon_it_asks_again_before_its_interval(tmp_path: object) -> None:
+    """While records wait for W, ``observe(soon=True)`` cuts the wait between requests to ``soon_s``."""
+    clock = SimulatedClock(START)
+    ctx = StageContext(TimerConfig(data_dir=str(tmp_path), fsync=False), clock, consumer="me")
+    ends = Ends(clock)
+    ends.gate.release(100)
+    wm = InputWatermark(ctx, ends, interval_s=3600.0, background=True, soon_s=0.01)
+    try:
+        wm.observe()
+        _until("first observation", lambda: wm.observe() is not None)
+        time.sleep(0.3)
+        assert ends.requests == 1  # asked, not soon: the next request waits for the interval
+        wm.observe(soon=True)
+        _until("request asked soon", lambda: ends.requests == 2)
+    finally:
+        wm.close()
+
+
 def test_close_stops_the_thread(tmp_path: object) -> None:
     clock = SimulatedClock(START)
     ctx = StageContext(TimerConfig(data_dir=str(tmp_path), fsync=False), clock, consumer="me")

@@ -18,7 +18,7 @@ from test_dequeue_put_checks import record
 from test_late_input import START, Stages
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.records import OutRecord, Record
-from timerwheel.stages import base, dequeue_put, enqueue_get
+from timerwheel.stages import base, dequeue_put, enqueue_get, enqueue_put
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, Q_DONE, Q_FETCH, Q_PUT, DeliverEntry, DeliverItem, DoneEntry
 from timerwheel.stages.dequeue_get import GENERATION_BITS, DequeueGet
@@ -296,6 +296,18 @@ def test_a_short_delay_into_an_open_slot_is_delivered(stages: Stages) -> None:
     assert stages.delivered() == [short.message_id]
     raw = stages.log.consumer("dest", {0: 0}).poll(10, 0)[0].header("tw-delivered-at")
     assert int(raw or 0) >= START + 1_550
+
+
+def test_a_record_due_mid_slot_leaves_within_a_publish_step_of_its_time(stages: Stages) -> None:
+    """While its slot holds records, W is published every PUBLISH_STEP_MS it moves, not only once
+    its slot changes: a record due mid-slot no longer waits for the slot's end (issue 30)."""
+    due = START + 2_035
+    msg = stages.client.schedule("dest", b"mid", deliver_at_ms=due)
+    stages.run()
+    advance(stages, due + enqueue_put.PUBLISH_STEP_MS, step_ms=5)
+    assert stages.delivered() == [msg.message_id]
+    raw = stages.log.consumer("dest", {0: 0}).poll(10, 0)[0].header("tw-delivered-at")
+    assert due <= int(raw or 0) <= due + enqueue_put.PUBLISH_STEP_MS
 
 
 def test_r_never_passes_an_open_slot(stages: Stages) -> None:

@@ -30,6 +30,21 @@ def test_append_returns_byte_positions_and_records_read_back(tmp_path: Path) -> 
     log.close()
 
 
+def test_a_flush_with_nothing_appended_since_the_last_syncs_nothing(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """enqueue-put publishes W often without new records: each publication's flush is then free."""
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd) or real(fd))
+    log = TimerLog(tmp_path, SEG, fsync=True)
+    log.append([rec(1), rec(2), rec(3), rec(4), rec(5)])  # two segments
+    assert log.flush() == 320 and len(synced) == 2
+    assert log.flush() == 320 and len(synced) == 2
+    log.append([rec(6)])
+    assert log.flush() == 384 and len(synced) == 3  # the last segment only
+    log.close()
+
+
 def test_records_span_segments_named_by_their_base_position(tmp_path: Path) -> None:
     log = TimerLog(tmp_path, SEG)
     batch = [rec(i) for i in range(10)]

@@ -12,9 +12,12 @@ Owns shards. For each batch of entries of a shard:
    ``R``, see below), save ``enqueue.ckpt`` atomically, and only then ack the queue.
 
 Idle in production (``StageContext.wait_on_inputs``), a step blocks on the put queue, and an
-unchanged W is published once a second only (IDLE_PUBLISH_S), but at once at the end of a slot
-that holds records: dequeue-get reads a due slot in its tick, while an empty wheel costs one
-checkpoint a second. The embedded runtime does the same on the system clock
+unchanged W is published once a second only (IDLE_PUBLISH_S), but every PUBLISH_STEP_MS it moves
+through a slot that holds records: dequeue-put releases a record once W passes its time, so one
+due mid-slot waits ~10 ms for W, not the slot's end, while an empty wheel costs one checkpoint a
+second. Any step publishes the same way (``_records_wait``), and while such records are due
+within the look-ahead and W waits for its input, the timer topic's end is asked every
+OBSERVE_SOON_S instead of twice a tick. The embedded runtime does the same on the system clock
 (``StageContext.frugal``), waiting in ``idle_wait`` instead (a put by enqueue-get wakes it).
 
 A crash anywhere leaves either the old checkpoint (the entries are redelivered or re-read
@@ -83,6 +86,16 @@ RECOVERY_RETRY_S = 2.0
 IDLE_PUBLISH_S = 1.0
 #: The shortest idle wait (W held back by R: nothing to publish however often we look).
 MIN_WAIT_S = 0.01
+#: While a slot W moves through holds records, W is published each time it moved this far, not
+#: only when its slot changes: dequeue-put releases a record due mid-slot once W passes it, so a
+#: publication a tick only made such a record wait up to a tick (design precision-and-exactly-once.md
+#: 3.3). 10 ms is what dequeue-put's poll of enqueue.ckpt adds anyway (``published.CKPT_POLL_S``);
+#: each publication is a checkpoint save (and a TimerLog flush when records were appended).
+PUBLISH_STEP_MS = 10
+#: How often W asks where the timer topic ends while it waits for its input and a slot from W to
+#: the look-ahead holds records (``InputWatermark``'s ``soon_s``); otherwise twice a tick.
+#: A request costs ~1-2 ms of CPU in kafka-python (design 10): a few % of a core at this rate.
+OBSERVE_SOON_S = 0.02
 #: Observations of the timer topic's end a shard keeps while its input catches up with them.
 MAX_UNREACHED_ENDS = 64
 #: W waiting this long for the shard's input is logged (once until it moves again).
@@ -175,12 +188,19 @@ class InputWatermark:
     at once and ``observe`` asks itself."""
 
     def __init__(self, ctx: StageContext, ends: Callable[[], dict[int, int]], interval_s: float,
-                 background: bool = False, read_ms: Callable[[], dict[int, int]] = dict) -> None:
-        """``read_ms()``: R of each shard as enqueue-put knows it, asked before each request's ``t0``."""
+                 background: bool = False, read_ms: Callable[[], dict[int, int]] = dict,
+                 soon_s: float | None = None) -> None:
+        """``read_ms()``: R of each shard as enqueue-put knows it, asked before each request's ``t0``.
+        ``soon_s``: the interval when ``observe`` is asked ``soon`` (records wait for W), at most
+        ``interval_s``."""
         self.ctx = ctx
         self.ends = ends
         self.read_ms = read_ms
         self.interval_s = interval_s
+        self.soon_s = interval_s if soon_s is None else min(soon_s, interval_s)
+        #: ``observe`` was asked ``soon`` since the last request (the background thread's next
+        #: request then waits ``soon_s`` after the last, not ``interval_s``).
+        self._soon = threading.Event()
         #: (time.monotonic() before the request, the observation)
         self._last: tuple[float, Observation] | None = None
         #: When the last request failed (time.monotonic()): the next waits ``interval_s``.
@@ -194,22 +214,25 @@ class InputWatermark:
             self._thread = threading.Thread(target=self._run, name="tw-input-ends", daemon=True)
             self._thread.start()
 
-    def observe(self) -> Observation | None:
+    def observe(self, soon: bool = False) -> Observation | None:
         """A new observation, or the last one when it is recent enough (``interval_s`` of real
-        time, or taken at this very clock time); None if Kafka did not answer. In the background:
-        the newest answer, None before the first."""
+        time, ``soon_s`` if ``soon``, or taken at this very clock time); None if Kafka did not
+        answer. In the background: the newest answer, None before the first."""
         if self._thread is not None:
+            if soon:
+                self._soon.set()
             self._asked.set()
             last = self._last
             return None if last is None else last[1]
         mono, now = time.monotonic(), self.ctx.clock.now_ms()
         last = self._last
-        if last is not None and (mono - last[0] < self.interval_s
+        interval_s = self.soon_s if soon else self.interval_s
+        if last is not None and (mono - last[0] < interval_s
                                  or last[1].t0 == now and last[1].read_ms == self.read_ms()):
             # An observation is only ever its own time with its own ends; one of this clock time is
             # asked again only once R moved (it caps what an observation grants).
             return last[1]
-        if mono - self._failed_at < self.interval_s:
+        if mono - self._failed_at < interval_s:
             return None
         self._request()
         last = self._last
@@ -235,19 +258,26 @@ class InputWatermark:
         self._last = (mono, Observation(now, read, ends))
 
     def _run(self) -> None:
-        """The background requests: one at most every ``interval_s``, each once ``observe``
-        asked for it (an idle W that needs nothing costs no request)."""
+        """The background requests: one at most every ``interval_s`` (``soon_s`` once ``observe``
+        was asked ``soon``), each once ``observe`` asked for it (an idle W that needs nothing
+        costs no request)."""
         while not self._stop.is_set():
             if not self._asked.wait(0.5) or self._stop.is_set():
                 continue
             self._asked.clear()
+            self._soon.clear()
             started = time.monotonic()
             self._request()
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+            self._stop.wait(max(0.0, self.soon_s - (time.monotonic() - started)))
+            # The rest of interval_s, cut short by an ask with ``soon``
+            rest = self.interval_s - (time.monotonic() - started)
+            if rest > 0 and not self._stop.is_set():
+                self._soon.wait(rest)
 
     def close(self) -> None:
         self._stop.set()
         self._asked.set()
+        self._soon.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -262,7 +292,9 @@ class PutShard(OwnedShard):
     #: W never passes R + this (``c - tick``, module header; below ``headroom_ms``).
     w_cap_ms: int = 0
     next_offsets: dict[int, int] = field(default_factory=dict)
+    #: The slot of W as last published, and W itself.
     published_ms: int = -1
+    published_w_ms: int = -1
     #: When W was last published, or found with nothing new to publish (time.monotonic()).
     published_at: float = 0.0
     #: R as last read from dequeue.ckpt (a lower bound of the real R).
@@ -294,11 +326,12 @@ class EnqueuePut:
         #: R of each shard as last read (``PutShard.read_ms``), for the observations' ``read_ms``:
         #: a copy the background thread can take while the loop updates it.
         self._read_known: dict[int, int] = {}
-        # Production asks Kafka at most twice a tick while W waits; in process the log answers
-        # at once, and a simulated clock must see its input complete as soon as it moves.
+        # Production asks Kafka at most twice a tick while W waits, every OBSERVE_SOON_S while
+        # records are due soon (``_records_soon``); in process the log answers at once, and a
+        # simulated clock must see its input complete as soon as it moves.
         self.input = None if input_ends is None else InputWatermark(
             ctx, input_ends, ctx.config.tick_ms / 2000 if ctx.wait_on_inputs else 0.0,
-            background=ctx.wait_on_inputs, read_ms=self._read_known.copy)
+            background=ctx.wait_on_inputs, read_ms=self._read_known.copy, soon_s=OBSERVE_SOON_S)
         self.queue = put_queue
         self.open_shard = open_shard
         self.logger = stage_logger(STAGE)
@@ -470,14 +503,11 @@ class EnqueuePut:
 
     def _idle_advance(self, st: PutShard) -> bool:
         """``_advance_w`` for a shard with no new entry. With ``ctx.frugal``, W stays where it
-        was published for up to IDLE_PUBLISH_S, unless a slot holding records would become
-        readable (one between the published W and the new one)."""
+        was published for up to IDLE_PUBLISH_S, unless records wait for it (``_records_wait``)."""
         if not self.ctx.frugal or st.published_ms < 0:
             return self._advance_w(st)
-        if time.monotonic() - st.published_at < IDLE_PUBLISH_S:
-            slot = st.shard.slot_time(self._target_w(st))
-            if slot == st.published_ms or st.shard.next_nonempty(st.published_ms, slot) is None:
-                return False
+        if time.monotonic() - st.published_at < IDLE_PUBLISH_S and not self._records_wait(st, self._target_w(st)):
+            return False
         if self._advance_w(st):
             return True
         st.published_at = time.monotonic()  # nothing new (W held back by R): look again in IDLE_PUBLISH_S
@@ -498,8 +528,9 @@ class EnqueuePut:
                 continue  # W waits for entries of this shard, and an entry ends the wait
             tick = st.shard.tick_ms
             due = st.shard.next_nonempty(st.published_ms, st.published_ms + max(0, int(wait * 1000)) + tick)
-            if due is not None and (due + tick - now_ms) / 1000 <= wait:
-                wait, on_time = (due + tick - now_ms) / 1000, True
+            # W is published PUBLISH_STEP_MS into the slot holding records, and every PUBLISH_STEP_MS on
+            if due is not None and (at := max(due, st.published_w_ms) + PUBLISH_STEP_MS - now_ms) / 1000 <= wait:
+                wait, on_time = at / 1000, True
         return max(MIN_WAIT_S, wait), on_time
 
     def write(self, st: PutShard, entries: list[tuple[str, bytes]]) -> None:
@@ -554,7 +585,7 @@ class EnqueuePut:
         # Observed while W wants more than the input grants, or (with a lead) than it is known complete
         if self.input is not None and target > min(st.input_ms, st.granted_ms):
             if observe:
-                self._input_complete(st)
+                self._input_complete(st, self._records_soon(st, now))
             target = min(target, st.granted_ms)
         return max(st.write_ms, target)
 
@@ -567,18 +598,25 @@ class EnqueuePut:
         window, which the cap keeps clear of unread slots."""
         return max(st.write_ms, min(self.ctx.clock.now_ms(), st.read_ms + st.headroom_ms))
 
-    def _input_complete(self, st: PutShard) -> None:
+    def _records_soon(self, st: PutShard, now: int) -> bool:
+        """A slot from the published W's to the look-ahead's end holds records: they wait for W,
+        or soon will (the scan stops a minute past W: a W that far behind moves a lot anyway)."""
+        end = min(now, st.published_w_ms + 60_000) + self.ctx.config.effective_lookahead_ms + st.shard.tick_ms
+        return st.shard.next_nonempty(st.published_ms, end) is not None
+
+    def _input_complete(self, st: PutShard, soon: bool = False) -> None:
         """Move ``st.input_ms`` and ``st.granted_ms`` to the newest observation of the timer
-        topic's end that the shard's written offsets have reached, observing again if none is
-        awaited. An observation grants its ``t0`` (+ ``TW_CANCEL_LEAD_MS``), but never more than
-        the R known before it + ``w_cap_ms``: one taken before a roll hop was acknowledged, and
-        reached only after R moved past the hop's roll slot, must not carry W past the hop's
-        delivery time while the hop is still in Kafka."""
+        topic's end that the shard's written offsets have reached, observing again (``soon``:
+        records wait, see ``InputWatermark.observe``) if none is awaited. An observation grants
+        its ``t0`` (+ ``TW_CANCEL_LEAD_MS``), but never more than the R known before it +
+        ``w_cap_ms``: one taken before a roll hop was acknowledged, and reached only after R moved
+        past the hop's roll slot, must not carry W past the hop's delivery time while the hop is
+        still in Kafka."""
         assert self.input is not None
         have = st.next_offsets
         unreached = st.unreached_ends
         if len(unreached) < MAX_UNREACHED_ENDS:
-            seen = self.input.observe()
+            seen = self.input.observe(soon)
             r0 = None if seen is None else seen.read_ms.get(st.shard_id)
             if seen is not None and r0 is not None and (not unreached or seen.t0 > unreached[-1][0]):
                 shards = self.ctx.config.shards
@@ -621,9 +659,17 @@ class EnqueuePut:
                               input_ms=st.input_ms, behind=behind)
 
     def _advance_w(self, st: PutShard) -> bool:
-        """Move W to its target. True if its slot differs from the published one."""
+        """Move W to its target. True if it is worth publishing: its slot differs from the
+        published one, or records wait for it (``_records_wait``)."""
         st.write_ms = self._target_w(st)
-        return st.shard.slot_time(st.write_ms) != st.published_ms
+        return st.shard.slot_time(st.write_ms) != st.published_ms or self._records_wait(st, st.write_ms)
+
+    def _records_wait(self, st: PutShard, write_ms: int) -> bool:
+        """W at ``write_ms`` lets records go that wait for it: it is in another slot than the
+        published W, or PUBLISH_STEP_MS past it, and a slot between the two holds records (dequeue-put
+        releases a record once W passes its time; dequeue-get reads a slot once W passes its end)."""
+        moved = st.shard.slot_time(write_ms) != st.published_ms or write_ms - st.published_w_ms >= PUBLISH_STEP_MS
+        return moved and st.shard.next_nonempty(st.published_ms, write_ms) is not None
 
     def _publish(self, st: PutShard) -> None:
         flushed = st.shard.flush()
@@ -631,11 +677,13 @@ class EnqueuePut:
         st.shard.save_enqueue_checkpoint(EnqueueCheckpoint(
             flushed_pos=flushed, write_ms=st.write_ms, next_offsets=dict(st.next_offsets), epoch=st.epoch))
         slot = st.shard.slot_time(st.write_ms)
-        if slot != st.published_ms:
-            st.published_ms = slot
+        if slot != st.published_ms or st.write_ms - st.published_w_ms >= PUBLISH_STEP_MS:
+            # Told in process (readers re-read enqueue.ckpt at once), at most every PUBLISH_STEP_MS in a slot
             pub = self.ctx.published_w
             pub[st.shard_id] = pub.get(st.shard_id, 0) + 1
-            self.ctx.wake("dequeue-get")  # a new slot may be readable
+            if slot != st.published_ms:
+                self.ctx.wake("dequeue-get")  # a new slot may be readable
+        st.published_ms, st.published_w_ms = slot, st.write_ms
         now = self.ctx.clock.now_ms()
         self.ctx.metrics.set("write_lag_ms", max(0, now - st.write_ms), shard=st.shard_id)
         self.ctx.metrics.set("timerlog_bytes", flushed - st.shard.log.start_pos, shard=st.shard_id)
@@ -667,9 +715,13 @@ class EnqueuePut:
                     st.logger.info("retention", segments_deleted=deleted, read_ms=dq.read_ms)
 
     def caught_up(self) -> bool:
-        """Every owned shard has published W for the current slot (or its cap)."""
-        return all(st.shard.slot_time(self._target_w(st, observe=False)) == st.published_ms
-                   for st in self.owned.values())
+        """Every owned shard has published W for the current slot (or its cap), and as far as
+        records wait for it (``_records_wait``)."""
+        for st in self.owned.values():
+            target = self._target_w(st, observe=False)
+            if st.shard.slot_time(target) != st.published_ms or self._records_wait(st, target):
+                return False
+        return True
 
     def close(self) -> None:
         for st in self.owned.values():

@@ -288,8 +288,9 @@ class TimerLog:
         return first
 
     def flush(self) -> int:
-        """Make every appended byte durable; returns the flushed position."""
-        if self.readonly:
+        """Make every appended byte durable; returns the flushed position. Free when nothing was
+        appended since the last flush (enqueue-put publishes W without new records often)."""
+        if self.readonly or self._flushed == self._end and not self._dir_dirty:
             return self._flushed
         if self.fsync:
             for base in reversed(self._bases):
