@@ -559,11 +559,12 @@ class TimerProducer:
         future.add_callback(acked)
 
     def cancels_in_time(self) -> dict[str, Scheduled]:
-        """Cancelled targets, less those whose cancel was acknowledged only at or after their
-        delivery time (which may miss: a cancel must reach the timer topic before it is due)."""
+        """Cancelled targets whose cancel was acknowledged before their delivery time; those
+        acknowledged only at or after it (which may miss: a cancel must reach the timer topic
+        before it is due), or never (send failed), are left out."""
         with self._lock:
             return {m: s for m, s in self.cancelled.items()
-                    if self.cancel_acked.get(m, -1) < s.deliver_at_ms}
+                    if m in self.cancel_acked and self.cancel_acked[m] < s.deliver_at_ms}
 
     def send_raw(self, headers: Sequence[tuple[str, bytes]], key: bytes | None, value: bytes | None,
                  partition: int = 0) -> None:
@@ -591,11 +592,13 @@ class SteadyLoad:
     """A background thread scheduling ``rate`` messages/s with delays in [min_delay, max_delay] ms."""
 
     def __init__(self, producer: TimerProducer, topic: str, rate: float, min_delay_ms: int, max_delay_ms: int,
-                 cancel_fraction: float = 0.0) -> None:
-        """``cancel_fraction`` of the messages are cancelled shortly before they are due (0.3 to
-        1.5 s before, or at once if that is past): the hard case for a cancel."""
+                 cancel_fraction: float = 0.0, cancel_before_ms: tuple[int, int] = (300, 1_500)) -> None:
+        """``cancel_fraction`` of the messages are cancelled shortly before they are due (a
+        uniform ``cancel_before_ms`` = (least, most) ms before, or at once if that is past): the
+        hard case for a cancel."""
         self.producer = producer
         self.cancel_fraction = cancel_fraction
+        self.cancel_before_ms = cancel_before_ms
         self.cancels = 0
         self.topic = topic
         self.rate = rate
@@ -620,7 +623,7 @@ class SteadyLoad:
                     m = self.producer.schedule(self.topic, now_ms() + rng.randint(*self.delays))
                     self.sent += 1
                     if rng.random() < self.cancel_fraction:
-                        heapq.heappush(to_cancel, (m.deliver_at_ms - rng.randint(300, 1_500), self.sent, m))
+                        heapq.heappush(to_cancel, (m.deliver_at_ms - rng.randint(*self.cancel_before_ms), self.sent, m))
                 except Exception:  # noqa: BLE001 - broker away: count it, keep the pace
                     self.errors += 1
                     time.sleep(0.1)
@@ -777,13 +780,14 @@ class LoadRun:
     the producer, whatever happened."""
 
     def __init__(self, pipe: Pipeline, topic: str, *, seed: int, rate: float, min_delay_ms: int,
-                 max_delay_ms: int, cancel_fraction: float = 0.0) -> None:
+                 max_delay_ms: int, cancel_fraction: float = 0.0,
+                 cancel_before_ms: tuple[int, int] = (300, 1_500)) -> None:
         self.pipe = pipe
         with ExitStack() as opened:  # what opened before a failure here is closed again
             self.producer = opened.enter_context(TimerProducer(pipe, seed=seed))
             self.collector = opened.enter_context(Collector(pipe, [topic]))
             self.load = opened.enter_context(SteadyLoad(self.producer, topic, rate, min_delay_ms,
-                                                        max_delay_ms, cancel_fraction))
+                                                        max_delay_ms, cancel_fraction, cancel_before_ms))
             self._opened = opened.pop_all()
 
     def drain(self, name: str, timeout_s: float) -> tuple[set[str], Report]:
