@@ -497,6 +497,10 @@ TOOLING_ENV_VARS = {
     "TW_KAFKA_START_TIMEOUT": "scripts/kafka.sh: seconds to wait for the broker",
     "TW_KAFKA_HEAP": "scripts/kafka.sh: the broker's JVM heap",
     "TW_KAFKA_INSTANCE": "scripts/kafka.sh: a second, independent broker (.run/kafka-<instance>/)",
+    "TW_KAFKA_BROKERS": "scripts/kafka.sh: a KRaft cluster of that many brokers, each also a controller "
+                        "(replication 3, min.insync.replicas 2, the transaction state log replicated; "
+                        "`kafka.sh stop|kill|start|restart I` acts on broker I); the `kafka_cluster3` "
+                        "fixture's instance (`e2e/test_three_brokers.py`, `tests/test_kafka_cluster.py`)",
     "TW_KAFKA_AUTO_CREATE": "scripts/kafka.sh: whether the broker creates topics on first use (default true)",
     "TW_REDIS_START_TIMEOUT": "scripts/redis.sh: seconds to wait for redis-server",
     "TW_KAFKA_SASL_SSL": "scripts/kafka.sh: add a SASL_SSL listener (locally made CA, SCRAM and PLAIN users)",
