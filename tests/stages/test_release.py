@@ -10,7 +10,7 @@ with the wheel read ahead (TW_LOOKAHEAD_MS 1000).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -283,6 +283,37 @@ def test_a_cancel_after_the_read_ahead_drops_the_held_message(stages: Stages) ->
     assert stages.delivered() == [kept.message_id]
     assert stages.ctx.metrics.counter("cancelled", topic="dest") == 1
     assert stages.ctx.metrics.counter("cancel_missed") == 0
+
+
+def test_a_failed_look_for_cancel_markers_holds_the_records_again(stages: Stages,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in a chaos run (a broker restart on a loaded machine): confirming a marker on the
+    full id reads its source record from the timer topic; when that read failed, the records the
+    release had taken off the heap were gone from it, their entry never finished, and what it
+    held kept dequeue-get's in-flight window full: nothing more was delivered."""
+    kept = stages.client.schedule("dest", b"kept", deliver_at_ms=START + 2_010)
+    doomed = stages.client.schedule("dest", b"doomed", deliver_at_ms=START + 2_020)
+    stages.run()
+    advance(stages, START + 1_100)
+    stages.client.cancel(doomed)  # in the slot's tail: dequeue-put confirms it at release
+    advance(stages, START + 2_000)
+    read = stages.log.read
+    failed: list[int] = []
+
+    def read_failing_once(topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
+        if not failed:
+            failed.append(len(positions))
+            raise ConnectionError("the broker is restarting")
+        return read(topic, positions)
+
+    monkeypatch.setattr(stages.log, "read", read_failing_once)
+    with pytest.raises(ConnectionError):  # the step fails; the stage's loop retries it
+        advance(stages, START + 2_100)
+    advance(stages, START + 2_200)
+    assert failed == [1]
+    assert stages.delivered() == [kept.message_id]
+    assert stages.ctx.metrics.counter("cancelled", topic="dest") == 1
+    assert stages.dput.holding(0) == 0  # the entry finished
 
 
 def test_a_short_delay_into_an_open_slot_is_delivered(stages: Stages) -> None:

@@ -399,42 +399,70 @@ class DequeuePut(QueueStage):
 
     def _gate(self, due: list[Held], now: int) -> None:
         """Of the records due by this clock, release those whose shard's ``W`` passed them and that
-        no cancel marker in their slot's tail cancels; hold the others again."""
+        no cancel marker in their slot's tail cancels; hold the others again.
+
+        A shard's records are decided only once everything that may fail for them is done (its
+        view, its owner's epoch, the look for cancel markers, whose confirmation reads the timer
+        topic); if that fails (a broker restarting), they and the shards not yet decided go back
+        into the heap before the step's error is raised: taken off it and lost, they were never
+        released and their entries never finished (seen in a chaos run)."""
         by_shard: dict[int, list[Held]] = {}
         for h in due:
             if not h.held.lost:
                 by_shard.setdefault(h.held.entry.shard, []).append(h)
-        rnd: Round | None = None
-        for shard_id, held in by_shard.items():
-            view = self._view(shard_id)
-            ckpt = view.newest(self.ctx) if view is not None else None
-            owner_epoch = self._owner_epoch(shard_id, view)
-            ready: list[Held] = []
-            for h in held:
-                if h.held.entry.generation >> GENERATION_BITS < owner_epoch:
-                    # Sent by a dequeue-get that has since lost the shard: its successor reads
-                    # the slots again from R, this record among them, and sends it anew.
-                    rnd = rnd or self._new_round()
-                    _count(rnd.stale, h.topic)
-                    rnd.finished.append((h.held, h.item))
-                elif ckpt is not None and h.due < ckpt.write_ms:
-                    ready.append(h)
-                else:
+        undecided = list(by_shard.items())
+        try:
+            while undecided:
+                shard_id, held = undecided[0]
+                self._gate_shard(shard_id, held, now)
+                undecided.pop(0)
+        except BaseException:
+            for _shard_id, held in undecided:
+                for h in held:
                     heapq.heappush(self._heap, (h.due, next(self._seq), h))
-            if not ready:
-                continue
+            raise
+
+    def _gate_shard(self, shard_id: int, held: list[Held], now: int) -> None:
+        """``_gate`` for the due records of one shard: raises before it decided any of them, or not at all."""
+        view = self._view(shard_id)
+        ckpt = view.newest(self.ctx) if view is not None else None
+        owner_epoch = self._owner_epoch(shard_id, view)
+        stale: list[Held] = []
+        ready: list[Held] = []
+        waiting: list[Held] = []
+        for h in held:
+            if h.held.entry.generation >> GENERATION_BITS < owner_epoch:
+                # Sent by a dequeue-get that has since lost the shard: its successor reads
+                # the slots again from R, this record among them, and sends it anew.
+                stale.append(h)
+            elif ckpt is not None and h.due < ckpt.write_ms:
+                ready.append(h)
+            else:
+                waiting.append(h)
+        cancelled: set[int] = set()
+        if ready:
             assert view is not None and ckpt is not None
             cancelled = self._cancelled(view.shard, [h for h in ready if h.item.kind == DELIVER], ckpt.flushed_pos)
-            rnd = rnd or self._new_round()
-            rnd.now = now  # tw-delivered-at: the release
-            for h in ready:
-                if h.item.kind == ROLL:
-                    self._roll(rnd, h)
-                elif id(h) in cancelled:
-                    _count(rnd.cancelled, h.topic)
-                    rnd.finished.append((h.held, h.item._replace(kind=CANCELLED)))
-                else:
-                    self._deliver(rnd, h)
+        # Decided: nothing below raises.
+        for h in waiting:
+            heapq.heappush(self._heap, (h.due, next(self._seq), h))
+        if not stale and not ready:
+            return
+        rnd = self._new_round()
+        for h in stale:
+            _count(rnd.stale, h.topic)
+            rnd.finished.append((h.held, h.item))
+        if not ready:
+            return
+        rnd.now = now  # tw-delivered-at: the release
+        for h in ready:
+            if h.item.kind == ROLL:
+                self._roll(rnd, h)
+            elif id(h) in cancelled:
+                _count(rnd.cancelled, h.topic)
+                rnd.finished.append((h.held, h.item._replace(kind=CANCELLED)))
+            else:
+                self._deliver(rnd, h)
 
     def _owner_epoch(self, shard_id: int, view: PublishedView | None) -> int:
         """The epoch of the shard's dequeue-get owner as its dequeue.ckpt says (read at most every
