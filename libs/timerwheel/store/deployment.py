@@ -84,6 +84,14 @@ def settings_path(data_dir: str | os.PathLike[str]) -> str:
 
 def load_settings(data_dir: str | os.PathLike[str]) -> DeploymentSettings | None:
     """The stored settings, or None if the data directory has no deployment file yet."""
+    stored = _load(data_dir)
+    return None if stored is None else stored[0]
+
+
+def _load(data_dir: str | os.PathLike[str]) -> tuple[DeploymentSettings, dict[str, Any]] | None:
+    """The stored settings and the file's JSON object, from one read (another stage may replace
+    the file meanwhile: through a FUSE or NFS mount a second open can find its name missing for a
+    moment), or None if there is no deployment file yet."""
     path = settings_path(data_dir)
     try:
         with open(path, "rb") as f:
@@ -99,23 +107,17 @@ def load_settings(data_dir: str | os.PathLike[str]) -> DeploymentSettings | None
         ints = [n for n, v in fields.items() if n != "timer_topic" and (not isinstance(v, int) or isinstance(v, bool))]
         if ints or not isinstance(fields["timer_topic"], str):
             raise TypeError(f"bad field {(ints or ['timer_topic'])[0]}")
-        return DeploymentSettings(**fields)
+        return DeploymentSettings(**fields), body
     except (KeyError, TypeError) as exc:
         raise TimerwheelError(f"deployment file {path} is unreadable: {exc}") from None
 
 
-def _stored_object(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The deployment file's JSON object (``load_settings`` has checked it)."""
-    with open(settings_path(data_dir), "rb") as f:
-        body: dict[str, Any] = json.load(f)
-    return body
-
-
 def load_source(data_dir: str | os.PathLike[str]) -> Source | None:
     """The stored source, or None if the deployment file records none (or does not exist)."""
-    if load_settings(data_dir) is None:
+    stored = _load(data_dir)
+    if stored is None:
         return None
-    raw = _stored_object(data_dir).get("source")
+    raw = stored[1].get("source")
     if raw is None:
         return None
     ids = [raw.get(name) for name in Source.__dataclass_fields__] if isinstance(raw, dict) else [0]
