@@ -292,10 +292,16 @@ class KafkaCluster:
 
     def wait_in_sync(self, topic: str, timeout_s: float = 120) -> None:
         """Until every partition of ``topic`` has a leader and all its replicas in sync: a broker
-        started again has caught up, so killing another leaves min.insync.replicas."""
+        started again has caught up, so killing another leaves min.insync.replicas; a topic just
+        made is known to the cluster."""
+        from kafka.errors import KafkaError
+
         deadline = time.monotonic() + timeout_s
         while True:
-            parts = self.partitions(topic)
+            try:
+                parts = self.partitions(topic)
+            except KafkaError:  # a topic just made: the broker asked may not know it yet
+                parts = []
             if parts and all(p["leader_id"] >= 0 and sorted(p["isr_nodes"]) == sorted(p["replica_nodes"])
                              for p in parts):
                 return

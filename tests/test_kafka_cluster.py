@@ -37,7 +37,15 @@ def test_a_killed_leader_leaves_two_in_sync_replicas_that_take_acks_all_and_tran
     admin = KafkaAdminClient(bootstrap_servers=cluster.bootstrap, client_id="tw-test-cluster3")
     try:
         admin.create_topics([NewTopic(topic, 1, -1)])  # the brokers' defaults: replication 3, min ISR 2
-        configs = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)], config_filter="all")
+        cluster.wait_in_sync(topic)
+        # The broker asked answers with no configs for a topic it does not know yet (kafka-python
+        # does not raise on the result's error): asked again until it does, at most 30 s.
+        deadline = time.monotonic() + 30
+        while True:
+            configs = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)], config_filter="all")
+            if configs.get("topic", {}).get(topic) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         internal = admin.describe_topics(["__transaction_state", "__consumer_offsets"])
     finally:
         admin.close()
