@@ -662,14 +662,21 @@ class EnqueuePut:
         """Move W to its target. True if it is worth publishing: its slot differs from the
         published one, or records wait for it (``_records_wait``)."""
         st.write_ms = self._target_w(st)
-        return st.shard.slot_time(st.write_ms) != st.published_ms or self._records_wait(st, st.write_ms)
+        return self._worth_publishing(st, st.write_ms)
+
+    def _worth_publishing(self, st: PutShard, write_ms: int) -> bool:
+        """W at ``write_ms`` is in another slot than the published W, or records wait for it."""
+        return st.shard.slot_time(write_ms) != st.published_ms or self._records_wait(st, write_ms)
+
+    def _moved(self, st: PutShard, write_ms: int) -> bool:
+        """W at ``write_ms`` is in another slot than the published W, or PUBLISH_STEP_MS past it."""
+        return st.shard.slot_time(write_ms) != st.published_ms or write_ms - st.published_w_ms >= PUBLISH_STEP_MS
 
     def _records_wait(self, st: PutShard, write_ms: int) -> bool:
         """W at ``write_ms`` lets records go that wait for it: it is in another slot than the
         published W, or PUBLISH_STEP_MS past it, and a slot between the two holds records (dequeue-put
         releases a record once W passes its time; dequeue-get reads a slot once W passes its end)."""
-        moved = st.shard.slot_time(write_ms) != st.published_ms or write_ms - st.published_w_ms >= PUBLISH_STEP_MS
-        return moved and st.shard.next_nonempty(st.published_ms, write_ms) is not None
+        return self._moved(st, write_ms) and st.shard.next_nonempty(st.published_ms, write_ms) is not None
 
     def _publish(self, st: PutShard) -> None:
         flushed = st.shard.flush()
@@ -677,7 +684,7 @@ class EnqueuePut:
         st.shard.save_enqueue_checkpoint(EnqueueCheckpoint(
             flushed_pos=flushed, write_ms=st.write_ms, next_offsets=dict(st.next_offsets), epoch=st.epoch))
         slot = st.shard.slot_time(st.write_ms)
-        if slot != st.published_ms or st.write_ms - st.published_w_ms >= PUBLISH_STEP_MS:
+        if self._moved(st, st.write_ms):
             # Told in process (readers re-read enqueue.ckpt at once), at most every PUBLISH_STEP_MS in a slot
             pub = self.ctx.published_w
             pub[st.shard_id] = pub.get(st.shard_id, 0) + 1
@@ -717,11 +724,7 @@ class EnqueuePut:
     def caught_up(self) -> bool:
         """Every owned shard has published W for the current slot (or its cap), and as far as
         records wait for it (``_records_wait``)."""
-        for st in self.owned.values():
-            target = self._target_w(st, observe=False)
-            if st.shard.slot_time(target) != st.published_ms or self._records_wait(st, target):
-                return False
-        return True
+        return not any(self._worth_publishing(st, self._target_w(st, observe=False)) for st in self.owned.values())
 
     def close(self) -> None:
         for st in self.owned.values():
