@@ -358,21 +358,8 @@ launch() {
     log "broker up on $(bootstrap)$(external >/dev/null && echo " and $(external)") (pid $(cat "$PID_FILE"))"
 }
 
-stop_broker() {
-    local pid i
-    pid="$(running_pid)" || { rm -f "$PID_FILE"; return 0; }
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 300; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then
-        log "broker $pid did not stop within 30s; killing it"
-        kill -KILL "$pid" 2>/dev/null || true
-        while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-    fi
-    rm -f "$PID_FILE"
-}
+# Stop the selected broker: TERM, KILL after 30 s (common.sh).
+stop_broker() { stop_running 30; }
 
 # SIGKILL the selected broker, as a crash of its machine would end it; wait until it is gone.
 kill_broker() {
