@@ -29,6 +29,14 @@ SCRIPT = ROOT / "scripts" / "k8s.sh"
 UP_TIMEOUT_S = float(os.environ.get("TW_K8S_UP_TIMEOUT", "3600"))
 
 
+def write_values(path: Path, values: dict[str, Any]) -> str:
+    """A Helm values file at ``path`` (its name returned), written as JSON: a YAML writer leaves a
+    string such as ``1234e567`` (a random hex id) unquoted, and Helm's YAML reads it as a number
+    (the chart's schema then refuses it)."""
+    path.write_text(json.dumps(values, indent=1))
+    return str(path)
+
+
 def k8s_script(verb: str, timeout_s: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(SCRIPT), verb], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
                           check=False, env={**os.environ, **(env or {})})

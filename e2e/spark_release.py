@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-from k8s_cluster import ROOT, SCRIPT, UP_TIMEOUT_S, Cluster
+from k8s_cluster import ROOT, SCRIPT, UP_TIMEOUT_S, Cluster, write_values
 
 SPARK_IMAGE = {"repository": "timerwheel-spark", "tag": "dev", "pullPolicy": "Never"}
 #: The labels Spark's Kubernetes scheduler puts on the pods it starts.
@@ -123,7 +122,7 @@ class SparkRelease:
                   "timerwheel": {"create": False, "spec": spec}, "tests": {"enabled": False},
                   "spark": {"image": SPARK_IMAGE, "dataClaim": self.claim, **spark}}
         path = workdir / f"values-{self.release}.yaml"
-        path.write_text(yaml.safe_dump(values))
+        write_values(path, values)
         done = self.helm("upgrade", "--install", self.release, str(ROOT / "charts" / "timerwheel"),
                          "-n", self.namespace, "--create-namespace", "-f", str(path))
         if done.returncode != 0:

@@ -46,9 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from harness import LoadRun, Report, now_ms
-from k8s_cluster import ROOT, SCRIPT, UP_TIMEOUT_S
+from k8s_cluster import ROOT, SCRIPT, UP_TIMEOUT_S, write_values
 from kafka.admin import ConfigResource, ConfigResourceType
 from test_k8s_helm import CLAIM, NAMESPACE, RELEASE, STAGES, WHEEL, Release, release  # noqa: F401 - the fixture
 
@@ -82,7 +81,7 @@ def installed(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Rel
         "dataClaim": CLAIM, "resources": {"requests": {"cpu": "100m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
         "audit": {"enabled": True, "schedule": "0 0 1 1 *", "graceMs": 30_000}}
     values = tmp_path_factory.mktemp("day2") / "values.yaml"
-    values.write_text(yaml.safe_dump(release.values))
+    write_values(values, release.values)
     done = release.helm("install", RELEASE, str(ROOT / "charts" / "timerwheel"), "-n", NAMESPACE,
                         "--create-namespace", "-f", str(values), "--wait", "--timeout", "300s")
     assert done.returncode == 0, done.stderr + release.diagnosis()
@@ -264,7 +263,7 @@ def test_recovery_of_a_lost_dequeue_checkpoint_runs_a_job_and_loses_nothing(inst
             f.unlink()
         corrupted = time.monotonic()
         _patch(rel, {"stages": {"enqueuePut": {"replicas": 1}, "dequeueGet": {"replicas": 1}}})
-        seen: set[str] = set()
+        seen: dict[str, str] = {}
         _wait("a recovery Job for shard 1", _condition_seen(rel, seen,
             lambda: any(j["metadata"]["labels"].get("timerwheel.io/shard") == "1" for j in _recovery_jobs(rel))), rel)
         job_seen = time.monotonic() - corrupted
@@ -291,13 +290,14 @@ def test_recovery_of_a_lost_dequeue_checkpoint_runs_a_job_and_loses_nothing(inst
     _check(rep, missing, rel, twice + OTHER_SHARD_REPEATS)
 
 
-def _condition_seen(rel: Release, seen: set[str], ok: Callable[[], bool]) -> Callable[[], bool]:
-    """``ok``, noting every ``Degraded`` / ``Recovering`` reason that is True meanwhile."""
+def _condition_seen(rel: Release, seen: dict[str, str], ok: Callable[[], bool]) -> Callable[[], bool]:
+    """``ok``, noting every ``Degraded`` / ``Recovering`` reason that is True meanwhile, with the
+    message it first had (the condition may have moved on by the time ``ok`` holds)."""
     def check() -> bool:
         for kind in ("Degraded", "Recovering"):
             c = _condition(rel, kind)
             if c.get("status") == "True":
-                seen.add(f"{kind}/{c.get('reason')}")
+                seen.setdefault(f"{kind}/{c.get('reason')}", c.get("message", ""))
         return ok()
     return check
 
@@ -340,7 +340,7 @@ def test_a_recovery_that_keeps_failing_gives_up_and_waits_for_a_human(installed:
             f.chmod(0)
         broken = time.monotonic()
         _patch(rel, {"stages": {"enqueuePut": {"replicas": 1}, "dequeueGet": {"replicas": 1}}})
-        seen: set[str] = set()
+        seen: dict[str, str] = {}
 
         def record() -> dict[str, Any]:
             return dict(_tw(rel)["status"]["shards"][1].get("recovery") or {})
@@ -481,7 +481,7 @@ def test_a_stalled_shard_is_degraded_its_owner_restarted_and_it_recovers(install
     _patch(rel, {**_replicas(1, 1), "recovery": {"stallAfterMs": stall_ms, "restartStalled": True}})
     _wait("one pod per stage", lambda: all(_all_ready(rel, s, 1) for s in STAGES) and _ready_at_generation(rel), rel)
     dest = rel.pipe.new_dest("day2-stall", 4)
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     with LoadRun(rel.pipe, dest, seed=31, rate=20, min_delay_ms=2_000, max_delay_ms=8_000) as run:
         time.sleep(8)
         (reader,) = _running(rel, "dequeue-get")
@@ -492,7 +492,7 @@ def test_a_stalled_shard_is_degraded_its_owner_restarted_and_it_recovers(install
             _wait("Degraded (ShardStalled)", _condition_seen(rel, seen, lambda: "Degraded/ShardStalled" in seen),
                   rel, stall_ms / 1000 + 120)
             to_degraded = time.monotonic() - t0
-            message = _condition(rel, "Degraded").get("message", "")
+            message = seen["Degraded/ShardStalled"]
             assert "R unchanged" in message and reader["metadata"]["name"] in message, message
             assert _answers(ip), "the stalled pod stopped answering: the liveness probe would have acted"
             name = reader["metadata"]["name"]

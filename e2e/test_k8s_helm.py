@@ -39,9 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from harness import Collector, LoadRun, Pipeline, Scheduled, TimerProducer, make_report, now_ms, with_db
-from k8s_cluster import ROOT, Cluster, Registry
+from k8s_cluster import ROOT, Cluster, Registry, write_values
 from otlp_receiver import OtlpReceiver, SpanRec
 from test_tracing import message_trace
 from timerwheel.store.layout import shard_dir
@@ -219,7 +218,7 @@ def release(k8s: Cluster, registry: Registry, kafka_control: Any, redis_control:
 def test_helm_install_makes_a_ready_timerwheel_of_five_stage_pods_on_one_claim(release: Release,
                                                                                tmp_path: Path) -> None:
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(release.values))
+    write_values(values, release.values)
     t0 = time.monotonic()
     done = release.helm("install", RELEASE, str(ROOT / "charts" / "timerwheel"), "-n", NAMESPACE,
                         "--create-namespace", "-f", str(values), "--wait", "--timeout", "300s")

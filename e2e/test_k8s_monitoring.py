@@ -32,7 +32,7 @@ import pytest
 import yaml
 from harness import LoadRun, tail
 from infra import free_port
-from k8s_cluster import ROOT
+from k8s_cluster import ROOT, write_values
 from test_k8s_day2 import _answers, _running, _stage_pid, frozen_stage
 from test_k8s_helm import NAMESPACE, RELEASE, WHEEL, Release, release  # noqa: F401 - the fixture
 from timerwheel_operator.monitoring import DASHBOARDS
@@ -153,7 +153,7 @@ def monitored(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Ite
             "prometheusRule": {"alerts": {"stageStalled": {"for": STALL_FOR, "window": STALL_WINDOW}}},
         }
         path = work / "values.yaml"
-        path.write_text(yaml.safe_dump(values))
+        write_values(path, values)
         done = rel.helm("install", RELEASE, str(ROOT / "charts" / "timerwheel"), "-n", NAMESPACE,
                         "--create-namespace", "-f", str(path), "--wait", "--timeout", "300s")
         assert done.returncode == 0, done.stderr + rel.diagnosis()
