@@ -8,17 +8,25 @@ log, ``W`` and R published by hand.
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_dequeue_put_checks import record
 from test_release import SLOT, START, PutRig
-from timerwheel import SimulatedClock
-from timerwheel.records import OutRecord
+from timerwheel import SimulatedClock, TimerConfig
+from timerwheel.records import OutRecord, Record
 from timerwheel.stages import watch
+from timerwheel.stages.base import StageContext
+from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem
+from timerwheel.stages.dequeue_put import DequeuePut
 from timerwheel.stages.enqueue_put import w_cap_ms
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store.layout import open_reader_if_exists, open_shard
+from timerwheel.transports.kafka.log import KafkaCommitLog
+from timerwheel.transports.memory import MemoryWorkQueue
 
 
 class WatchRig(PutRig):
@@ -132,3 +140,55 @@ def test_an_input_checkpoint_that_went_back_is_read_again_from_there(rig: WatchR
     rig.publish_input(START, cancel_at)  # ... until a recovery loses it
     assert _step_until(rig, SLOT + 30) == {"m3": SLOT + 4}
     assert rig.done() == 2  # m1 cancelled by the cancel the watch read again
+
+
+def test_on_kafka_a_record_leaves_by_the_watch_and_a_cancel_it_read_wins(
+        tmp_path: Path, clock: SimulatedClock, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same over the session's Kafka: the watch's consumer (read_committed, its own fetches)
+    and the high watermarks it asks. W stays behind; m1 leaves after its time, m2's cancel, above
+    the checkpoint's input offsets, drops it."""
+    monkeypatch.setattr(watch, "OBSERVE_S", 0.0)
+    uid = uuid.uuid4().hex[:8]
+    cfg = TimerConfig(data_dir=str(tmp_path / "data"), shards=1, fsync=False, lookahead_ms=1_000,
+                      timer_topic=f"tw-watch-{uid}", dlq_topic=f"tw-watch-{uid}-dlq")
+    dest = f"tw-watch-dest-{uid}"
+    log = KafkaCommitLog(kafka_bootstrap)
+    log.ensure_topic(cfg.timer_topic, 1)
+    log.ensure_topic(dest, 1)
+    writer = open_shard(cfg, 0, writer=True)
+    deliver_q = MemoryWorkQueue("deliver", 1, 64, clock=clock)
+    done_q = MemoryWorkQueue("done", 1, 64, clock=clock)
+    put = DequeuePut(StageContext(cfg, clock, consumer="a"), log, deliver_q, done_q, [0],
+                     lambda s: open_reader_if_exists(cfg, s))
+    try:
+        timer = [OutRecord(cfg.timer_topic, b"k", b"v", (("tw-topic", dest.encode()), ("tw-delay-ms", b"3600000")),
+                           partition=0)] * 3
+        end = log.append(timer)[-1][1] + 1
+        writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=START, epoch=0))
+        writer.save_enqueue_checkpoint(EnqueueCheckpoint(flushed_pos=writer.flush(), write_ms=START,
+                                                         next_offsets={0: end}, epoch=1))
+        items = tuple(DeliverItem(DELIVER, SLOT, START - 60_000, record(i, dest, SLOT + 10), 0, i) for i in (1, 2))
+        deliver_q.put(0, [DeliverEntry(0, 1, SLOT, 0, items).encode()], 1.0)
+        put.step(0)
+        log.append([OutRecord(cfg.timer_topic, b"m2", None, (("tw-cancel", b"m2"),
+                                                              ("tw-deliver-at", str(SLOT + 10).encode())), partition=0)])
+        clock.set(SLOT + 11)
+        deadline = time.monotonic() + 20
+        while done_q.depth(0) == 0:
+            assert time.monotonic() < deadline, "nothing released within 20 s while the watch could tell"
+            put.step(0)
+            time.sleep(0.005)
+        consumer = log.consumer(dest, {0: 0})
+        got: list[Record] = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got += consumer.poll(10, 0.5)
+        got += consumer.poll(10, 0.5)
+        consumer.close()
+        assert [(r.header("tw-id"), r.header("tw-delivered-at")) for r in got] == [(b"m1", str(SLOT + 11).encode())]
+        assert put.ctx.metrics.counter("released_by_watch", shard=0) == 2  # m2 released, then dropped
+        assert put.ctx.metrics.counter("cancelled", topic=dest) == 1
+    finally:
+        put.close()
+        writer.close()
+        log.close()
