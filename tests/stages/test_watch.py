@@ -74,7 +74,7 @@ def rig(tmp_path: Path, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch) 
     r.close()
 
 
-DUE = {"m1": SLOT + 10, "m2": SLOT + 40, "m3": SLOT + 3}
+DUE = {"m1": SLOT + 10, "m2": SLOT + 40, "m3": SLOT + 15}
 
 
 def _step_until(rig: WatchRig, until_ms: int) -> dict[str, int]:
@@ -128,17 +128,19 @@ def test_the_watch_grants_no_more_than_r_plus_the_cap(rig: WatchRig, clock: Simu
 
 def test_an_input_checkpoint_that_went_back_is_read_again_from_there(rig: WatchRig, clock: SimulatedClock) -> None:
     """A recovery that lost records re-reads them from Kafka: the checkpoint's input offsets go
-    back, and a cancel among the re-read records still wins."""
+    back; what the watch granted before no longer holds, and a cancel among the re-read records
+    still wins over a record handed over late."""
     put = rig.stage("a")
     rig.timer_records(2)
     cancel_at = rig.cancel("m1", SLOT + 10)
     end = rig.timer_records(2)
     rig.publish_input(START, end)  # the watch starts past the cancel: the TimerLog holds it ...
-    rig.hand_over(record(1, "dest", SLOT + 10), record(3, "dest", SLOT + 3))
+    rig.hand_over(record(3, "dest", SLOT + 15))
     put.step(0)
-    assert _step_until(rig, SLOT + 5) == {"m3": SLOT + 4}  # the watch has read from `end` on
+    assert _step_until(rig, SLOT + 16) == {"m3": SLOT + 16}  # granted up to SLOT + 16
     rig.publish_input(START, cancel_at)  # ... until a recovery loses it
-    assert _step_until(rig, SLOT + 30) == {"m3": SLOT + 4}
+    rig.hand_over(record(1, "dest", SLOT + 10))  # read late (dequeue-get re-read its slot)
+    assert _step_until(rig, SLOT + 30) == {"m3": SLOT + 16}
     assert rig.done() == 2  # m1 cancelled by the cancel the watch read again
 
 

@@ -475,7 +475,7 @@ class DequeuePut(QueueStage):
             rnd.finished.append((h.held, h.item))
         if not ready:
             return
-        rnd.now = now  # tw-delivered-at: the release
+        rnd.now = self.ctx.clock.now_ms()  # tw-delivered-at: the release (the gate may have taken a while)
         for h in ready:
             if h.item.kind == ROLL:
                 self._roll(rnd, h)

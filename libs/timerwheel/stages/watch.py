@@ -46,7 +46,7 @@ from timerwheel.wire import H_CANCEL
 #: How often a shard's timer partitions' ends are asked while records wait for the gate.
 OBSERVE_S = 0.01
 #: How long one look waits for the consumer to reach the observed ends.
-CATCH_UP_S = 0.005
+CATCH_UP_S = 0.02
 #: Records read per poll.
 POLL_RECORDS = 2_000
 
@@ -72,8 +72,11 @@ class ShardWatch:
     kept_from: dict[int, int] = field(default_factory=dict)
     #: Cancelled message id -> (partition, highest offset of a cancel of it).
     cancels: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: The observation being pursued (its ends not reached yet), when it was asked (monotonic).
     seen: Observation | None = None
     asked_at: float = 0.0
+    #: What the reached observations grant (``Watch.granted``); None while none is valid.
+    grant: int | None = None
 
 
 class Watch:
@@ -89,21 +92,27 @@ class Watch:
 
     def granted(self, shard_id: int, shard: Shard, ckpt: EnqueueCheckpoint, wanted_ms: int) -> int | None:
         """The time before which the shard's DELIVER records may leave by the watch (their
-        cancels then in ``cancelled`` or below ``ckpt``'s flushed position), or None. Observes
-        again (at most every OBSERVE_S) when the last observation is not past ``wanted_ms``."""
+        cancels then in ``cancelled`` or below ``ckpt``'s flushed position), or None.
+
+        An observation is pursued until the consumer reaches its ends (the input keeps coming: a
+        newer one each time would never be reached); a new one is asked (at most every OBSERVE_S)
+        once the last is reached and grants no more than ``wanted_ms``."""
         sw = self._shard(shard_id)
         if sw is None:
             return None
         consumer = self._follow_from(sw, ckpt)
         cap = w_cap_ms(self.ctx.config, shard)
-        seen = sw.seen
+        if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends):
+            sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
+            sw.seen = None
         mono = time.monotonic()
-        if (seen is None or min(seen.t0, seen.read_ms + cap) <= wanted_ms) and mono - sw.asked_at >= OBSERVE_S:
+        if sw.seen is None and (sw.grant or 0) <= wanted_ms and mono - sw.asked_at >= OBSERVE_S:
             sw.asked_at = mono
-            seen = sw.seen = self._observe(sw, shard)
-        if seen is None or not self._reach(sw, consumer, seen.ends):
-            return None
-        return min(seen.t0, seen.read_ms + cap)
+            sw.seen = self._observe(sw, shard)
+            if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends):
+                sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
+                sw.seen = None
+        return sw.grant
 
     def cancelled(self, shard_id: int, message_id: str) -> bool:
         """A cancel of ``message_id`` was read on the shard's timer partitions (from where the
@@ -143,7 +152,13 @@ class Watch:
         consumer = sw.consumer
         for p in sw.partitions:
             o = have.get(p, 0)
-            if o < sw.kept_from[p] or consumer.position(p) < o:
+            if o < sw.kept_from[p]:
+                # Records below the old floor were lost from the TimerLog: read again, and what
+                # was granted does not hold until then.
+                consumer.seek(p, o)
+                sw.kept_from[p] = o
+                sw.grant = None
+            elif consumer.position(p) < o:
                 consumer.seek(p, o)
                 sw.kept_from[p] = o
         if sw.cancels:
