@@ -101,6 +101,8 @@ class Watch:
         if sw is None:
             return None
         consumer = self._follow_from(sw, ckpt)
+        if consumer is None:
+            return None
         cap = w_cap_ms(self.ctx.config, shard)
         if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends):
             sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
@@ -141,14 +143,20 @@ class Watch:
                                                                 if p % shards == shard_id])
         return sw
 
-    def _follow_from(self, sw: ShardWatch, ckpt: EnqueueCheckpoint) -> Consumer:
+    def _follow_from(self, sw: ShardWatch, ckpt: EnqueueCheckpoint) -> Consumer | None:
         """The shard's consumer, reading on from the checkpoint's input offsets ``O`` at the latest
         (what is below them is in the TimerLog); moved back to ``O`` if ``O`` went below where it
-        keeps cancels from (a recovery that lost records). Cancels below ``O`` are dropped."""
+        keeps cancels from (a recovery that lost records). Cancels below ``O`` are dropped. None
+        while no consumer can be made (a broker restarting)."""
         have = ckpt.next_offsets
         if sw.consumer is None:
-            sw.kept_from = {p: have.get(p, 0) for p in sw.partitions}
-            sw.consumer = self.commit_log.consumer(self.topic, dict(sw.kept_from), keep=False)
+            kept_from = {p: have.get(p, 0) for p in sw.partitions}
+            try:
+                sw.consumer = self.commit_log.consumer(self.topic, kept_from, keep=False)
+            except Exception as exc:  # noqa: BLE001 - as _observe
+                self._failed(sw, "consumer", exc)
+                return None
+            sw.kept_from, sw.grant = kept_from, None
         consumer = sw.consumer
         for p in sw.partitions:
             o = have.get(p, 0)
@@ -177,8 +185,7 @@ class Watch:
         try:
             ends = self.commit_log.high_watermarks(self.topic)
         except Exception as exc:  # noqa: BLE001 - a broker restarting: the W gate holds meanwhile
-            self.ctx.metrics.inc("watch_failures", shard=sw.shard_id)
-            self.logger.debug("watch observation failed", shard=sw.shard_id, reason=str(exc)[:200])
+            self._failed(sw, "observation", exc)
             return None
         return Observation(t0, {p: ends.get(p, 0) for p in sw.partitions}, dq.read_ms)
 
@@ -196,8 +203,7 @@ class Watch:
             try:
                 records = consumer.poll(POLL_RECORDS, min(left, 0.002))
             except Exception as exc:  # noqa: BLE001 - as _observe
-                self.ctx.metrics.inc("watch_failures", shard=sw.shard_id)
-                self.logger.debug("watch read failed", shard=sw.shard_id, reason=str(exc)[:200])
+                self._failed(sw, "read", exc)
                 return False
             for r in records:
                 target = r.header(H_CANCEL)
@@ -206,3 +212,8 @@ class Watch:
                     at = sw.cancels.get(mid)
                     if at is None or at[1] < r.offset:
                         sw.cancels[mid] = (r.partition, r.offset)
+
+    def _failed(self, sw: ShardWatch, what: str, exc: Exception) -> None:
+        """Count a failed Kafka call of the watch; its records wait for ``W`` meanwhile."""
+        self.ctx.metrics.inc("watch_failures", shard=sw.shard_id)
+        self.logger.debug("watch failed", shard=sw.shard_id, what=what, reason=str(exc)[:200])
