@@ -451,7 +451,8 @@ class DequeuePut(QueueStage):
         watched = [h for h in waiting if h.item.kind == DELIVER]
         if watched and view is not None and ckpt is not None:
             # W has not passed them: the watch may tell sooner (stages.watch).
-            granted = self._watch.granted(shard_id, view.shard, ckpt, max(h.due for h in watched))
+            granted = self._watch.granted(shard_id, view.shard, ckpt, max(h.due for h in watched),
+                                          patient=not ready and not stale)
             if granted is not None and any(h.due < granted for h in watched):
                 early = [h for h in watched if h.due < granted]
                 ready += early

@@ -90,13 +90,15 @@ class Watch:
         self._shards: dict[int, ShardWatch] = {}
         self._partitions: int | None = None
 
-    def granted(self, shard_id: int, shard: Shard, ckpt: EnqueueCheckpoint, wanted_ms: int) -> int | None:
+    def granted(self, shard_id: int, shard: Shard, ckpt: EnqueueCheckpoint, wanted_ms: int,
+                patient: bool = True) -> int | None:
         """The time before which the shard's DELIVER records may leave by the watch (their
         cancels then in ``cancelled`` or below ``ckpt``'s flushed position), or None.
 
         An observation is pursued until the consumer reaches its ends (the input keeps coming: a
         newer one each time would never be reached); a new one is asked (at most every OBSERVE_S)
-        once the last is reached and grants no more than ``wanted_ms``."""
+        once the last is reached and grants no more than ``wanted_ms``. Not ``patient`` (records
+        are ready by ``W`` and wait for this): no waiting for the consumer to get there."""
         sw = self._shard(shard_id)
         if sw is None:
             return None
@@ -104,14 +106,14 @@ class Watch:
         if consumer is None:
             return None
         cap = w_cap_ms(self.ctx.config, shard)
-        if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends):
+        if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends, patient):
             sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
             sw.seen = None
         mono = time.monotonic()
         if sw.seen is None and (sw.grant or 0) <= wanted_ms and mono - sw.asked_at >= OBSERVE_S:
             sw.asked_at = mono
             sw.seen = self._observe(sw, shard)
-            if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends):
+            if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends, patient):
                 sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
                 sw.seen = None
         return sw.grant
@@ -189,19 +191,22 @@ class Watch:
             return None
         return Observation(t0, {p: ends.get(p, 0) for p in sw.partitions}, dq.read_ms)
 
-    def _reach(self, sw: ShardWatch, consumer: Consumer, ends: dict[int, int]) -> bool:
-        """Read the shard's partitions up to ``ends`` (at most CATCH_UP_S), keeping the cancels met;
-        whether every partition got there."""
-        deadline = time.monotonic() + CATCH_UP_S
+    def _reach(self, sw: ShardWatch, consumer: Consumer, ends: dict[int, int], patient: bool) -> bool:
+        """Read the shard's partitions up to ``ends`` (at most CATCH_UP_S if ``patient``, else what
+        has arrived), keeping the cancels met; whether every partition got there."""
+        deadline = time.monotonic() + (CATCH_UP_S if patient else 0.0)
+        polled = False
         while True:
             behind = [p for p in sw.partitions if consumer.position(p) < ends[p]]
             if not behind:
                 return True
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 and polled:
                 return False
+            polled = True
             try:
-                records = consumer.poll(POLL_RECORDS, min(left, 0.002))
+                # Always a positive wait: a poll without one makes a Kafka consumer fetch in batches.
+                records = consumer.poll(POLL_RECORDS, min(max(left, 0.0005), 0.002))
             except Exception as exc:  # noqa: BLE001 - as _observe
                 self._failed(sw, "read", exc)
                 return False
