@@ -106,7 +106,7 @@ def test_a_cancel_read_late_still_cancels(stages: Stages, monkeypatch: pytest.Mo
     the timer topic itself: the message not cancelled leaves on time, the cancelled one never;
     without the watch (``w-only``) both wait for W, and only the one not cancelled leaves."""
     if not watch:
-        monkeypatch.setattr(Watch, "granted", lambda *_args: None)
+        monkeypatch.setattr(Watch, "granted", lambda *_args, **_kw: None)
     kept = stages.client.schedule("dest", b"kept", deliver_at_ms=START + 1_000)
     doomed = stages.client.schedule("dest", b"doomed", deliver_at_ms=START + 1_000)
     stages.run()
