@@ -67,6 +67,9 @@ COUNTERS: dict[str, str] = {
                      "explains (its clock behind the others'), held until due",
     "handovers": "shards handed over to the replica that ranks first for them, per shard and stage",
     "input_end_failures": "requests for the timer topic's end offsets that failed (W waits meanwhile)",
+    "released_by_watch": "held records that passed dequeue-put's gate by its watch of the timer partitions, before W "
+                         "passed their time (delivered, or dropped for a cancel met), per shard",
+    "watch_failures": "observations or reads of dequeue-put's watch that failed (the W gate holds meanwhile), per shard",
 }
 #: Every gauge: name -> help text.
 GAUGES: dict[str, str] = {

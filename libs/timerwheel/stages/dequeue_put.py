@@ -10,13 +10,18 @@ held record once both
 2. *complete*: the shard's ``W`` (its ``enqueue.ckpt``, read through a read-only view of the
    shard, ``PublishedView``) is past ``t``. Every timer record due before ``W`` is then in the
    TimerLog below that checkpoint's flushed position ``F``, so is every cancel of the message
-   acknowledged before ``t`` (``InputWatermark``), in the message's slot.
+   acknowledged before ``t`` (``InputWatermark``), in the message's slot. Or, usually sooner for
+   a DELIVER item, the **watch** covers ``t`` (``stages.watch``): this stage has read the shard's
+   timer partitions itself from the checkpoint's input offsets up to their ends as asked after
+   ``t``, and keeps the cancels it met there; those below the checkpoint's input offsets are in
+   the TimerLog below ``F``, as for ``W``.
 
 At release the slot's chain is read for cancel markers at positions in ``[read_pos, F)``
 (``read_pos``: where dequeue-get read the slot; it matched the markers below it, and dequeue-getmsg
 confirmed those); a marker whose id hash matches is confirmed on the full id (dequeue-getmsg's
 ``confirmed``: its source record's ``tw-cancel`` against the message's id) and the record is
-dropped as CANCELLED. Two markers of one id hash both count.
+dropped as CANCELLED, as is one whose id the watch met in a cancel. Two markers of one id hash
+both count.
 
 What is released in one loop round goes out in one append, ``tw-delivered-at`` stamped at release,
 with the control headers removed and ``tw-id``, ``tw-roll``, ``tw-enqueued-at`` stamped. Items that
@@ -89,6 +94,7 @@ from timerwheel.stages.codec import (
 from timerwheel.stages.dequeue_get import GENERATION_BITS, markers_of
 from timerwheel.stages.dequeue_getmsg import confirmed
 from timerwheel.stages.published import CKPT_POLL_S, PublishedView
+from timerwheel.stages.watch import Watch
 from timerwheel.store import CorruptCheckpointError, Shard
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
@@ -211,6 +217,8 @@ class DequeuePut(QueueStage):
         #: step, so no finished entry is left held and touched for good.
         self._unreported: dict[tuple[int, int], list[HeldEntry]] = {}
         self._unacked: dict[int, list[HeldEntry]] = {}
+        #: The timer partitions read beside W's gate (``stages.watch``).
+        self._watch = Watch(ctx, commit_log)
 
     # ---------------------------------------------------------------- the loop
 
@@ -223,11 +231,12 @@ class DequeuePut(QueueStage):
         return taken + self._release()
 
     def _wait_s(self) -> float:
-        """How long a step may wait for new entries: until the first held record is due by this
-        clock; CKPT_POLL_S while one is due and waits for ``W``."""
+        """How long a step may wait for new entries: until just past the first held record's time
+        by this clock (the watch needs an observation after it); CKPT_POLL_S while one is due and
+        waits for its gate."""
         if not self._heap:
             return float("inf")
-        ahead = self._heap[0][0] - self.ctx.clock.now_ms()
+        ahead = self._heap[0][0] + 1 - self.ctx.clock.now_ms()
         return ahead / 1000 if ahead > 0 else CKPT_POLL_S
 
     def holding(self, partition: int) -> int:
@@ -439,10 +448,23 @@ class DequeuePut(QueueStage):
                 ready.append(h)
             else:
                 waiting.append(h)
+        watched = [h for h in waiting if h.item.kind == DELIVER]
+        if watched and view is not None and ckpt is not None:
+            # W has not passed them: the watch may tell sooner (stages.watch).
+            granted = self._watch.granted(shard_id, view.shard, ckpt, max(h.due for h in watched),
+                                          patient=not ready and not stale)
+            if granted is not None and any(h.due < granted for h in watched):
+                early = [h for h in watched if h.due < granted]
+                ready += early
+                waiting = [h for h in waiting if not (h.item.kind == DELIVER and h.due < granted)]
+                self.ctx.metrics.inc("released_by_watch", len(early), shard=shard_id)
         cancelled: set[int] = set()
         if ready:
             assert view is not None and ckpt is not None
-            cancelled = self._cancelled(view.shard, [h for h in ready if h.item.kind == DELIVER], ckpt.flushed_pos)
+            delivers = [h for h in ready if h.item.kind == DELIVER]
+            cancelled = self._cancelled(view.shard, delivers, ckpt.flushed_pos)
+            cancelled.update(id(h) for h in delivers
+                             if self._watch.cancelled(shard_id, message_id_of(h.record, h.headers)))
         # Decided: nothing below raises.
         for h in waiting:
             heapq.heappush(self._heap, (h.due, next(self._seq), h))
@@ -454,7 +476,7 @@ class DequeuePut(QueueStage):
             rnd.finished.append((h.held, h.item))
         if not ready:
             return
-        rnd.now = now  # tw-delivered-at: the release
+        rnd.now = self.ctx.clock.now_ms()  # tw-delivered-at: the release (the gate may have taken a while)
         for h in ready:
             if h.item.kind == ROLL:
                 self._roll(rnd, h)
@@ -656,5 +678,6 @@ class DequeuePut(QueueStage):
                 self.logger.info("drained on stop", held=len(self._entries))
         except Exception as exc:  # noqa: BLE001 - best effort: another replica takes what is left
             self.logger.warning("drain on stop ended", reason=str(exc)[:200], held=len(self._entries))
+        self._watch.close()
         for view in self._views.values():
             view.shard.close()

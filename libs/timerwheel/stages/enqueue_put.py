@@ -114,6 +114,16 @@ def r_lead_ms(cfg: TimerConfig) -> int:
     return cfg.roll_window_ms // 3 - cfg.effective_lookahead_ms - cfg.tick_ms
 
 
+def wheel_headroom_ms(cfg: TimerConfig, shard: Shard) -> int:
+    """How far W may run ahead of R before the wheel would lap a slot not read yet."""
+    return shard.slots * shard.tick_ms - cfg.roll_window_ms - shard.tick_ms
+
+
+def w_cap_ms(cfg: TimerConfig, shard: Shard) -> int:
+    """``c - tick``: how far past R W may go (module header); dequeue-put's watch grants no more."""
+    return min(wheel_headroom_ms(cfg, shard), r_lead_ms(cfg) - shard.tick_ms)
+
+
 def roll_targets(deliver_ms: npt.NDArray[np.int64], write_ms: int, base_ms: int,
                  roll_window_ms: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
     """The roll rule, for a batch: the time whose slot each record is written to, and whether
@@ -418,10 +428,8 @@ class EnqueuePut:
         log = stage_logger(STAGE, shard_id)
         ckpt = shard.load_enqueue_checkpoint()
         now = self.ctx.clock.now_ms()
-        tick = shard.tick_ms
-        headroom = shard.slots * tick - self.ctx.config.roll_window_ms - tick
-        st = PutShard(shard_id, shard, log, epoch, headroom_ms=headroom,
-                      w_cap_ms=min(headroom, r_lead_ms(self.ctx.config) - tick))
+        st = PutShard(shard_id, shard, log, epoch, headroom_ms=wheel_headroom_ms(self.ctx.config, shard),
+                      w_cap_ms=w_cap_ms(self.ctx.config, shard))
         if ckpt is None:
             # A new shard starts at the clock; from here on W waits for its input.
             st.write_ms = now

@@ -76,8 +76,10 @@ class CommitLog(Protocol):
         (deleted by retention or beyond the end)."""
         ...
 
-    def consumer(self, topic: str, offsets: Mapping[int, int]) -> Consumer:
-        """A consumer of ``topic`` positioned at ``offsets`` (partition -> next offset)."""
+    def consumer(self, topic: str, offsets: Mapping[int, int], *, keep: bool = True) -> Consumer:
+        """A consumer of ``topic`` positioned at ``offsets`` (partition -> next offset). ``keep``:
+        what it reads of a followed topic may be kept for a later ``read`` (the local log's read
+        cache); False for a reader whose records nobody reads again (dequeue-put's watch)."""
         ...
 
     def end_offsets(self, topic: str) -> dict[int, int]:

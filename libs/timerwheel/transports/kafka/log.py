@@ -156,11 +156,11 @@ class KafkaCommitLog:
 
     # -- consumers ---------------------------------------------------------------------------
 
-    def consumer(self, topic: str, offsets: Mapping[int, int], *,
+    def consumer(self, topic: str, offsets: Mapping[int, int], *, keep: bool = True,
                  monitor_group: str | None = None) -> KafkaConsumerAdapter:
         """A consumer of ``topic`` at ``offsets``. With ``monitor_group``, ``commit_positions``
         records progress in that group for monitoring only; resumption uses the caller's
-        checkpoints."""
+        checkpoints. ``keep`` is the Protocol's: a Kafka consumer never keeps what it reads."""
         with kafka_call(f"consumer for topic {topic!r}"):
             return KafkaConsumerAdapter(
                 lambda: self._clients.consumer(f"consumer-{topic}", group_id=monitor_group, **BATCHED_FETCH),

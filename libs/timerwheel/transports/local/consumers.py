@@ -32,7 +32,7 @@ _IDLE_SLEEP_S = 0.002
 class LocalConsumer:
     """Consumer of some partitions of one LocalCommitLog topic; one thread at a time."""
 
-    def __init__(self, log: LocalCommitLog, topic: str, offsets: Mapping[int, int]) -> None:
+    def __init__(self, log: LocalCommitLog, topic: str, offsets: Mapping[int, int], *, keep: bool = True) -> None:
         for p, o in offsets.items():
             if o < 0:
                 raise ValueError(f"consumer of {topic!r}: offset for partition {p} must be >= 0, got {o}")
@@ -43,6 +43,8 @@ class LocalConsumer:
         self._order = sorted(offsets)
         self._turn = 0
         self._closed = False
+        #: Keep what is read of a followed topic (``LocalCommitLog.consumer``'s ``keep``).
+        self._keep = keep
 
     def poll(self, max_records: int, timeout_s: float) -> list[Record]:
         # Waiting is real time whatever the Clock: a simulated clock must not stall a poll.
@@ -59,7 +61,7 @@ class LocalConsumer:
 
     def _fetch(self, max_records: int) -> list[Record]:
         out: list[Record] = []
-        cache = self._log.read_cache if self.topic in self._log.followed else None
+        cache = self._log.read_cache if self._keep and self.topic in self._log.followed else None
         n = len(self._order)
         for k in range(n):  # start one partition further each poll, so none starves
             p = self._order[(self._turn + k) % n]

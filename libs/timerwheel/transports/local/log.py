@@ -277,8 +277,8 @@ class LocalCommitLog:
                     hits[(p, o)] = rec
         return list(map(hits.get, positions))
 
-    def consumer(self, topic: str, offsets: Mapping[int, int]) -> LocalConsumer:
-        return LocalConsumer(self, topic, offsets)
+    def consumer(self, topic: str, offsets: Mapping[int, int], *, keep: bool = True) -> LocalConsumer:
+        return LocalConsumer(self, topic, offsets, keep=keep)
 
     def group_consumer(self, group: str, topics: Sequence[str],
                        options: Mapping[str, object] | None = None) -> LocalGroupConsumer:

@@ -1,0 +1,224 @@
+"""dequeue-put's watch of the timer topic: a record leaves once the input up to its time is seen,
+not once ``W`` passed it (design precision-and-exactly-once.md 2.2; issue 30).
+
+``W`` trails the clock by the whole input path: enqueue-get's fetch, the put queue, the TimerLog's
+fsync, the checkpoint (a p50 of ~110 ms at 500 msg/s on the shared machine). A record due at ``t``
+needs less before it may leave: every cancel of it acknowledged before ``t`` must be found. Such a
+cancel is at an offset below the shard's timer partitions' high watermarks ``E`` asked at any
+``t0 >= t``, and either
+
+- below the input offsets ``O`` of the shard's enqueue.ckpt (``next_offsets``): then it is in the
+  TimerLog below that checkpoint's flushed position, in the message's slot, where the release's
+  look in the slot's tail finds it (``DequeuePut._cancelled``), as for the W gate; or
+- in ``[O, E)``: this watch reads those offsets itself, a read_committed consumer per shard, and
+  keeps the cancels it meets (``cancelled``).
+
+So a DELIVER record of shard ``s`` due at ``t`` may leave once an observation ``(t0, E, R0)`` with
+``t < t0`` is *covered*: the shard's consumer is at or past ``E`` on each of its partitions, having
+kept every cancel from an offset at or below the checkpoint's ``O`` on. It is granted up to
+``min(t0, R0 + w_cap)``, ``R0`` the shard's R read before ``t0`` and ``w_cap`` enqueue-put's cap
+(``enqueue_put.w_cap_ms``), exactly as enqueue-put grants W: a rolled message or cancel due at
+``t`` sits in a roll slot at least a third of the window before ``t``, its hop is in Kafka once R
+passed that slot, and ``t < R0 + w_cap`` says R had before ``t0`` (so the hop is below ``E``). An
+open transaction on a partition holds the consumer at its last stable offset, below ``E``: the
+record waits (late, never wrong). ROLL items still wait for ``W``; so does everything when the
+watch cannot tell (no observation yet, the broker restarting, a checkpoint whose ``O`` went back
+after a lossy recovery: the consumer is moved back and the watch covers again once it reads on).
+
+Cost, only while records wait for their gate: one ListOffsets per shard every OBSERVE_S and the
+consumer's fetches of ``[O, E)`` (what enqueue-put has not checkpointed yet: a few hundred ms of
+input). An idle watch is not polled; its consumer is moved up to ``O`` when it is needed again, so
+it never reads what the TimerLog holds already.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from timerwheel.log import stage_logger
+from timerwheel.stages.base import StageContext
+from timerwheel.stages.enqueue_put import w_cap_ms
+from timerwheel.store import CorruptCheckpointError, EnqueueCheckpoint, Shard
+from timerwheel.transports.base import CommitLog, Consumer
+from timerwheel.wire import H_CANCEL
+
+#: How often a shard's timer partitions' ends are asked while records wait for the gate.
+OBSERVE_S = 0.01
+#: How long one look waits for the consumer to reach the observed ends.
+CATCH_UP_S = 0.02
+#: Records read per poll.
+POLL_RECORDS = 2_000
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """The shard's timer partitions' high watermarks ``ends`` asked at ``t0`` (this clock, before
+    the request), and its R as read before ``t0``."""
+
+    t0: int
+    ends: dict[int, int]
+    read_ms: int
+
+
+@dataclass
+class ShardWatch:
+    """One shard's consumer, what it kept and its last observation."""
+
+    shard_id: int
+    partitions: list[int]
+    consumer: Consumer | None = None
+    #: Partition -> the offset from which every cancel up to the consumer's position is kept.
+    kept_from: dict[int, int] = field(default_factory=dict)
+    #: Cancelled message id -> (partition, highest offset of a cancel of it).
+    cancels: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: The observation being pursued (its ends not reached yet), when it was asked (monotonic).
+    seen: Observation | None = None
+    asked_at: float = 0.0
+    #: What the reached observations grant (``Watch.granted``); None while none is valid.
+    grant: int | None = None
+
+
+class Watch:
+    """The watches of the shards a DequeuePut releases records of (module header)."""
+
+    def __init__(self, ctx: StageContext, commit_log: CommitLog) -> None:
+        self.ctx = ctx
+        self.commit_log = commit_log
+        self.topic = ctx.config.timer_topic
+        self.logger = stage_logger("dequeue-put")
+        self._shards: dict[int, ShardWatch] = {}
+        self._partitions: int | None = None
+
+    def granted(self, shard_id: int, shard: Shard, ckpt: EnqueueCheckpoint, wanted_ms: int,
+                patient: bool = True) -> int | None:
+        """The time before which the shard's DELIVER records may leave by the watch (their
+        cancels then in ``cancelled`` or below ``ckpt``'s flushed position), or None.
+
+        An observation is pursued until the consumer reaches its ends (the input keeps coming: a
+        newer one each time would never be reached); a new one is asked (at most every OBSERVE_S)
+        once the last is reached and grants no more than ``wanted_ms``. Not ``patient`` (records
+        are ready by ``W`` and wait for this): no waiting for the consumer to get there."""
+        sw = self._shard(shard_id)
+        if sw is None:
+            return None
+        consumer = self._follow_from(sw, ckpt)
+        if consumer is None:
+            return None
+        cap = w_cap_ms(self.ctx.config, shard)
+        if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends, patient):
+            sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
+            sw.seen = None
+        mono = time.monotonic()
+        if sw.seen is None and (sw.grant or 0) <= wanted_ms and mono - sw.asked_at >= OBSERVE_S:
+            sw.asked_at = mono
+            sw.seen = self._observe(sw, shard)
+            if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends, patient):
+                sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
+                sw.seen = None
+        return sw.grant
+
+    def cancelled(self, shard_id: int, message_id: str) -> bool:
+        """A cancel of ``message_id`` was read on the shard's timer partitions (from where the
+        checkpoint's TimerLog ends)."""
+        sw = self._shards.get(shard_id)
+        return sw is not None and message_id in sw.cancels
+
+    def close(self) -> None:
+        for sw in self._shards.values():
+            if sw.consumer is not None:
+                sw.consumer.close()
+                sw.consumer = None
+
+    # ---------------------------------------------------------------- internals
+
+    def _shard(self, shard_id: int) -> ShardWatch | None:
+        sw = self._shards.get(shard_id)
+        if sw is None:
+            if self._partitions is None:
+                n = self.commit_log.partition_count(self.topic)
+                if n is None:
+                    return None
+                self._partitions = n
+            shards = self.ctx.config.shards
+            sw = self._shards[shard_id] = ShardWatch(shard_id, [p for p in range(self._partitions)
+                                                                if p % shards == shard_id])
+        return sw
+
+    def _follow_from(self, sw: ShardWatch, ckpt: EnqueueCheckpoint) -> Consumer | None:
+        """The shard's consumer, reading on from the checkpoint's input offsets ``O`` at the latest
+        (what is below them is in the TimerLog); moved back to ``O`` if ``O`` went below where it
+        keeps cancels from (a recovery that lost records). Cancels below ``O`` are dropped. None
+        while no consumer can be made (a broker restarting)."""
+        have = ckpt.next_offsets
+        if sw.consumer is None:
+            kept_from = {p: have.get(p, 0) for p in sw.partitions}
+            try:
+                sw.consumer = self.commit_log.consumer(self.topic, kept_from, keep=False)
+            except Exception as exc:  # noqa: BLE001 - as _observe
+                self._failed(sw, "consumer", exc)
+                return None
+            sw.kept_from, sw.grant = kept_from, None
+        consumer = sw.consumer
+        for p in sw.partitions:
+            o = have.get(p, 0)
+            if o < sw.kept_from[p]:
+                # Records below the old floor were lost from the TimerLog: read again, and what
+                # was granted does not hold until then.
+                consumer.seek(p, o)
+                sw.kept_from[p] = o
+                sw.grant = None
+            elif consumer.position(p) < o:
+                consumer.seek(p, o)
+                sw.kept_from[p] = o
+        if sw.cancels:
+            sw.cancels = {mid: at for mid, at in sw.cancels.items() if at[1] >= have.get(at[0], 0)}
+        return consumer
+
+    def _observe(self, sw: ShardWatch, shard: Shard) -> Observation | None:
+        """R, then ``t0``, then the ends (the order the grant needs); None if either read fails."""
+        try:
+            dq = shard.load_dequeue_checkpoint()
+        except CorruptCheckpointError:
+            return None
+        if dq is None:
+            return None
+        t0 = self.ctx.clock.now_ms()
+        try:
+            ends = self.commit_log.high_watermarks(self.topic)
+        except Exception as exc:  # noqa: BLE001 - a broker restarting: the W gate holds meanwhile
+            self._failed(sw, "observation", exc)
+            return None
+        return Observation(t0, {p: ends.get(p, 0) for p in sw.partitions}, dq.read_ms)
+
+    def _reach(self, sw: ShardWatch, consumer: Consumer, ends: dict[int, int], patient: bool) -> bool:
+        """Read the shard's partitions up to ``ends`` (at most CATCH_UP_S if ``patient``, else what
+        has arrived), keeping the cancels met; whether every partition got there."""
+        deadline = time.monotonic() + (CATCH_UP_S if patient else 0.0)
+        polled = False
+        while True:
+            behind = [p for p in sw.partitions if consumer.position(p) < ends[p]]
+            if not behind:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 and polled:
+                return False
+            polled = True
+            try:
+                # Always a positive wait: a poll without one makes a Kafka consumer fetch in batches.
+                records = consumer.poll(POLL_RECORDS, min(max(left, 0.0005), 0.002))
+            except Exception as exc:  # noqa: BLE001 - as _observe
+                self._failed(sw, "read", exc)
+                return False
+            for r in records:
+                target = r.header(H_CANCEL)
+                if target is not None:
+                    mid = target.decode("utf-8", "replace")
+                    at = sw.cancels.get(mid)
+                    if at is None or at[1] < r.offset:
+                        sw.cancels[mid] = (r.partition, r.offset)
+
+    def _failed(self, sw: ShardWatch, what: str, exc: Exception) -> None:
+        """Count a failed Kafka call of the watch; its records wait for ``W`` meanwhile."""
+        self.ctx.metrics.inc("watch_failures", shard=sw.shard_id)
+        self.logger.debug("watch failed", shard=sw.shard_id, what=what, reason=str(exc)[:200])

@@ -1,0 +1,196 @@
+"""dequeue-put's watch (``stages.watch``): a record leaves once its shard's timer partitions are
+read up to their ends as asked after its time, while ``W`` still lags; a cancel met there drops
+it; R too far behind, or an input checkpoint that went back, hold it until the watch can tell.
+
+dequeue-put alone on a simulated clock (``test_release.PutRig``), the timer topic in the local
+log, ``W`` and R published by hand.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_dequeue_put_checks import record
+from test_release import SLOT, START, PutRig
+from timerwheel import SimulatedClock, TimerConfig
+from timerwheel.records import OutRecord, Record
+from timerwheel.stages import watch
+from timerwheel.stages.base import StageContext
+from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem
+from timerwheel.stages.dequeue_put import DequeuePut
+from timerwheel.stages.enqueue_put import w_cap_ms
+from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store.layout import open_reader_if_exists, open_shard
+from timerwheel.transports.kafka.log import KafkaCommitLog
+from timerwheel.transports.memory import MemoryWorkQueue
+
+
+class WatchRig(PutRig):
+    """``PutRig`` with the timer topic (one partition) and R saved."""
+
+    def __init__(self, tmp_path: Path, clock: SimulatedClock) -> None:
+        super().__init__(tmp_path, clock)
+        self.timer = self.config.timer_topic
+        self.log.ensure_topic(self.timer, 1)
+        self.set_r(START)
+
+    def set_r(self, read_ms: int) -> None:
+        self.writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=read_ms, epoch=0))
+
+    def publish_input(self, write_ms: int, next_offset: int) -> None:
+        """W = ``write_ms`` with the TimerLog holding the timer partition's input below ``next_offset``."""
+        self.writer.save_enqueue_checkpoint(EnqueueCheckpoint(flushed_pos=self.writer.flush(), write_ms=write_ms,
+                                                              next_offsets={0: next_offset}, epoch=1))
+        for put in self.stages:
+            put.ctx.published_w[0] = put.ctx.published_w.get(0, 0) + 1
+
+    def timer_records(self, n: int) -> int:
+        """``n`` scheduled messages appended to the timer topic (due far ahead); its end."""
+        self.log.append([OutRecord(self.timer, b"k", b"v", (("tw-topic", b"dest"), ("tw-delay-ms", b"3600000")),
+                                   partition=0)] * n)
+        return self.log.end_offsets(self.timer)[0]
+
+    def cancel(self, message_id: str, due: int) -> int:
+        """A cancel of ``message_id`` appended to the timer topic; its offset."""
+        ((_p, offset),) = self.log.append([OutRecord(self.timer, message_id.encode(), None, (
+            ("tw-cancel", message_id.encode()), ("tw-deliver-at", str(due).encode())), partition=0)])
+        return offset
+
+
+@pytest.fixture
+def clock() -> SimulatedClock:
+    return SimulatedClock(start_ms=START)
+
+
+@pytest.fixture
+def rig(tmp_path: Path, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[WatchRig]:
+    monkeypatch.setattr(watch, "OBSERVE_S", 0.0)  # observe at every look: the simulated clock moves, not time
+    r = WatchRig(tmp_path, clock)
+    yield r
+    r.close()
+
+
+DUE = {"m1": SLOT + 10, "m2": SLOT + 40, "m3": SLOT + 15}
+
+
+def _step_until(rig: WatchRig, until_ms: int) -> dict[str, int]:
+    """Step the stage every 1 ms of the simulated clock up to ``until_ms``; what was sent, never early."""
+    (put,) = rig.stages
+    while rig.clock.now_ms() <= until_ms:
+        put.step(0)
+        for mid, at in rig.sent().items():
+            assert at > DUE[mid], f"{mid} released at or before its time"
+        rig.clock.advance(1)
+    return rig.sent()
+
+
+def test_a_record_leaves_just_after_its_time_while_w_lags(rig: WatchRig, clock: SimulatedClock) -> None:
+    put = rig.stage("a")
+    end = rig.timer_records(3)
+    rig.publish_input(START, end - 1)  # W far behind; the TimerLog lacks the input's last record
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 40))
+    put.step(0)
+    assert _step_until(rig, SLOT + 9) == {}
+    # Each at the first look after its time (an observation at t0 > t), not when W passes it.
+    assert _step_until(rig, SLOT + 60) == {"m1": SLOT + 11, "m2": SLOT + 41}
+    assert rig.done() == 2 and rig.deliver_q.depth(0) == 0
+    assert put.ctx.metrics.counter("released_by_watch", shard=0) == 2
+
+
+def test_a_cancel_above_the_checkpointed_input_drops_the_held_record(rig: WatchRig, clock: SimulatedClock) -> None:
+    put = rig.stage("a")
+    end = rig.timer_records(2)
+    rig.publish_input(START, end)
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 40))
+    put.step(0)
+    clock.set(SLOT + 5)
+    rig.cancel("m1", SLOT + 10)  # acknowledged before m1's time; enqueue-put has not written it yet
+    assert _step_until(rig, SLOT + 60) == {"m2": SLOT + 41}
+    assert rig.done() == 2  # m1 finished as cancelled
+
+
+def test_the_watch_grants_no_more_than_r_plus_the_cap(rig: WatchRig, clock: SimulatedClock) -> None:
+    """A roll hop due at ``t`` is in Kafka only once R passed its roll slot: with ``t`` at R + the
+    cap, the record waits for R (or W), as enqueue-put's W would."""
+    put = rig.stage("a")
+    rig.publish_input(START, rig.timer_records(1))
+    rig.set_r(SLOT + 10 - w_cap_ms(rig.config, rig.writer))
+    rig.hand_over(record(1, "dest", SLOT + 10))
+    put.step(0)
+    assert _step_until(rig, SLOT + 30) == {}
+    rig.set_r(SLOT + 11 - w_cap_ms(rig.config, rig.writer))
+    assert _step_until(rig, SLOT + 31) == {"m1": SLOT + 31}
+
+
+def test_an_input_checkpoint_that_went_back_is_read_again_from_there(rig: WatchRig, clock: SimulatedClock) -> None:
+    """A recovery that lost records re-reads them from Kafka: the checkpoint's input offsets go
+    back; what the watch granted before no longer holds, and a cancel among the re-read records
+    still wins over a record handed over late."""
+    put = rig.stage("a")
+    rig.timer_records(2)
+    cancel_at = rig.cancel("m1", SLOT + 10)
+    end = rig.timer_records(2)
+    rig.publish_input(START, end)  # the watch starts past the cancel: the TimerLog holds it ...
+    rig.hand_over(record(3, "dest", SLOT + 15))
+    put.step(0)
+    assert _step_until(rig, SLOT + 16) == {"m3": SLOT + 16}  # granted up to SLOT + 16
+    rig.publish_input(START, cancel_at)  # ... until a recovery loses it
+    rig.hand_over(record(1, "dest", SLOT + 10))  # read late (dequeue-get re-read its slot)
+    assert _step_until(rig, SLOT + 30) == {"m3": SLOT + 16}
+    assert rig.done() == 2  # m1 cancelled by the cancel the watch read again
+
+
+def test_on_kafka_a_record_leaves_by_the_watch_and_a_cancel_it_read_wins(
+        tmp_path: Path, clock: SimulatedClock, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same over the session's Kafka: the watch's consumer (read_committed, its own fetches)
+    and the high watermarks it asks. W stays behind; m1 leaves after its time, m2's cancel, above
+    the checkpoint's input offsets, drops it."""
+    monkeypatch.setattr(watch, "OBSERVE_S", 0.0)
+    uid = uuid.uuid4().hex[:8]
+    cfg = TimerConfig(data_dir=str(tmp_path / "data"), shards=1, fsync=False, lookahead_ms=1_000,
+                      timer_topic=f"tw-watch-{uid}", dlq_topic=f"tw-watch-{uid}-dlq")
+    dest = f"tw-watch-dest-{uid}"
+    log = KafkaCommitLog(kafka_bootstrap)
+    log.ensure_topic(cfg.timer_topic, 1)
+    log.ensure_topic(dest, 1)
+    writer = open_shard(cfg, 0, writer=True)
+    deliver_q = MemoryWorkQueue("deliver", 1, 64, clock=clock)
+    done_q = MemoryWorkQueue("done", 1, 64, clock=clock)
+    put = DequeuePut(StageContext(cfg, clock, consumer="a"), log, deliver_q, done_q, [0],
+                     lambda s: open_reader_if_exists(cfg, s))
+    try:
+        timer = [OutRecord(cfg.timer_topic, b"k", b"v", (("tw-topic", dest.encode()), ("tw-delay-ms", b"3600000")),
+                           partition=0)] * 3
+        end = log.append(timer)[-1][1] + 1
+        writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=START, epoch=0))
+        writer.save_enqueue_checkpoint(EnqueueCheckpoint(flushed_pos=writer.flush(), write_ms=START,
+                                                         next_offsets={0: end}, epoch=1))
+        items = tuple(DeliverItem(DELIVER, SLOT, START - 60_000, record(i, dest, SLOT + 10), 0, i) for i in (1, 2))
+        deliver_q.put(0, [DeliverEntry(0, 1, SLOT, 0, items).encode()], 1.0)
+        put.step(0)
+        log.append([OutRecord(cfg.timer_topic, b"m2", None, (("tw-cancel", b"m2"),
+                                                              ("tw-deliver-at", str(SLOT + 10).encode())), partition=0)])
+        clock.set(SLOT + 11)
+        deadline = time.monotonic() + 20
+        while done_q.depth(0) == 0:
+            assert time.monotonic() < deadline, "nothing released within 20 s while the watch could tell"
+            put.step(0)
+            time.sleep(0.005)
+        consumer = log.consumer(dest, {0: 0})
+        got: list[Record] = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got += consumer.poll(10, 0.5)
+        got += consumer.poll(10, 0.5)
+        consumer.close()
+        assert [(r.header("tw-id"), r.header("tw-delivered-at")) for r in got] == [(b"m1", str(SLOT + 11).encode())]
+        assert put.ctx.metrics.counter("released_by_watch", shard=0) == 2  # m2 released, then dropped
+        assert put.ctx.metrics.counter("cancelled", topic=dest) == 1
+    finally:
+        put.close()
+        writer.close()
+        log.close()
