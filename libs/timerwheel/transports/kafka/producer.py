@@ -26,7 +26,8 @@ What it guarantees:
   timeout plus the broker's abort sweep, ``transaction.abort.timed.out.transaction.cleanup.
   interval.ms``, 10 s by default), and not at all once it restarts: ``init_transactions`` under
   the same id aborts the open transaction at once and fences the crashed producer. (A random id,
-  as before, left it open for the 60 s default, its restart unable to end it.)
+  as before, left it open for the 60 s default, its restart unable to end it.) The transaction
+  itself is ``transactions.TransactionalProducer``'s, as are enqueue-get's dead letters.
 """
 
 from __future__ import annotations
