@@ -7,16 +7,18 @@ or runs beside a zombie with the same transactional id.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kafka import KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from timerwheel import SimulatedClock, TimerConfig
-from timerwheel.records import OutRecord
+from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.enqueue_get import EnqueueGet
 from timerwheel.transports.kafka.errors import KafkaLogError
@@ -55,23 +57,27 @@ def write_timer_records(log: KafkaCommitLog, config: TimerConfig, tag: str) -> s
     return {f"{config.timer_topic}/{p}/{o}" for (p, o), r in zip(written, records, strict=True) if b"bad" in (r.value or b"")}
 
 
-def run_enqueue_get(bootstrap: str, config: TimerConfig) -> None:
-    """An enqueue-get that starts from offset 0 (an old checkpoint) and reads to the end."""
-    log = KafkaCommitLog(bootstrap)
-    stage = EnqueueGet(StageContext(config, SimulatedClock(START)), log, MemoryWorkQueue("put", 1, 1000), [0, 1],
-                       lambda shard: {})
+def run_enqueue_get(bootstrap: str, config: TimerConfig, **options: Any) -> None:
+    """An enqueue-get that starts from offset 0 (an old checkpoint) and reads to the end
+    (``options``: the ``KafkaCommitLog``'s)."""
+    log = KafkaCommitLog(bootstrap, **options)
+    ctx = StageContext(config, SimulatedClock(START))
+    stage = EnqueueGet(ctx, log, MemoryWorkQueue("put", 1, 1000), [0, 1], lambda shard: {})
+    stopper = threading.Timer(20, ctx.stop.set)  # a step retrying for ever raises Stopped then
+    stopper.start()
     try:
-        deadline = time.monotonic() + 20
         while not stage.caught_up():
-            assert time.monotonic() < deadline, "enqueue-get did not read the timer topic to its end"
+            assert not ctx.stop.is_set(), "enqueue-get did not read the timer topic to its end"
             stage.step(0.2)
     finally:
+        stopper.cancel()
         stage.close()
         log.close()
 
 
-def dead_letters(bootstrap: str, config: TimerConfig) -> Counter[str]:
-    """``tw-source`` -> how many times a read_committed reader finds it in the dead-letter topic."""
+def dead_letters(bootstrap: str, config: TimerConfig, records: list[Record] | None = None) -> Counter[str]:
+    """``tw-source`` -> how many times a read_committed reader finds it in the dead-letter topic
+    (the records into ``records`` when given)."""
     log = KafkaCommitLog(bootstrap)  # end offsets asked now, not cached
     consumer = log.consumer(config.dlq_topic, {0: 0})
     try:
@@ -80,7 +86,10 @@ def dead_letters(bootstrap: str, config: TimerConfig) -> Counter[str]:
         deadline = time.monotonic() + 10
         while consumer.position(0) < end:
             assert time.monotonic() < deadline, "the dead-letter topic not read to its last stable offset"
-            found.update((r.header("tw-source") or b"").decode() for r in consumer.poll(100, 0.5))
+            batch = consumer.poll(100, 0.5)
+            found.update((r.header("tw-source") or b"").decode() for r in batch)
+            if records is not None:
+                records += batch
         return found
     finally:
         consumer.close()
@@ -159,3 +168,18 @@ def test_a_commit_of_unknown_outcome_is_decided_by_the_next_init_and_written_onc
     assert dead_letters(kafka_bootstrap, config) == Counter(["src/3", "src/5"])
     assert log.dead_letter_once(prefix, config.timer_topic, 0, letters) == 0
     assert written in (0, 2)  # 0: the first commit had gone through
+
+
+def test_a_dead_letter_too_large_for_the_producer_goes_without_its_value_once(
+        kafka_bootstrap: str, log: KafkaCommitLog, config: TimerConfig) -> None:
+    """Kafka refuses it for good: written without its value (as ``append_until_written`` does),
+    not retried for ever, and enqueue-get goes on."""
+    sources = write_timer_records(log, config, "a")
+    [(p, o)] = log.append([OutRecord(config.timer_topic, b"big", b"x" * 100_000, (("tw-id", b"big"),), partition=1)])
+    run_enqueue_get(kafka_bootstrap, config, max_request_size=64 * 1024)
+    run_enqueue_get(kafka_bootstrap, config, max_request_size=64 * 1024)
+    got: list[Record] = []
+    big = f"{config.timer_topic}/{p}/{o}"
+    assert dead_letters(kafka_bootstrap, config, got) == Counter(sources | {big})
+    [letter] = [r for r in got if r.header("tw-source") == big.encode()]
+    assert letter.key == b"big" and letter.value == b"" and b"MessageSizeTooLarge" in (letter.header("tw-error") or b"")

@@ -39,7 +39,7 @@ from timerwheel import telemetry
 from timerwheel.errors import InvalidTimerMessage
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
-from timerwheel.stages.base import StageContext, Stopped, append_until_written, put_blocking
+from timerwheel.stages.base import StageContext, Stopped, append_until_written, put_blocking, refused_record
 from timerwheel.stages.codec import PutEntry, PutRow, wire
 from timerwheel.transports.base import CommitLog, Consumer, DeadLetterLog, ReportsUndecodable, WorkQueue
 from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
@@ -229,6 +229,14 @@ class EnqueueGet:
                     written = once.dead_letter_once(prefix, topic, p, letters)
                     break
                 except Exception as exc:  # noqa: BLE001 - any transport failure is retried, never dropped
+                    refused = getattr(exc, "refused", None)
+                    if refused:  # too large with its value: the dead letter without it, written now
+                        letters = [(o, refused_record(r, refused[i], self.ctx.config.dlq_topic) if i in refused else r)
+                                   for i, (o, r) in enumerate(letters)]
+                        self.ctx.metrics.inc("refused_records", len(refused))
+                        self.logger.error("dead letter refused by the log, written without its value", partition=p,
+                                          records=len(refused), reason=next(iter(refused.values())))
+                        continue
                     attempts += 1
                     self.ctx.metrics.inc("dead_letter_retries", partition=p)
                     self.logger.warning("dead-letter transaction failed, retrying", exc=exc if attempts == 1 else False,

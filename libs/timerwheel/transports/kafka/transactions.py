@@ -39,7 +39,7 @@ from timerwheel.records import OutRecord
 from timerwheel.transports.kafka import internals
 from timerwheel.transports.kafka.admin import Topics
 from timerwheel.transports.kafka.clients import KafkaClients
-from timerwheel.transports.kafka.errors import KafkaLogError, kafka_call
+from timerwheel.transports.kafka.errors import REFUSED, KafkaLogError, kafka_call, refusal
 
 __all__ = ["DEAD_LETTER_TRANSACTION_TIMEOUT_MS", "DeadLetters", "TransactionalProducer"]
 
@@ -91,16 +91,26 @@ class TransactionalProducer:
             group: str | None = None) -> list[tuple[int, int]]:
         """Write ``records`` (and ``offsets`` for ``group``) in one transaction; their positions.
         On failure nothing was written, or (``KafkaLogError.unknown_outcome``) the commit did not
-        answer in time and the next ``init`` decides."""
+        answer in time and the next ``init`` decides. Records Kafka refuses for good (too large)
+        are named in ``KafkaLogError.refused`` and nothing is written."""
         self.init()
         producer = self._producer
         self.used_at = time.monotonic()
         what = f"transaction of {len(records)} records under {self.transactional_id!r}"
         try:
             producer.begin_transaction()
-            futures = [producer.send(r.topic, value=r.value if r.value is not None or r.key is not None else b"",
-                                     key=r.key, headers=list(r.headers), partition=r.partition,
-                                     timestamp_ms=r.timestamp_ms) for r in records]
+            futures = []
+            refused: dict[int, str] = {}
+            for i, r in enumerate(records):
+                try:
+                    futures.append(producer.send(
+                        r.topic, value=r.value if r.value is not None or r.key is not None else b"", key=r.key,
+                        headers=list(r.headers), partition=r.partition, timestamp_ms=r.timestamp_ms))
+                except REFUSED as exc:
+                    refused[i] = refusal(exc)
+            if refused:  # none of them is written: the caller replaces the refused ones and calls again
+                raise KafkaLogError(f"{what}: {len(refused)} records refused, first: {next(iter(refused.values()))}",
+                                    refused=refused)
             if offsets:
                 producer.send_offsets_to_transaction(
                     {tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()}, group)
@@ -116,10 +126,12 @@ class TransactionalProducer:
             if failure:
                 raise failure[0]
             return [(md.partition, md.offset) for md in (f.get(timeout=self.timeout_ms / 1000) for f in futures)]
-        except kafka_errors.KafkaError as exc:
+        except (kafka_errors.KafkaError, KafkaLogError) as exc:
             with suppress(kafka_errors.KafkaError):
                 producer.abort_transaction()
             self.drop()  # fenced, or in a state it may not leave: a new one next time
+            if isinstance(exc, KafkaLogError):
+                raise
             raise KafkaLogError(f"{what} failed: {exc}") from None
 
     def drop(self) -> None:
