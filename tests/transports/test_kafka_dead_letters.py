@@ -57,9 +57,9 @@ def write_timer_records(log: KafkaCommitLog, config: TimerConfig, tag: str) -> s
     return {f"{config.timer_topic}/{p}/{o}" for (p, o), r in zip(written, records, strict=True) if b"bad" in (r.value or b"")}
 
 
-def run_enqueue_get(bootstrap: str, config: TimerConfig, **options: Any) -> None:
+def run_enqueue_get(bootstrap: str, config: TimerConfig, **options: Any) -> float:
     """An enqueue-get that starts from offset 0 (an old checkpoint) and reads to the end
-    (``options``: the ``KafkaCommitLog``'s)."""
+    (``options``: the ``KafkaCommitLog``'s); what it counted in ``dead_lettered``."""
     log = KafkaCommitLog(bootstrap, **options)
     ctx = StageContext(config, SimulatedClock(START))
     stage = EnqueueGet(ctx, log, MemoryWorkQueue("put", 1, 1000), [0, 1], lambda shard: {})
@@ -73,6 +73,7 @@ def run_enqueue_get(bootstrap: str, config: TimerConfig, **options: Any) -> None
         stopper.cancel()
         stage.close()
         log.close()
+    return ctx.metrics.counter("dead_lettered")
 
 
 def dead_letters(bootstrap: str, config: TimerConfig, records: list[Record] | None = None) -> Counter[str]:
@@ -99,11 +100,11 @@ def dead_letters(bootstrap: str, config: TimerConfig, records: list[Record] | No
 def test_a_restart_from_an_older_checkpoint_dead_letters_nothing_twice(
         kafka_bootstrap: str, log: KafkaCommitLog, config: TimerConfig) -> None:
     first = write_timer_records(log, config, "a")
-    run_enqueue_get(kafka_bootstrap, config)
+    assert run_enqueue_get(kafka_bootstrap, config) == 4
     assert dead_letters(kafka_bootstrap, config) == Counter(first)
     second = write_timer_records(log, config, "b")
-    run_enqueue_get(kafka_bootstrap, config)  # reads from 0 again: the first ones are skipped
-    run_enqueue_get(kafka_bootstrap, config)
+    assert run_enqueue_get(kafka_bootstrap, config) == 4  # reads from 0 again: the first ones are skipped
+    assert run_enqueue_get(kafka_bootstrap, config) == 0
     assert dead_letters(kafka_bootstrap, config) == Counter(first | second)
 
 

@@ -143,9 +143,8 @@ class EnqueueGet:
         t0 = telemetry.batch_start()
         now = ctx.clock.now_ms()
         parse = ctx.rules.parse
-        #: (source partition, source offset, dead letter)
-        dead: list[tuple[int, int, OutRecord]] = []
-        reasons: dict[str, int] = {}
+        #: (source partition, source offset, dead letter, its destination for the metric)
+        dead: list[tuple[int, int, OutRecord, str]] = []
         scheduled: dict[str, int] = {}
         cancels = 0
         #: partition -> [first offset, last offset, rows, traces]
@@ -167,11 +166,10 @@ class EnqueueGet:
                 if missing is not None and not cancel and roll == 0 and missing(topic):
                     raise InvalidTimerMessage(f"destination topic {topic!r} does not exist (TW_MISSING_TOPIC=dlq)")
             except InvalidTimerMessage as exc:
-                dead.append((r.partition, r.offset,
-                             OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason))))
                 raw = hdr.get(H_TOPIC)
-                label = raw.decode("utf-8", "replace") if raw else "-"
-                reasons[label] = reasons.get(label, 0) + 1
+                dead.append((r.partition, r.offset,
+                             OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)),
+                             raw.decode("utf-8", "replace") if raw else "-"))
                 continue
             row = (r.offset, size, enqueued, deliver, cancel, topic_hashes.get(topic) or self._topic_hash(topic),
                    id_hash(message_id))
@@ -185,9 +183,13 @@ class EnqueueGet:
                 batch[3].append((len(rows), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
             rows.append(row)
         if dead:
-            self._dead_letter(dead)
+            skipped = self._dead_letter(dead)
+            reasons: dict[str, int] = {}
+            for p, offset, _, label in dead:
+                if (p, offset) not in skipped:
+                    reasons[label] = reasons.get(label, 0) + 1
             ctx.metrics.inc_many("dead_lettered", "topic", reasons)
-            self.logger.info("dead-lettered", records=len(dead))
+            self.logger.info("dead-lettered", records=len(dead) - len(skipped))
         by_shard: dict[int, list[bytes]] = {}
         reported = self._reported
         ends = dict(positions or {})
@@ -209,17 +211,19 @@ class EnqueueGet:
         if cancels:
             ctx.metrics.inc("cancel_requests", cancels)
         if t0 is not None:
-            telemetry.enqueue_get_batch(t0, ctx.config, records, [r for _, _, r in dead])
+            telemetry.enqueue_get_batch(t0, ctx.config, records, [d[2] for d in dead])
 
-    def _dead_letter(self, dead: Sequence[tuple[int, int, OutRecord]]) -> None:
+    def _dead_letter(self, dead: Sequence[tuple[int, int, OutRecord, str]]) -> set[tuple[int, int]]:
         """Write the dead letters before the entries that cover their offsets are sent (once the
-        checkpoint passes an offset, it is not read again)."""
+        checkpoint passes an offset, it is not read again); returns the (partition, offset) of
+        those written before (a restart read them again)."""
         once = self._once
         if once is None:
-            append_until_written(self.ctx, self.commit_log, [r for _, _, r in dead], self.logger)
-            return
+            append_until_written(self.ctx, self.commit_log, [d[2] for d in dead], self.logger)
+            return set()
+        skipped: set[tuple[int, int]] = set()
         by_partition: dict[int, list[tuple[int, OutRecord]]] = {}
-        for p, offset, record in dead:
+        for p, offset, record, _ in dead:
             by_partition.setdefault(p, []).append((offset, record))
         prefix, topic = self.ctx.config.transactional_id_prefix, self.ctx.config.timer_topic
         for p, letters in by_partition.items():
@@ -244,8 +248,10 @@ class EnqueueGet:
                     if self.ctx.stop.wait(backoff):
                         raise Stopped() from exc
                     backoff = min(backoff * 2, 2.0)
-            if written < len(letters):
+            if written < len(letters):  # the lowest offsets: below the group's committed offset
+                skipped.update((p, o) for o, _ in letters[:len(letters) - written])
                 self.logger.info("dead letters written before, skipped", partition=p, skipped=len(letters) - written)
+        return skipped
 
     def _missing(self, topic: str) -> bool:
         """The destination does not exist (the commit log caches the answer)."""
