@@ -567,8 +567,9 @@ class TimerProducer:
                     if m in self.cancel_acked and self.cancel_acked[m] < s.deliver_at_ms}
 
     def send_raw(self, headers: Sequence[tuple[str, bytes]], key: bytes | None, value: bytes | None,
-                 partition: int = 0) -> None:
-        self._send(None, list(headers), partition, key, value)
+                 partition: int = 0) -> Any:
+        """Any record to the timer topic; its kafka-python future."""
+        return self._send(None, list(headers), partition, key, value)
 
     def flush(self, timeout_s: float = 60.0) -> None:
         self.producer.flush(timeout=timeout_s)
@@ -667,8 +668,10 @@ class Delivery:
 class Collector:
     """Reads destination topics (from the start) in a thread and groups the records by tw-id."""
 
-    def __init__(self, pipe: Pipeline, topics: Sequence[str], *, keep_values: bool = True) -> None:
-        """``keep_values`` False: the deliveries' values are not kept (bursts of large records)."""
+    def __init__(self, pipe: Pipeline, topics: Sequence[str], *, keep_values: bool = True,
+                 read_committed: bool = False) -> None:
+        """``keep_values`` False: the deliveries' values are not kept (bursts of large records);
+        ``read_committed``: aborted transactions' records are not read."""
         self.pipe = pipe
         self.topics = list(topics)
         self.keep_values = keep_values
@@ -679,7 +682,9 @@ class Collector:
         self._stop = threading.Event()
         self.consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
                                       auto_offset_reset="earliest", client_id=f"e2e-collector-{pipe.uid}",
-                                      fetch_max_wait_ms=100, **pipe.kafka_options)
+                                      fetch_max_wait_ms=100,
+                                      isolation_level="read_committed" if read_committed else "read_uncommitted",
+                                      **pipe.kafka_options)
         tps = []
         for topic in self.topics:
             parts = None

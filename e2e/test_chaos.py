@@ -24,13 +24,20 @@ Duplicates are bounded, and the bound is computed from the run (``Ledger``):
   be claimed (30 s), ``R`` lags and this is more than the in-flight window: the ledger counts the
   messages in those slots from ``R`` as read just before the disruption;
 * a TimerLog record cut off after it was checkpointed may be delivered once more.
+
+Invalid timer records (no ``tw-topic``) are sent through the disruptions of the SIGKILL and the
+Redis/Kafka runs: the dead-letter topic, read ``read_committed``, must hold exactly them, each
+once (issue 31: before enqueue-get's dead-letter transactions a restart dead-lettered again
+everything after its checkpoint).
 """
 
 from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -62,6 +69,50 @@ MIN_CANCELS_IN_TIME = 50
 STOPPED_S = 10
 #: A dead consumer's work-queue entries are claimed after 30 s idle, checked every 1000 steps.
 RECLAIM_S = 60
+
+
+class InvalidRecords:
+    """Invalid timer records sent during a run, and the dead-letter topic read ``read_committed``."""
+
+    def __init__(self, pipe: Pipeline, run: LoadRun) -> None:
+        self.producer = run.producer
+        self.collector = Collector(pipe, [pipe.dlq_topic], read_committed=True)
+        self.sent = 0
+        #: Keys of the records the broker acknowledged (a send that failed may still have landed).
+        self.acked: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def send(self, count: int = 10) -> None:
+        for _ in range(count):
+            key = f"invalid-{self.sent}".encode()
+            future = self.producer.send_raw([("tw-id", key)], key, b"invalid", self.sent % self.producer.partitions)
+            self.sent += 1
+            future.add_callback(lambda _md, k=key: self._acked(k))
+
+    def _acked(self, key: bytes) -> None:
+        with self._lock:
+            self.acked.add(key)
+
+    def check(self, name: str, timeout_s: float = 60) -> None:
+        """Every acknowledged invalid record dead-lettered, each once, and nothing else."""
+        self.producer.flush()
+        with self._lock:
+            acked = set(self.acked)
+        deadline = time.monotonic() + timeout_s
+        while acked - {d.key for d in list(self.collector.records)} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # late copies
+        counts = Counter(d.key for d in list(self.collector.records))
+        sent = {f"invalid-{i}".encode() for i in range(self.sent)}
+        print(f"[{name}] invalid sent={self.sent} acknowledged={len(acked)} dead letters={sum(counts.values())}",
+              flush=True)
+        assert not acked - set(counts), f"not dead-lettered: {sorted(acked - set(counts))[:10]}"
+        assert not {k: c for k, c in counts.items() if c > 1}, \
+            f"dead-lettered twice or more: {[(k, c) for k, c in counts.items() if c > 1][:10]}"
+        assert set(counts) <= sent, f"dead letters of other records: {sorted(set(counts) - sent, key=str)[:10]}"
+
+    def close(self) -> None:
+        self.collector.close()
 
 
 def cut_timerlog_tails(pipe: Pipeline, cut: int = 32) -> int:
@@ -178,9 +229,11 @@ def sigkill_each_stage(pipe: Pipeline, name: str) -> None:
     with pipe.running(), LoadRun(pipe, dest, seed=17, rate=60, min_delay_ms=500, max_delay_ms=25_000,
                                    cancel_fraction=CANCEL_FRACTION, cancel_before_ms=CANCEL_BEFORE_MS) as run:
         ledger = Ledger(pipe, run.producer)
+        invalid = InvalidRecords(pipe, run)
         rounds = [[s] for s in STAGES] + [rng.sample(STAGES, 2), rng.sample(STAGES, 2)]
         for victims in rounds:
             time.sleep(rng.uniform(2.0, 5.0))
+            invalid.send()
             for victim in victims:  # not ``name``: the run's, which finish() prints
                 ledger.disrupt(f"kill {victim}", victim in DEQUEUE_SIDE, victim == "dequeue-get")
                 pipe.kill(victim, signal.SIGKILL)
@@ -199,6 +252,8 @@ def sigkill_each_stage(pipe: Pipeline, name: str) -> None:
         pipe.kill("dequeue-get", signal.SIGCONT)
         time.sleep(3)
         finish(pipe, run, name, ledger, damaged, 25_000)
+        invalid.check(name)
+        invalid.close()
         recovered = [line for line in pipe.log_lines("enqueue-put") if line.get("event") == "recovered"]
         assert any(line["truncated_bytes"] > 0 for line in recovered), recovered
         pipe.stop_cleanly()
@@ -216,13 +271,17 @@ def test_redis_flushall_a_redis_restart_and_a_broker_restart_mid_run_lose_nothin
     with pipe.running(), LoadRun(pipe, dest, seed=23, rate=60, min_delay_ms=500, max_delay_ms=25_000,
                                    cancel_fraction=CANCEL_FRACTION, cancel_before_ms=CANCEL_BEFORE_MS) as run:
         ledger = Ledger(pipe, run.producer)
+        invalid = InvalidRecords(pipe, run)
         time.sleep(6)
+        invalid.send()
         ledger.disrupt("redis flushall", True, True)  # the shard owners lose their leases
         pipe.redis.flushall()
         time.sleep(8)
+        invalid.send()
         ledger.disrupt("redis restart", True, True)
         redis_control.restart()  # everything lost again, and connections refused meanwhile
         time.sleep(6)
+        invalid.send()
         ledger.disrupt("kafka restart", True, False)
         kafka_control.restart()
         time.sleep(10)
@@ -230,6 +289,8 @@ def test_redis_flushall_a_redis_restart_and_a_broker_restart_mid_run_lose_nothin
         for name in STAGES:
             pipe.wait_ready(name, 60)
         finish(pipe, run, "chaos-redis-kafka", ledger, 0, 25_000)
+        invalid.check("chaos-redis-kafka")
+        invalid.close()
         pipe.stop_cleanly()
 
 

@@ -300,6 +300,14 @@ class TimerConfig:
         return max(0, min(DEFAULT_LOOKAHEAD_MS, self.roll_window_ms // 6 - 2 * self.tick_ms))
 
     @property
+    def transactional_id_prefix(self) -> str:
+        """What Kafka transactional ids and the dead-letter group are named after
+        (``<prefix>-dlq-<partition>``, group ``<prefix>-dlq``): the timer topic. The design's
+        ``TW_TRANSACTIONAL_ID_PREFIX`` (docs/design/precision-and-exactly-once.md, 8) will set it;
+        until then this is the one place that derives it."""
+        return self.timer_topic
+
+    @property
     def wheel_slots(self) -> int:
         return (self.wheel_span_ms or 2 * self.roll_window_ms) // self.tick_ms
 

@@ -52,6 +52,7 @@ COUNTERS: dict[str, str] = {
     "stale_dropped": "held records of an older dequeue-get owner's entries finished without output (its successor reads them again), per topic",
     "copies_missed": "records taken for a copy of another in their slot that named another message (an id-hash collision)",
     "append_retries": "writes to the commit log retried",
+    "dead_letter_retries": "enqueue-get's dead-letter transactions retried, per timer partition",
     "queue_full_waits": "waits of a work-queue producer on a full queue (back-pressure)",
     "stage_errors": "failed stage steps, retried, per stage",
     "timerlog_records": "TimerLog records written, per shard",

@@ -16,6 +16,14 @@ flushed) show up as a checkpoint that stays behind our read position while the p
 empty; we then rewind to the checkpoint. Rewinding is always safe: enqueue-put skips offsets it
 has.
 
+Dead letters go once per invalid record where the commit log can (``DeadLetterLog``, Kafka): a
+restart reads records again from the checkpoint, and each timer partition's dead letters are
+written in a transaction that also moves a consumer group's offset past them
+(``transports.kafka.transactions``), so those already written are skipped. A failed transaction
+is retried until it commits (the batch waits, as for any failed write): late, never twice, never
+lost. The local log writes them at least once (a crash between the dead letter and the
+checkpoint writes it again).
+
 A destination that does not exist when the message is scheduled is scheduled anyway
 (``TW_MISSING_TOPIC=hold``: it may be created before the message is due; dequeue-put holds it
 for a bounded time then) or dead-lettered at once (``dlq``).
@@ -31,9 +39,9 @@ from timerwheel import telemetry
 from timerwheel.errors import InvalidTimerMessage
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
-from timerwheel.stages.base import StageContext, append_until_written, put_blocking
+from timerwheel.stages.base import StageContext, Stopped, append_until_written, put_blocking, refused_record
 from timerwheel.stages.codec import PutEntry, PutRow, wire
-from timerwheel.transports.base import CommitLog, Consumer, ReportsUndecodable, WorkQueue
+from timerwheel.transports.base import CommitLog, Consumer, DeadLetterLog, ReportsUndecodable, WorkQueue
 from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
 
 STAGE = "enqueue-get"
@@ -72,6 +80,8 @@ class EnqueueGet:
         #: costs more than an idle poll of the local log (measured: ~30 of ~45 us).
         self._reports: ReportsUndecodable | None = (
             self.consumer if isinstance(self.consumer, ReportsUndecodable) else None)
+        #: The log writes dead letters once each (Kafka's); None: at least once through ``append``.
+        self._once: DeadLetterLog | None = commit_log if isinstance(commit_log, DeadLetterLog) else None
         #: partition -> where the last entry sent for it ended (the next entry starts there).
         self._reported = dict(resume)
         self._suspects: dict[int, int] = {}
@@ -133,8 +143,8 @@ class EnqueueGet:
         t0 = telemetry.batch_start()
         now = ctx.clock.now_ms()
         parse = ctx.rules.parse
-        dead: list[OutRecord] = []
-        reasons: dict[str, int] = {}
+        #: (source partition, source offset, dead letter, its destination for the metric)
+        dead: list[tuple[int, int, OutRecord, str]] = []
         scheduled: dict[str, int] = {}
         cancels = 0
         #: partition -> [first offset, last offset, rows, traces]
@@ -156,10 +166,10 @@ class EnqueueGet:
                 if missing is not None and not cancel and roll == 0 and missing(topic):
                     raise InvalidTimerMessage(f"destination topic {topic!r} does not exist (TW_MISSING_TOPIC=dlq)")
             except InvalidTimerMessage as exc:
-                dead.append(OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)))
                 raw = hdr.get(H_TOPIC)
-                label = raw.decode("utf-8", "replace") if raw else "-"
-                reasons[label] = reasons.get(label, 0) + 1
+                dead.append((r.partition, r.offset,
+                             OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)),
+                             raw.decode("utf-8", "replace") if raw else "-"))
                 continue
             row = (r.offset, size, enqueued, deliver, cancel, topic_hashes.get(topic) or self._topic_hash(topic),
                    id_hash(message_id))
@@ -173,9 +183,13 @@ class EnqueueGet:
                 batch[3].append((len(rows), tp.decode("ascii", "replace"), ts.decode("ascii", "replace") if ts else None))
             rows.append(row)
         if dead:
-            append_until_written(ctx, self.commit_log, dead, self.logger)
+            skipped = self._dead_letter(dead)
+            reasons: dict[str, int] = {}
+            for p, offset, _, label in dead:
+                if (p, offset) not in skipped:
+                    reasons[label] = reasons.get(label, 0) + 1
             ctx.metrics.inc_many("dead_lettered", "topic", reasons)
-            self.logger.info("dead-lettered", records=len(dead))
+            self.logger.info("dead-lettered", records=len(dead) - len(skipped))
         by_shard: dict[int, list[bytes]] = {}
         reported = self._reported
         ends = dict(positions or {})
@@ -197,7 +211,47 @@ class EnqueueGet:
         if cancels:
             ctx.metrics.inc("cancel_requests", cancels)
         if t0 is not None:
-            telemetry.enqueue_get_batch(t0, ctx.config, records, dead)
+            telemetry.enqueue_get_batch(t0, ctx.config, records, [d[2] for d in dead])
+
+    def _dead_letter(self, dead: Sequence[tuple[int, int, OutRecord, str]]) -> set[tuple[int, int]]:
+        """Write the dead letters before the entries that cover their offsets are sent (once the
+        checkpoint passes an offset, it is not read again); returns the (partition, offset) of
+        those written before (a restart read them again)."""
+        once = self._once
+        if once is None:
+            append_until_written(self.ctx, self.commit_log, [d[2] for d in dead], self.logger)
+            return set()
+        skipped: set[tuple[int, int]] = set()
+        by_partition: dict[int, list[tuple[int, OutRecord]]] = {}
+        for p, offset, record, _ in dead:
+            by_partition.setdefault(p, []).append((offset, record))
+        prefix, topic = self.ctx.config.transactional_id_prefix, self.ctx.config.timer_topic
+        for p, letters in by_partition.items():
+            backoff, attempts = 0.05, 0
+            while True:
+                try:
+                    written = once.dead_letter_once(prefix, topic, p, letters)
+                    break
+                except Exception as exc:  # noqa: BLE001 - any transport failure is retried, never dropped
+                    refused = getattr(exc, "refused", None)
+                    if refused:  # too large with its value: the dead letter without it, written now
+                        letters = [(o, refused_record(r, refused[i], self.ctx.config.dlq_topic) if i in refused else r)
+                                   for i, (o, r) in enumerate(letters)]
+                        self.ctx.metrics.inc("refused_records", len(refused))
+                        self.logger.error("dead letter refused by the log, written without its value", partition=p,
+                                          records=len(refused), reason=next(iter(refused.values())))
+                        continue
+                    attempts += 1
+                    self.ctx.metrics.inc("dead_letter_retries", partition=p)
+                    self.logger.warning("dead-letter transaction failed, retrying", exc=exc if attempts == 1 else False,
+                                        partition=p, records=len(letters), attempt=attempts, error=repr(exc)[:200])
+                    if self.ctx.stop.wait(backoff):
+                        raise Stopped() from exc
+                    backoff = min(backoff * 2, 2.0)
+            if written < len(letters):  # the lowest offsets: below the group's committed offset
+                skipped.update((p, o) for o, _ in letters[:len(letters) - written])
+                self.logger.info("dead letters written before, skipped", partition=p, skipped=len(letters) - written)
+        return skipped
 
     def _missing(self, topic: str) -> bool:
         """The destination does not exist (the commit log caches the answer)."""

@@ -16,6 +16,9 @@ that a caller asks for with ``isinstance``:
   keeps its own ``retention.ms``);
 - ``AtomicLog``: ``append_atomic`` writes records all or none (Kafka's transactions;
   ``TimerClient.reschedule``);
+- ``DeadLetterLog``: ``dead_letter_once`` writes a timer partition's dead letters exactly once
+  across restarts, crashes and zombies (Kafka's transactions with a consumer group's offset;
+  enqueue-get);
 - ``ReportsUndecodable``: a consumer that sets aside a partition whose next batch cannot be
   decoded and says which in ``undecodable`` (Kafka's; enqueue-get reports them as metrics).
 
@@ -170,6 +173,20 @@ class AtomicLog(Protocol):
         failure nothing was written. ``transactional_id`` is the writer's, the same across its
         restarts: a writer that starts again with it ends what its crashed predecessor left open
         at once (Kafka aborts it) and fences it."""
+        ...
+
+
+@runtime_checkable
+class DeadLetterLog(Protocol):
+    """A commit log that writes enqueue-get's dead letters once per invalid record."""
+
+    def dead_letter_once(self, prefix: str, source_topic: str, partition: int,
+                         letters: Sequence[tuple[int, OutRecord]]) -> int:
+        """Write ``letters`` ((source offset, dead letter), offsets ascending) of one partition of
+        ``source_topic``, skipping those written before (under ``prefix``) by this or any earlier
+        writer: all or none, in one transaction of the writer ``<prefix>-dlq-<partition>``, which
+        fences earlier ones. Returns how many it wrote. On failure (``TimerwheelError``) call again
+        with the same letters: none is ever written twice."""
         ...
 
 

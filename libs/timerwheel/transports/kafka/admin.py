@@ -166,6 +166,13 @@ class Topics:
                 self._auto_create = True
         return self._auto_create
 
+    def group_offset(self, group: str, tp: TopicPartition) -> int:
+        """The offset consumer group ``group`` committed for ``tp``; 0 when it has none."""
+        with self._lock, kafka_call(f"committed offset of group {group!r} for {tp.topic}/{tp.partition}"):
+            found = self._client().list_group_offsets({group: [tp]})
+        meta = found.get(group, {}).get(tp)
+        return max(0, meta.offset) if meta is not None else 0
+
     def close(self) -> None:
         with self._lock:
             if self._admin is not None:

@@ -27,7 +27,8 @@ class KafkaLogError(TimerwheelError):
     """
 
     def __init__(self, message: str, written: list[tuple[int, int] | None] | None = None,
-                 refused: dict[int, str] | None = None, missing: dict[int, str] | None = None) -> None:
+                 refused: dict[int, str] | None = None, missing: dict[int, str] | None = None, *,
+                 unknown_outcome: bool = False) -> None:
         super().__init__(message)
         self.written = written or []
         #: index -> why Kafka refuses that record for good (too large, invalid topic): retrying
@@ -36,6 +37,9 @@ class KafkaLogError(TimerwheelError):
         #: index -> the destination topic of a record that was not sent because the topic does
         #: not exist (no metadata within ``metadata_wait_s``); the caller holds or dead-letters it.
         self.missing = missing or {}
+        #: A transaction's commit did not answer in time: it may have committed or not. The next
+        #: ``init_transactions`` under its id decides, before anything else is written.
+        self.unknown_outcome = unknown_outcome
 
 
 #: Errors that refuse one record for good: retrying it cannot succeed. (``ValueError`` and

@@ -4,6 +4,8 @@ A facade over the package's parts, each with its own guarantees in its header:
 
 - ``producer.Appender``: ``append`` (durable, per-record outcome, never blocked by a missing
   destination) and ``append_atomic`` (one transaction: ``AtomicLog``);
+- ``transactions.DeadLetters``: ``dead_letter_once`` (enqueue-get's dead letters in per-partition
+  transactions: ``DeadLetterLog``);
 - ``reader.Reader``: ``read`` by (partition, offset), dequeue-getmsg's hot path, served from the
   ``ReadCache`` first; ``follow`` (``FollowingLog``) adds a ``follower.Follower`` that reads the
   topic ahead into the same cache;
@@ -31,13 +33,15 @@ from timerwheel.transports.kafka.errors import kafka_call
 from timerwheel.transports.kafka.follower import Follower
 from timerwheel.transports.kafka.producer import Appender
 from timerwheel.transports.kafka.reader import Reader
+from timerwheel.transports.kafka.transactions import DeadLetters
 from timerwheel.transports.readcache import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, ReadCache
 
 __all__ = ["KafkaCommitLog"]
 
 
 class KafkaCommitLog:
-    """``CommitLog`` on a Kafka cluster (also ``GroupCommitLog``, ``FollowingLog``, ``AtomicLog``).
+    """``CommitLog`` on a Kafka cluster (also ``GroupCommitLog``, ``FollowingLog``, ``AtomicLog``,
+    ``DeadLetterLog``).
     See the module header and those of its parts for the guarantees."""
 
     def __init__(
@@ -73,6 +77,9 @@ class KafkaCommitLog:
                                  compression=None if compression == "none" else compression,
                                  max_request_size=max_request_size, stall_timeout_s=stall_timeout_s,
                                  metadata_wait_s=metadata_wait_s, creating_wait_s=creating_wait_s)
+        self.dead_letters = DeadLetters(self._clients, self.topics,
+                                        compression=None if compression == "none" else compression,
+                                        max_request_size=max_request_size)
         #: Records read before (walked past by a read, or read ahead by the follower), for ``read``.
         self.read_cache = ReadCache(read_cache_records, read_cache_bytes)
         self.reader = Reader(self._clients, self.read_cache, read_timeout_s=read_timeout_s, read_gap=read_gap)
@@ -142,6 +149,11 @@ class KafkaCommitLog:
         stage) sees all of them or none."""
         return self.appender.append_atomic(records, transactional_id)
 
+    def dead_letter_once(self, prefix: str, source_topic: str, partition: int,
+                         letters: Sequence[tuple[int, OutRecord]]) -> int:
+        """enqueue-get's dead letters of one timer partition, once each (``transactions`` module header)."""
+        return self.dead_letters.write(prefix, source_topic, partition, letters)
+
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
         return self.reader.read(topic, positions)
 
@@ -183,5 +195,6 @@ class KafkaCommitLog:
             self.follower.stop()
             self.follower = None
         self.appender.close()
+        self.dead_letters.close()
         self.reader.close()
         self.topics.close()

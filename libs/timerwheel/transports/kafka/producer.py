@@ -26,7 +26,8 @@ What it guarantees:
   timeout plus the broker's abort sweep, ``transaction.abort.timed.out.transaction.cleanup.
   interval.ms``, 10 s by default), and not at all once it restarts: ``init_transactions`` under
   the same id aborts the open transaction at once and fences the crashed producer. (A random id,
-  as before, left it open for the 60 s default, its restart unable to end it.)
+  as before, left it open for the 60 s default, its restart unable to end it.) The transaction
+  itself is ``transactions.TransactionalProducer``'s, as are enqueue-get's dead letters.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from timerwheel.records import OutRecord
 from timerwheel.transports.kafka import internals
 from timerwheel.transports.kafka.admin import Topics
 from timerwheel.transports.kafka.clients import KafkaClients
-from timerwheel.transports.kafka.errors import REFUSED, KafkaLogError, kafka_call, refusal
+from timerwheel.transports.kafka.errors import REFUSED, KafkaLogError, refusal
+from timerwheel.transports.kafka.transactions import TransactionalProducer
 
 __all__ = ["ATOMIC_TRANSACTION_TIMEOUT_MS", "Appender"]
 
@@ -76,9 +78,8 @@ class Appender:
         #: ``send`` then waited for it, one topic after the other (tests; 0 in a healthy run).
         self.metadata_waits = 0
         self._producer: Any = None
-        self._tx_producer: Any = None
-        #: The transactional id ``_tx_producer`` was made with.
-        self._tx_id = ""
+        #: ``append_atomic``'s producer (of the last transactional id it was called with).
+        self._tx: TransactionalProducer | None = None
         self._lock = threading.Lock()
 
     def _get_producer(self) -> Any:
@@ -240,42 +241,25 @@ class Appender:
         transactional producer (``init_transactions`` takes a while, and aborts a transaction a
         crashed producer with this id left open)."""
         with self._lock:
-            producer = self._tx_producer
-            if producer is not None and self._tx_id != transactional_id:
-                internals.force_close(producer, 5)
-                producer = self._tx_producer = None
-            if producer is None:
-                producer = self._clients.producer(
-                    "tx-producer", transactional_id=transactional_id,
-                    transaction_timeout_ms=ATOMIC_TRANSACTION_TIMEOUT_MS,
-                    compression_type=self._compression, max_request_size=self._max_request_size)
-                try:
-                    with kafka_call("connect the transactional producer"):
-                        producer.init_transactions()
-                except KafkaLogError:
-                    internals.force_close(producer, 0)
-                    raise
-                self._tx_producer, self._tx_id = producer, transactional_id
+            tx = self._tx
+            if tx is None or tx.transactional_id != transactional_id:
+                if tx is not None:
+                    tx.close()
+                tx = self._tx = TransactionalProducer(
+                    self._clients, transactional_id, timeout_ms=ATOMIC_TRANSACTION_TIMEOUT_MS,
+                    compression=self._compression, max_request_size=self._max_request_size)
+            tx.init()
             if not records:
                 return []
             try:
-                producer.begin_transaction()
-                futures = [producer.send(r.topic, value=r.value if r.value is not None or r.key is not None else b"",
-                                         key=r.key, headers=list(r.headers), partition=r.partition,
-                                         timestamp_ms=r.timestamp_ms) for r in records]
-                producer.commit_transaction()
-                written = [(md.partition, md.offset) for md in (f.get(timeout=self.stall_timeout_s) for f in futures)]
-            except kafka_errors.KafkaError as exc:
-                with suppress(kafka_errors.KafkaError):
-                    producer.abort_transaction()
-                internals.force_close(producer, 0)  # fenced, or in a state it may not leave: a new one next time
-                self._tx_producer = None
-                raise KafkaLogError(f"append_atomic: transaction of {len(records)} records failed: {exc}") from None
-            return written
+                return tx.run(records)
+            except KafkaLogError as exc:
+                raise KafkaLogError(f"append_atomic: {exc}", unknown_outcome=exc.unknown_outcome) from None
 
     def close(self) -> None:
         with self._lock:
-            for producer in (self._producer, self._tx_producer):
-                if producer is not None:
-                    internals.force_close(producer, 5)
-            self._producer = self._tx_producer = None
+            if self._producer is not None:
+                internals.force_close(self._producer, 5)
+            if self._tx is not None:
+                self._tx.close()
+            self._producer, self._tx = None, None
