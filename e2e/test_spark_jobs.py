@@ -71,11 +71,21 @@ def wait_records(collector: Collector, count: int, timeout_s: float) -> None:
 
 
 def caught_up(pipe: Pipeline, collector: Collector, timeout_s: float = 30.0) -> None:
-    """Wait until ``collector`` holds every record its topics hold now (the stages stopped)."""
-    consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, **pipe.kafka_options)
+    """Wait until ``collector`` holds every record its topics hold now (the stages stopped): as
+    many as a fresh consumer reads up to their ends (not the ends' sum: the dead letters are
+    written in transactions, and each commit marker takes an offset)."""
+    consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
+                             **pipe.kafka_options)
     try:
         tps = [TopicPartition(t, p) for t in collector.topics for p in sorted(consumer.partitions_for_topic(t))]
-        total = sum(consumer.end_offsets(tps).values())
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        total = 0
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"{collector.topics} not read to their ends within {timeout_s:.0f} s"
+            total += sum(len(recs) for recs in consumer.poll(timeout_ms=500).values())
     finally:
         consumer.close(autocommit=False)
     wait_records(collector, total, timeout_s)
