@@ -453,10 +453,11 @@ class DequeuePut(QueueStage):
             # W has not passed them: the watch may tell sooner (stages.watch).
             granted = self._watch.granted(shard_id, view.shard, ckpt, max(h.due for h in watched),
                                           patient=not ready and not stale)
-            if granted is not None and any(h.due < granted for h in watched):
-                early = [h for h in watched if h.due < granted]
+            early = [h for h in watched if granted is not None and h.due < granted]
+            if early:
                 ready += early
-                waiting = [h for h in waiting if not (h.item.kind == DELIVER and h.due < granted)]
+                released = {id(h) for h in early}
+                waiting = [h for h in waiting if id(h) not in released]
                 self.ctx.metrics.inc("released_by_watch", len(early), shard=shard_id)
         cancelled: set[int] = set()
         if ready:

@@ -77,6 +77,8 @@ class ShardWatch:
     asked_at: float = 0.0
     #: What the reached observations grant (``Watch.granted``); None while none is valid.
     grant: int | None = None
+    #: The checkpoint whose input offsets the consumer was last moved to (``Watch._follow_from``).
+    floor: EnqueueCheckpoint | None = None
 
 
 class Watch:
@@ -106,16 +108,12 @@ class Watch:
         if consumer is None:
             return None
         cap = w_cap_ms(self.ctx.config, shard)
-        if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends, patient):
-            sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
-            sw.seen = None
+        self._settle(sw, consumer, cap, patient)
         mono = time.monotonic()
         if sw.seen is None and (sw.grant or 0) <= wanted_ms and mono - sw.asked_at >= OBSERVE_S:
             sw.asked_at = mono
             sw.seen = self._observe(sw, shard)
-            if sw.seen is not None and self._reach(sw, consumer, sw.seen.ends, patient):
-                sw.grant = max(sw.grant or 0, min(sw.seen.t0, sw.seen.read_ms + cap))
-                sw.seen = None
+            self._settle(sw, consumer, cap, patient)
         return sw.grant
 
     def cancelled(self, shard_id: int, message_id: str) -> bool:
@@ -145,11 +143,21 @@ class Watch:
                                                                 if p % shards == shard_id])
         return sw
 
+    def _settle(self, sw: ShardWatch, consumer: Consumer, cap: int, patient: bool) -> None:
+        """Once the pursued observation's ends are reached, what it grants is granted."""
+        seen = sw.seen
+        if seen is not None and self._reach(sw, consumer, seen.ends, patient):
+            sw.grant = max(sw.grant or 0, min(seen.t0, seen.read_ms + cap))
+            sw.seen = None
+
     def _follow_from(self, sw: ShardWatch, ckpt: EnqueueCheckpoint) -> Consumer | None:
         """The shard's consumer, reading on from the checkpoint's input offsets ``O`` at the latest
         (what is below them is in the TimerLog); moved back to ``O`` if ``O`` went below where it
         keeps cancels from (a recovery that lost records). Cancels below ``O`` are dropped. None
-        while no consumer can be made (a broker restarting)."""
+        while no consumer can be made (a broker restarting). Nothing to do for the checkpoint
+        followed last time (a view hands out the same one until it changes)."""
+        if sw.consumer is not None and ckpt is sw.floor:
+            return sw.consumer
         have = ckpt.next_offsets
         if sw.consumer is None:
             kept_from = {p: have.get(p, 0) for p in sw.partitions}
@@ -173,6 +181,7 @@ class Watch:
                 sw.kept_from[p] = o
         if sw.cancels:
             sw.cancels = {mid: at for mid, at in sw.cancels.items() if at[1] >= have.get(at[0], 0)}
+        sw.floor = ckpt
         return consumer
 
     def _observe(self, sw: ShardWatch, shard: Shard) -> Observation | None:
