@@ -171,6 +171,28 @@ def decoded(ctx: StageContext, queue: WorkQueue, partition: int, entries: Sequen
     return out
 
 
+class RetryWait:
+    """The wait before the next attempt of a write that is retried until it succeeds, never dropped:
+    50 ms doubling up to 2 s, each failure counted in ``metric`` (with ``labels``), the first of a
+    run logged with its traceback and the next ones in one short line; ``Stopped`` once the stage
+    stops."""
+
+    def __init__(self, ctx: StageContext, log: StageLogger, event: str, metric: str, **labels: object) -> None:
+        self.ctx, self.log, self.event, self.metric, self.labels = ctx, log, event, metric, labels
+        self.backoff = 0.05
+        self.attempts = 0
+
+    def after(self, exc: Exception, **fields: object) -> None:
+        """Count and log the failure ``exc``, then wait."""
+        self.attempts += 1
+        self.ctx.metrics.inc(self.metric, 1, **self.labels)
+        self.log.warning(self.event, exc=exc if self.attempts == 1 else False, attempt=self.attempts,
+                         error=repr(exc)[:200], **fields)
+        if self.ctx.stop.wait(self.backoff):
+            raise Stopped() from exc
+        self.backoff = min(self.backoff * 2, 2.0)
+
+
 def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequence[OutRecord],
                          log: StageLogger, on_missing: OnMissing | None = None) -> list[tuple[int, int]]:
     """Append ``records``, retrying until every one is written; returns their positions.
@@ -186,8 +208,7 @@ def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequ
     todo = list(records)
     result: list[tuple[int, int] | None] = [None] * len(todo)
     left = list(range(len(todo)))
-    backoff = 0.05
-    attempts = 0
+    retry = RetryWait(ctx, log, "append failed, retrying", "append_retries")
     quick = 0  # retries in a row without a wait (replacements only)
     while True:
         try:
@@ -218,14 +239,7 @@ def append_until_written(ctx: StageContext, commit_log: CommitLog, records: Sequ
                 quick += 1  # nothing failed but what was replaced: write the replacements now
                 continue
             quick = 0
-            attempts += 1
-            ctx.metrics.inc("append_retries")
-            # the first failure of a run of retries with its traceback, the next ones in one short line
-            log.warning("append failed, retrying", exc=exc if attempts == 1 else False, records=len(left),
-                        attempt=attempts, error=repr(exc)[:200])
-            if ctx.stop.wait(backoff):
-                raise Stopped() from exc
-            backoff = min(backoff * 2, 2.0)
+            retry.after(exc, records=len(left))
 
 
 def refused_record(record: OutRecord, reason: str, dlq_topic: str) -> OutRecord:

@@ -39,7 +39,7 @@ from timerwheel import telemetry
 from timerwheel.errors import InvalidTimerMessage
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
-from timerwheel.stages.base import StageContext, Stopped, append_until_written, put_blocking, refused_record
+from timerwheel.stages.base import RetryWait, StageContext, append_until_written, put_blocking, refused_record
 from timerwheel.stages.codec import PutEntry, PutRow, wire
 from timerwheel.transports.base import CommitLog, Consumer, DeadLetterLog, ReportsUndecodable, WorkQueue
 from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
@@ -227,7 +227,8 @@ class EnqueueGet:
             by_partition.setdefault(p, []).append((offset, record))
         prefix, topic = self.ctx.config.transactional_id_prefix, self.ctx.config.timer_topic
         for p, letters in by_partition.items():
-            backoff, attempts = 0.05, 0
+            retry = RetryWait(self.ctx, self.logger, "dead-letter transaction failed, retrying", "dead_letter_retries",
+                              partition=p)
             while True:
                 try:
                     written = once.dead_letter_once(prefix, topic, p, letters)
@@ -241,13 +242,7 @@ class EnqueueGet:
                         self.logger.error("dead letter refused by the log, written without its value", partition=p,
                                           records=len(refused), reason=next(iter(refused.values())))
                         continue
-                    attempts += 1
-                    self.ctx.metrics.inc("dead_letter_retries", partition=p)
-                    self.logger.warning("dead-letter transaction failed, retrying", exc=exc if attempts == 1 else False,
-                                        partition=p, records=len(letters), attempt=attempts, error=repr(exc)[:200])
-                    if self.ctx.stop.wait(backoff):
-                        raise Stopped() from exc
-                    backoff = min(backoff * 2, 2.0)
+                    retry.after(exc, partition=p, records=len(letters))
             if written < len(letters):  # the lowest offsets: below the group's committed offset
                 skipped.update((p, o) for o, _ in letters[:len(letters) - written])
                 self.logger.info("dead letters written before, skipped", partition=p, skipped=len(letters) - written)

@@ -13,9 +13,10 @@ from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 
+from timerwheel.records import OutRecord
 from timerwheel.transports.kafka.errors import KafkaLogError, kafka_call
 
-__all__ = ["BATCHED_FETCH", "LONG_POLL_FETCH", "KafkaClients"]
+__all__ = ["BATCHED_FETCH", "LONG_POLL_FETCH", "KafkaClients", "send_record"]
 
 #: Consumers that follow a topic fetch in batches: a fetch answered per record arriving costs
 #: the broker more CPU than anything else at a steady rate; 20 ms is well inside a tick.
@@ -97,3 +98,19 @@ class KafkaClients:
         self.check_open()
         with kafka_call("connect the admin client"):
             return KafkaAdminClient(client_id=f"{self.client_id}-admin", **self.common())
+
+
+def send_record(producer: Any, r: OutRecord, timestamp_ms: int | None) -> Any:
+    """``producer.send`` of ``r`` (its future): the one mapping of an ``OutRecord`` onto kafka-python's
+    producer, plain (``producer.Appender``) or transactional (``transactions``)."""
+    return producer.send(
+        r.topic,
+        # kafka-python refuses a record with neither key nor value (other clients allow it): such a
+        # record (a dead letter for a vanished source, a producer's empty message) goes with an
+        # empty value rather than stalling its stage.
+        value=r.value if r.value is not None or r.key is not None else b"",
+        key=r.key,
+        headers=list(r.headers),
+        partition=r.partition,
+        timestamp_ms=timestamp_ms,
+    )

@@ -44,7 +44,7 @@ from timerwheel.clock import Clock
 from timerwheel.records import OutRecord
 from timerwheel.transports.kafka import internals
 from timerwheel.transports.kafka.admin import Topics
-from timerwheel.transports.kafka.clients import KafkaClients
+from timerwheel.transports.kafka.clients import KafkaClients, send_record
 from timerwheel.transports.kafka.errors import REFUSED, KafkaLogError, refusal
 from timerwheel.transports.kafka.transactions import TransactionalProducer
 
@@ -150,17 +150,7 @@ class Appender:
             if ts is None and self._clock is not None:
                 ts = self._clock.now_ms()
             try:
-                futures[i] = producer.send(
-                    r.topic,
-                    # kafka-python refuses a record with neither key nor value (other clients
-                    # allow it): such a record (a dead letter for a vanished source, a producer's
-                    # empty message) goes with an empty value rather than stalling its stage.
-                    value=r.value if r.value is not None or r.key is not None else b"",
-                    key=r.key,
-                    headers=list(r.headers),
-                    partition=r.partition,
-                    timestamp_ms=ts,
-                )
+                futures[i] = send_record(producer, r, ts)
             except REFUSED as exc:
                 errors.append(f"{r.topic}: {exc}")
                 refused[i] = refusal(exc)

@@ -38,7 +38,7 @@ from kafka import OffsetAndMetadata, TopicPartition
 from timerwheel.records import OutRecord
 from timerwheel.transports.kafka import internals
 from timerwheel.transports.kafka.admin import Topics
-from timerwheel.transports.kafka.clients import KafkaClients
+from timerwheel.transports.kafka.clients import KafkaClients, send_record
 from timerwheel.transports.kafka.errors import REFUSED, KafkaLogError, kafka_call, refusal
 
 __all__ = ["DEAD_LETTER_TRANSACTION_TIMEOUT_MS", "DeadLetters", "TransactionalProducer"]
@@ -103,9 +103,7 @@ class TransactionalProducer:
             refused: dict[int, str] = {}
             for i, r in enumerate(records):
                 try:
-                    futures.append(producer.send(
-                        r.topic, value=r.value if r.value is not None or r.key is not None else b"", key=r.key,
-                        headers=list(r.headers), partition=r.partition, timestamp_ms=r.timestamp_ms))
+                    futures.append(send_record(producer, r, r.timestamp_ms))
                 except REFUSED as exc:
                     refused[i] = refusal(exc)
             if refused:  # none of them is written: the caller replaces the refused ones and calls again
