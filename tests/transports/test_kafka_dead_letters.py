@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kafka import KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.records import OutRecord, Record
@@ -184,3 +184,39 @@ def test_a_dead_letter_too_large_for_the_producer_goes_without_its_value_once(
     assert dead_letters(kafka_bootstrap, config, got) == Counter(sources | {big})
     [letter] = [r for r in got if r.header("tw-source") == big.encode()]
     assert letter.key == b"big" and letter.value == b"" and b"MessageSizeTooLarge" in (letter.header("tw-error") or b"")
+
+
+def test_a_timer_topic_made_again_has_its_invalid_records_dead_lettered_from_offset_0(
+        kafka_bootstrap: str, log: KafkaCommitLog, config: TimerConfig) -> None:
+    """A timer topic deleted and made again (then ``timerwheel rebase``) starts at offset 0, below
+    the dead-letter group's committed offsets: the broker deletes a group's offsets with their
+    topic, so the new topic's invalid records are dead-lettered (none skipped as done), once."""
+    group = f"{config.transactional_id_prefix}-dlq"
+    write_timer_records(log, config, "old")
+    assert run_enqueue_get(kafka_bootstrap, config) == 4
+    before = log.topics.topic_id(config.timer_topic)
+    assert log.topics.group_offset(group, TopicPartition(config.timer_topic, 0)) == 2
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        admin.delete_topics([config.timer_topic])
+        deadline = time.monotonic() + 30
+        while True:  # deleted in the background: made again once it is gone
+            try:
+                log.ensure_topic(config.timer_topic, 2)
+                if log.topics.topic_id(config.timer_topic) not in (None, before):
+                    break
+            except KafkaLogError:
+                pass
+            assert time.monotonic() < deadline, "the timer topic was not made again"
+            time.sleep(0.2)
+    finally:
+        admin.close()
+    assert log.topics.group_offset(group, TopicPartition(config.timer_topic, 0)) == 0  # gone with the topic
+    write_timer_records(log, config, "new")  # at the offsets the old ones had
+    assert run_enqueue_get(kafka_bootstrap, config) == 4
+    assert log.topics.group_offset(group, TopicPartition(config.timer_topic, 0)) == 2
+    assert run_enqueue_get(kafka_bootstrap, config) == 0  # and once
+    got: list[Record] = []
+    dead_letters(kafka_bootstrap, config, got)
+    assert Counter(r.value for r in got) == Counter(f"{tag}-bad-{p}-{i}".encode()
+                                                    for tag in ("old", "new") for p in (0, 1) for i in range(2))
