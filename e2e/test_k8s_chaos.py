@@ -1,7 +1,7 @@
 """Chaos on the real local cluster (scripts/k8s.sh), under a steady load with cancels:
 
     helm install (2 shards) -> Ready
-    -> under load (40 msg/s, a sixth cancelled 0.3-1.5 s before due), one after the other, each
+    -> under load (40 msg/s, a sixth cancelled 30 ms to 1.5 s before due), one after the other, each
        followed by the TimerWheel's return to Ready with every stage pod ready:
        delete two random stage pods; delete the operator pod; restart containerd; restart the
        kubelet; FLUSHALL the Redis the stages share
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import pytest
 from harness import LoadRun, now_ms
 from k8s_cluster import SCRIPT
+from test_chaos import CANCEL_BEFORE_MS
 from test_k8s_day2 import _all_ready, _ready_at_generation, _wait, installed  # noqa: F401 - the fixture
 from test_k8s_helm import ROLL_WINDOW_MS, STAGES, Release, release  # noqa: F401 - the fixture
 
@@ -93,7 +94,7 @@ def test_pods_operator_containerd_kubelet_and_redis_disrupted_under_load_lose_no
     dest = rel.pipe.new_dest("k8s-chaos", 4)
     done: list[Disruption] = []
     with LoadRun(rel.pipe, dest, seed=31, rate=RATE, min_delay_ms=MIN_DELAY_MS, max_delay_ms=MAX_DELAY_MS,
-                 cancel_fraction=CANCEL_FRACTION) as run:
+                 cancel_fraction=CANCEL_FRACTION, cancel_before_ms=CANCEL_BEFORE_MS) as run:
         time.sleep(8)
         victims = rng.sample(STAGES, 2)
         d = Disruption(f"stage pods {' and '.join(victims)} deleted", now_ms())
