@@ -502,6 +502,7 @@ OTHER_ENV_VARS = {
 #: a process may inherit them from a developer's shell, so they are not reported as unknown.
 TOOLING_ENV_VARS = {
     "TW_KEEP_SERVERS": "tests: leave the Kafka and Redis they started running",
+    "TW_E2E_ROLL_OWNERS": "e2e/test_k8s_day2.py: the shard owners' replicas through its image change (default 1; a figure with 2)",
     "TW_KAFKA_START_TIMEOUT": "scripts/kafka.sh: seconds to wait for the broker",
     "TW_KAFKA_HEAP": "scripts/kafka.sh: the broker's JVM heap",
     "TW_KAFKA_INSTANCE": "scripts/kafka.sh: a second, independent broker (.run/kafka-<instance>/)",
