@@ -116,12 +116,12 @@ Seen = dict[int, int]
 #: ``Seen``'s key of a message: its id hash XOR its delivery time times this (odd: one id hash
 #: gives one key per delivery time); its value: the source ``partition << _OFFSET_BITS | offset``.
 _KEY_MIX = np.uint64(0x9E3779B97F4A7C15)
-_OFFSET_BITS = 40
-_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 #: The markers and first copies (``Seen`` entries) an owner letting a shard go saves, in all, with
 #: its open slots (``ReadAhead``: about 40 bytes each in dequeue.ckpt); the open slots past it are
 #: read again, whole, by the next owner.
 CARRY_MAX = 20_000
+_OFFSET_BITS = 40
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 
 
 @dataclass
@@ -294,6 +294,11 @@ class GetShard(OwnedShard):
     def messages_in_flight(self) -> int:
         """Messages sent and not reported done yet."""
         return sum(self.in_flight.values())
+
+    def settled(self) -> bool:
+        """No slot being read or open (read ahead, not final yet), nothing waiting to be sent,
+        nothing sent and not yet done: R is past everything this owner sent."""
+        return self.carriable() and not self.open
 
     def carriable(self) -> bool:
         """No slot being read, nothing waiting to be sent, nothing sent and not yet done: what this
@@ -748,15 +753,11 @@ class DequeueGet:
 def _usable(shard: Shard, ckpt: DequeueCheckpoint, log: StageLogger) -> ReadAhead | None:
     """The read-ahead ``ckpt`` carries, if it still describes this shard: the same tick, its slots
     between R and its cursor, read no further than the published flushed position (a rebuilt
-    wheel or TimerLog drops it, as does an enqueue.ckpt that cannot be read now: the slots are
-    read again from R)."""
+    wheel or TimerLog drops it: the slots are read again from R)."""
     carry = ckpt.carry
     if carry is None:
         return None
-    try:
-        published = shard.load_enqueue_checkpoint()
-    except CorruptCheckpointError:
-        published = None
+    published = shard.load_enqueue_checkpoint()
     flushed = published.flushed_pos if published is not None else -1
     tick = shard.tick_ms
     if carry.tick_ms == tick and ckpt.read_ms <= carry.cursor_ms and all(
