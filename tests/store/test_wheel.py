@@ -181,3 +181,38 @@ def test_next_nonempty_skips_millions_of_empty_slots_quickly(tmp_path: Path) -> 
     assert time.perf_counter() - began < 2.0
     assert w.next_nonempty(start, target) is None
     w.close()
+
+
+def test_fresh_slots_read_as_the_mapping_does_and_only_change_when_cleared(tmp_path: Path) -> None:
+    """``FreshSlots`` (a reader on a shared file system): slices across its blocks and arrays of
+    indexes give the mapped rows; a block read stays as read until ``clear``; a long scan keeps
+    none of the blocks it had to read."""
+    from timerwheel.store.fresh import DirectFile
+    from timerwheel.store.wheel import FRESH_BLOCK_SLOTS, FRESH_SCAN_KEEP_BLOCKS, FreshSlots
+
+    slots = (FRESH_SCAN_KEEP_BLOCKS + 2) * FRESH_BLOCK_SLOTS + 17
+    w = TimerWheel(tmp_path / "wheel", tick_ms=100, slots=slots)
+    rng = np.random.default_rng(5)
+    for i in rng.choice(slots, 500, replace=False).tolist():
+        w.put(i * 100, i * 64, i * 64 + 64, 2)
+    w.flush()
+    direct = DirectFile(str(tmp_path / "wheel"))
+    fresh = FreshSlots(direct, slots)
+    try:
+        for i0, i1 in [(0, 10), (FRESH_BLOCK_SLOTS - 3, FRESH_BLOCK_SLOTS + 3), (5, slots), (slots - 20, slots)]:
+            assert fresh[i0:i1].tobytes() == w.rows(np.arange(i0, i1)).tobytes(), (i0, i1)
+        idx = rng.integers(0, slots, 300)
+        assert fresh[idx].tobytes() == w.rows(idx).tobytes()
+        fresh.clear()
+        before = fresh.row(7)
+        fresh[0:slots]  # a long scan: read, not kept
+        w.put(7 * 100, 1, 640, 9)
+        w.put(2 * FRESH_BLOCK_SLOTS * 100 + 100, 1, 640, 9)
+        w.flush()
+        assert fresh.row(7) == before, "a kept block changed before clear()"
+        assert fresh.row(2 * FRESH_BLOCK_SLOTS + 1)[3] == 9, "the scan kept a block it passed through"
+        fresh.clear()
+        assert fresh.row(7) == (700, 1, 640, 9, SLOT_MAGIC)
+    finally:
+        direct.close()
+        w.close()

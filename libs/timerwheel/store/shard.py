@@ -385,9 +385,9 @@ class Shard:
         its flushed position is visible to ``slot``, ``next_nonempty`` and ``read_slot``.
 
         The view is the wheel as of the synced position its header names (read past this node's
-        cache, and the mapping read again when that position moves: on another node the wheel is
-        only known written that far) and a ``TailIndex`` of the TimerLog records from there to the
-        flushed position, read past the cache too. False while some of those bytes cannot be seen
+        cache, and its slots read again past the cache when that position moves: on another node
+        the wheel is only known written that far) and a ``TailIndex`` of the TimerLog records from
+        there to the flushed position, read past the cache too. False while some of those bytes cannot be seen
         yet (a short read, a stale page): the caller retries later and must not take the slots
         for empty meanwhile. The writer's view is always complete.
         """

@@ -41,7 +41,7 @@ import numpy.typing as npt
 from timerwheel.errors import ConfigError, FormatMismatchError, TimerwheelError
 from timerwheel.files import FILE_MODE, fsync_dir, temp_path
 from timerwheel.store.format import FORMAT_VERSION
-from timerwheel.store.fresh import DirectFile, drop_cached
+from timerwheel.store.fresh import DirectFile, drop_cached, is_shared
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,12 @@ WHEEL_MAGIC = b"TWWHEEL\0"
 SLOT_MAGIC = (0x5457 << 16) | FORMAT_VERSION
 _SYNCED_POS_OFFSET = 24
 _CHUNK_SLOTS = 1 << 18
+#: A reader on a shared file system reads the slots past the page cache this many at a time
+#: (128 KiB: one O_DIRECT read), and keeps at most FRESH_MAX_BLOCKS of them (64 MiB) between reloads.
+FRESH_BLOCK_SLOTS = 4096
+FRESH_MAX_BLOCKS = 512
+#: A range read of more blocks than this does not keep the ones it had to read.
+FRESH_SCAN_KEEP_BLOCKS = 8
 _INT64_MAX = np.iinfo(np.int64).max
 
 IntArray = npt.NDArray[np.int64]
@@ -94,6 +100,67 @@ def group_order(idx: IntArray) -> IntArray:
         key.sort()
         return key & ((1 << bits) - 1)
     return np.argsort(idx, kind="stable").astype(np.int64)
+
+
+class FreshSlots:
+    """A reader's slots on a shared file system, read past this node's page cache.
+
+    Why not the mapping: ``drop_cached`` cannot drop pages that another process of this node
+    keeps mapped (dequeue-put and dequeue-get map the same wheel), so a reader's fresh mapping
+    kept showing the slots as they were when that process faulted them in. After a recovery the
+    writer syncs the wheel and the reader's ``TailIndex`` starts at the new synced position, so
+    records below it that the stale pages did not show were taken for an empty slot: R moved past
+    them and they were lost (two-mount chaos test, measured: a second mapping of the file
+    through the same FUSE mount kept the old bytes after a remap and ``DONTNEED``).
+
+    Blocks of FRESH_BLOCK_SLOTS slots are read with ``DirectFile`` when first used and kept until
+    ``clear`` (``TimerWheel.reload``); a block read later than another is only fresher, which a
+    reader's view takes as it takes a newer publish. Indexing as the mapped array: a slice or an
+    array of indexes."""
+
+    def __init__(self, direct: DirectFile, slots: int) -> None:
+        self._direct = direct
+        self._slots = slots
+        self._blocks: dict[int, npt.NDArray[np.void]] = {}
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def _block(self, b: int, keep: bool = True) -> npt.NDArray[np.void]:
+        got = self._blocks.get(b)
+        if got is None:
+            i0 = b * FRESH_BLOCK_SLOTS
+            n = min(FRESH_BLOCK_SLOTS, self._slots - i0)
+            data = self._direct.pread(HEADER_SIZE + i0 * SLOT_SIZE, n * SLOT_SIZE)
+            got = np.zeros(n, dtype=SLOT_DTYPE)  # a short read (a sparse tail): never-written slots
+            got[: len(data) // SLOT_SIZE] = np.frombuffer(data[: len(data) - len(data) % SLOT_SIZE], dtype=SLOT_DTYPE)
+            if keep:
+                if len(self._blocks) >= FRESH_MAX_BLOCKS:
+                    self._blocks.clear()
+                self._blocks[b] = got
+        return got
+
+    def row(self, i: int) -> tuple[int, int, int, int, int]:
+        r = self._block(i // FRESH_BLOCK_SLOTS)[i % FRESH_BLOCK_SLOTS]
+        return int(r["slot_time"]), int(r["first_pos"]), int(r["last_pos"]), int(r["num"]), int(r["magic"])
+
+    def __getitem__(self, key: slice | IntArray) -> npt.NDArray[np.void]:
+        if isinstance(key, slice):
+            i0, i1, _ = key.indices(self._slots)
+            b0, b1 = i0 // FRESH_BLOCK_SLOTS, max(i0, i1 - 1) // FRESH_BLOCK_SLOTS
+            # A long scan (the ``pending`` gauge counts the whole wheel) passes through uncached
+            # blocks without keeping them: the blocks around R stay.
+            keep = b1 - b0 < FRESH_SCAN_KEEP_BLOCKS
+            rows = (np.concatenate([self._block(b, keep) for b in range(b0, b1 + 1)]) if i1 > i0
+                    else np.zeros(0, SLOT_DTYPE))
+            return rows[i0 - b0 * FRESH_BLOCK_SLOTS : i1 - b0 * FRESH_BLOCK_SLOTS]
+        idx = np.asarray(key, dtype=np.int64)
+        out = np.empty(idx.shape, dtype=SLOT_DTYPE)
+        blocks = idx // FRESH_BLOCK_SLOTS
+        for b in np.unique(blocks).tolist():
+            hit = blocks == b
+            out[hit] = self._block(b)[idx[hit] - b * FRESH_BLOCK_SLOTS]
+        return out
 
 
 class TimerWheel:
@@ -136,6 +203,11 @@ class TimerWheel:
             os.close(self._fd)
             raise
         self._slots: npt.NDArray[np.void] = np.ndarray((slots,), dtype=SLOT_DTYPE, buffer=self._mm, offset=HEADER_SIZE)
+        #: A reader on a shared file system reads its slots through this, never the mapping (see FreshSlots).
+        self._fresh: FreshSlots | None = None
+        if readonly and is_shared(self.path):
+            self._direct = DirectFile(self.path)
+            self._fresh = FreshSlots(self._direct, slots)
         # Slot states not yet published, kept as arrays: sorted unique indexes and their
         # (slot_time, first_pos, last_pos, num) rows.
         self._pending_idx: IntArray = np.empty(0, dtype=np.int64)
@@ -194,11 +266,15 @@ class TimerWheel:
         return int(struct.unpack_from("<q", data, _SYNCED_POS_OFFSET)[0])
 
     def reload(self) -> bool:
-        """Reader: map the file again with this node's cached pages of it dropped, so that slots
-        read from now on are at least as new as the file's last msync (another node's writes).
-        False if the old mapping is still in use (a view held by another thread): its pages stay
-        cached then, and the caller must not count on the new mapping being fresh."""
+        """Reader: slots read from now on are at least as new as the file's last msync (another
+        node's writes). On a shared file system the fresh reads start over (``FreshSlots``);
+        elsewhere the file is mapped again with this node's cached pages of it dropped. False if
+        the old mapping is still in use (a view held by another thread): its pages stay cached
+        then, and the caller must not count on the new mapping being fresh."""
         if not self.readonly:
+            return True
+        if self._fresh is not None:
+            self._fresh.clear()
             return True
         old = self._mm
         self._mm = mmap.mmap(self._fd, HEADER_SIZE + self.slots * SLOT_SIZE, access=mmap.ACCESS_READ)
@@ -212,7 +288,12 @@ class TimerWheel:
 
     def rows(self, idx: IntArray) -> npt.NDArray[np.void]:
         """The stored rows at wheel indexes ``idx`` (pending changes not included)."""
-        return self._slots[idx]
+        return self._view[idx]
+
+    @property
+    def _view(self) -> npt.NDArray[np.void] | FreshSlots:
+        """The slots to read: the mapping, or a shared file system's reader's fresh reads."""
+        return self._slots if self._fresh is None else self._fresh
 
     @property
     def synced_pos(self) -> int:
@@ -239,6 +320,8 @@ class TimerWheel:
         if pending is not None:
             stored, first, last, num = pending
             magic = SLOT_MAGIC
+        elif self._fresh is not None:
+            stored, first, last, num, magic = self._fresh.row(i)
         else:
             stored, first, last, num, magic = SLOT_STRUCT.unpack_from(self._mm, HEADER_SIZE + i * SLOT_SIZE)
         if magic != SLOT_MAGIC or stored != slot_time:
@@ -456,13 +539,13 @@ class TimerWheel:
         total = 0
         if count >= self.slots:
             for c0 in range(0, self.slots, _CHUNK_SLOTS):
-                rows = self._slots[c0 : c0 + _CHUNK_SLOTS]
+                rows = self._view[c0 : c0 + _CHUNK_SLOTS]
                 t = rows["slot_time"]
                 hit = (rows["magic"] == SLOT_MAGIC) & (t >= first_t) & (t < to_ms)
                 total += int(rows["num"][hit].sum())
         else:
             for i0, i1, t0 in self._pieces(first_t, count):
-                rows = self._slots[i0:i1]
+                rows = self._view[i0:i1]
                 expected = t0 + self.tick_ms * np.arange(i1 - i0, dtype=np.int64)
                 hit = (rows["magic"] == SLOT_MAGIC) & (rows["slot_time"] == expected)
                 total += int(rows["num"][hit].sum())
@@ -495,7 +578,7 @@ class TimerWheel:
         if count >= self.slots:
             best: int | None = None
             for c0 in range(0, self.slots, _CHUNK_SLOTS):
-                rows = self._slots[c0 : c0 + _CHUNK_SLOTS]
+                rows = self._view[c0 : c0 + _CHUNK_SLOTS]
                 t = rows["slot_time"]
                 hit = (rows["magic"] == SLOT_MAGIC) & (rows["num"] > 0) & (t >= first_t) & (t < to_ms)
                 mine = skip[(skip >= c0) & (skip < c0 + len(rows))]
@@ -505,7 +588,7 @@ class TimerWheel:
                     best = low if best is None else min(best, low)
             return best
         for i0, i1, t0 in self._pieces(first_t, count):
-            rows = self._slots[i0:i1]
+            rows = self._view[i0:i1]
             expected = t0 + self.tick_ms * np.arange(i1 - i0, dtype=np.int64)
             hit = (rows["magic"] == SLOT_MAGIC) & (rows["num"] > 0) & (rows["slot_time"] == expected)
             mine = skip[(skip >= i0) & (skip < i1)]
