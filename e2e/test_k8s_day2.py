@@ -8,7 +8,7 @@ under a steady load (a kafka-python producer in this test), and nothing is lost 
        duplicates within DUPLICATE_FRACTION
     -> under load: a new image tag (the same image, copied to a new tag in the registry) rolls
        every stage, pulled with the pull secret (as the recovery and window Jobs below) -> lost 0,
-       early 0, duplicates within DUPLICATE_FRACTION and READ_AHEAD_REPEATS
+       early 0, duplicates within DUPLICATE_FRACTION (dequeue-get hands its read-ahead over)
     -> under load: shard 1's dequeue checkpoint is lost while its owners are stopped; when they
        come back they refuse it (RecoveryNeeded), the operator runs a recovery Job (timerwheel
        recover --shard 1), the shard is served again and the TimerWheel Ready -> lost 0, early 0,
@@ -62,11 +62,12 @@ DUPLICATE_FRACTION = 0.02
 #: dequeue-get left: at most the messages due within the read-ahead (TW_LOOKAHEAD_MS, 1 s) at that
 #: shard's half of the 50 msg/s.
 OTHER_SHARD_REPEATS = 25
-#: The window change pauses both shard owners at once, and a new image rolls enqueue-put beside
-#: dequeue-get, so W stands still while dequeue-put's watch releases what dequeue-get read ahead
-#: (the read-ahead's second of both shards, 50 msg/s), and the next dequeue-get owners read those
-#: slots again from R: those may repeat once, beyond the hand-over's DUPLICATE_FRACTION (CI's image
-#: change: 24 of 1,142).
+#: The window change pauses both shard owners at once, so W stands still while dequeue-put's watch
+#: releases what dequeue-get read ahead (the read-ahead's second of both shards, 50 msg/s); the
+#: owners hand their open slots over (dequeue.ckpt's carry), but the rebuilt wheel has another
+#: tick, so the next dequeue-get owners read those slots again from R: those may repeat once,
+#: beyond the hand-over's DUPLICATE_FRACTION. (A new image rolls enqueue-put beside dequeue-get
+#: and W stands still as well, but the carry holds: no such repeat; CI saw 24 before it.)
 READ_AHEAD_REPEATS = 2 * OTHER_SHARD_REPEATS
 
 
@@ -239,7 +240,7 @@ def test_a_new_image_rolls_every_stage_under_load_with_nothing_lost(installed: R
     print(f"FIGURE image change under 50 msg/s, {owners} shard-owner pod(s): every stage rolled and Ready in "
           f"{took:.1f} s; lateness p99 of the {len(late)} messages due meanwhile {p99} ms, max {max(late, default=0)} "
           f"ms; {rep.line()}", flush=True)
-    _check(rep, missing, rel, twice=int(DUPLICATE_FRACTION * rep.scheduled) + READ_AHEAD_REPEATS)
+    _check(rep, missing, rel)
 
 
 def _lateness_due_between(run: LoadRun, start_ms: int, end_ms: int) -> list[int]:

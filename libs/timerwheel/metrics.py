@@ -57,6 +57,7 @@ COUNTERS: dict[str, str] = {
     "stage_errors": "failed stage steps, retried, per stage",
     "timerlog_records": "TimerLog records written, per shard",
     "resends": "stalled slots re-sent by dequeue-get",
+    "read_ahead_carried": "open slots a dequeue-get owner took over from the one that let the shard go",
     "rewinds": "timer partitions enqueue-get re-read after entries were lost in transit",
     "put_gaps": "gaps enqueue-put found in its put queue (entries lost in transit)",
     "fenced": "shard ownerships lost (lease lapsed or taken)",

@@ -102,9 +102,11 @@ def _fetched(w: World, shard: int) -> list[FetchEntry]:
 
 def test_dequeue_get_drains_before_it_hands_a_shard_over_and_the_next_owner_reads_no_slot_again(
         tmp_path: Path) -> None:
-    """The draining owner waits for what it sent to come back done, and for the slots it read
-    ahead (TW_LOOKAHEAD_MS) to become final: R then passes them, and the next owner reads none of
-    them again (it did, and delivered them twice, while they were open at the hand-over)."""
+    """The draining owner waits for what it sent to come back done, then hands the shard over
+    with the slots it read ahead (TW_LOOKAHEAD_MS) still open: it saves them beside R (its
+    read-ahead, ``ReadAhead``), and the next owner reads none of them again (it did, and
+    delivered them twice, while they were open at the hand-over); it makes them final itself once
+    W passes them."""
     w = World(tmp_path)
     to_b = sorted(s for s, m in assignment([A, B], "dequeue-get", range(SHARDS)).items() if m == B)
     assert to_b and len(to_b) < SHARDS
@@ -131,22 +133,21 @@ def test_dequeue_get_drains_before_it_hands_a_shard_over_and_the_next_owner_read
         for e in sent:  # dequeue-put reports them done
             w.done_q.put(shard, [DoneEntry(shard, e.generation, {e.slot_time: len(e.items)})], 1.0)
         a.step(0)
-        assert shard in a.owned  # everything came back, but the read-ahead slot is still open
-        w.clock.set(START + 4_000)
-        put.step(0)  # W past every slot a read ahead: they are final
-        for _ in range(100):  # a re-reads enqueue.ckpt at most every CKPT_POLL_S
-            a.step(0)
-            if shard not in a.owned:
-                break
-            time.sleep(CKPT_POLL_S)
-        assert shard not in a.owned
-        read_ms = a.ctx.metrics.gauge("read_ms", shard=shard)
-        assert read_ms is not None and read_ms > START + 2_500
+        assert shard not in a.owned  # everything came back: handed over, the read-ahead slot open
         b.step(0)
-        assert shard in b.owned and b.owned[shard].read_ms >= read_ms  # from where a stopped (or past it)
-        assert b.owned[shard].epoch > epoch_a
+        assert shard in b.owned and b.owned[shard].epoch > epoch_a
+        assert START + 2_500 - (START + 2_500) % w.config.tick_ms in b.owned[shard].open  # carried
         b.step(0)
         assert _fetched(w, shard) == []  # neither the delivered slot nor the read-ahead one is read again
+        w.clock.set(START + 4_000)
+        put.step(0)  # W past every slot a read ahead: b makes them final
+        for _ in range(100):  # b re-reads enqueue.ckpt at most every CKPT_POLL_S
+            b.step(0)
+            if b.owned[shard].read_ms > START + 2_500:
+                break
+            time.sleep(CKPT_POLL_S)
+        assert b.owned[shard].read_ms > START + 2_500
+        assert _fetched(w, shard) == []
         for s in range(SHARDS):
             w.put_q.put(s, [_entry(s, range(4, 6), START + 6_000)], 1.0)
         put.step(0)

@@ -267,6 +267,14 @@ def stages(tmp_path: Path) -> Iterator[Stages]:
     s.close()
 
 
+def next_owner(s: Stages, name: str = "next") -> DequeueGet:
+    """A new dequeue-get replica (another consumer name) in place of ``s.dget``."""
+    cfg = s.config
+    s.dget = DequeueGet(s.ctx, [0], lambda shard: open_reader_if_exists(cfg, shard), s.queues[Q_FETCH],
+                        s.queues[Q_DONE], Ownership(s.leases, "dequeue-get", name, cfg.lease_ttl_ms))
+    return s.dget
+
+
 def advance(s: Stages, to_ms: int, step_ms: int = 10) -> None:
     while s.clock.now_ms() < to_ms:
         s.clock.advance(min(step_ms, to_ms - s.clock.now_ms()))
@@ -469,9 +477,7 @@ def test_what_a_dequeue_get_that_left_had_sent_is_not_released_before_its_succes
             stage.step(0)
     assert stages.delivered() == []  # dropped, not released
     assert stages.ctx.metrics.counter("stale_dropped", topic="dest") == 1
-    cfg = stages.config
-    stages.dget = DequeueGet(stages.ctx, [0], lambda s: open_reader_if_exists(cfg, s), stages.queues[Q_FETCH],
-                             stages.queues[Q_DONE], Ownership(stages.leases, "dequeue-get", "next", cfg.lease_ttl_ms))
+    next_owner(stages)
     advance(stages, START + 2_500)
     assert stages.dget.owned[0].epoch > epoch + 1
     assert stages.delivered() == [msg.message_id]  # once

@@ -33,6 +33,12 @@ With ``L`` = 0 every slot is final when read: read once, as before issue 30.
 message of it done (invariant 3) and it is final (never past an open slot, nor ``W``'s slot),
 so after a crash the slots from ``R`` on are read again:
 delivery is at-least-once: what was delivered from slots at or after ``R`` is delivered again.
+An owner that lets a shard go (a hand-over, a stop) with every message it sent done saves its
+open slots beside ``R`` (``ReadAhead``: each slot's read position and what its read remembered:
+markers, copies); the next owner reads only their new records, so what was released from them
+is not read, nor delivered, again while ``W`` stands still (a window change, a rolling update of
+enqueue-put beside dequeue-get). Any other save drops it: after a crash the slots from ``R`` on
+are read again.
 Empty slots are skipped in bulk (``TimerWheel.next_nonempty``), so catching up after a long
 outage is fast and never skips a slot (PITFALLS: RocketMQ's 7-day catch-up cap).
 
@@ -55,13 +61,21 @@ import numpy.typing as npt
 
 from timerwheel import telemetry
 from timerwheel.errors import FencedError, QueueFullError
-from timerwheel.log import stage_logger
+from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
 from timerwheel.stages.owner import OwnedShard, ShardOwner
 from timerwheel.stages.ownership import Ownership
 from timerwheel.stages.published import CKPT_POLL_S, PublishedView
-from timerwheel.store import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint, Flag, Shard
+from timerwheel.store import (
+    CarriedSlot,
+    CorruptCheckpointError,
+    DequeueCheckpoint,
+    EnqueueCheckpoint,
+    Flag,
+    ReadAhead,
+    Shard,
+)
 from timerwheel.store.format import RecordArray
 from timerwheel.store.shard import SlotPiece, recovery_needed
 from timerwheel.store.wheel import SLOT_MAGIC
@@ -104,6 +118,10 @@ Seen = dict[int, int]
 _KEY_MIX = np.uint64(0x9E3779B97F4A7C15)
 _OFFSET_BITS = 40
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+#: The markers and first copies (``Seen`` entries) an owner letting a shard go saves, in all, with
+#: its open slots (``ReadAhead``: about 40 bytes each in dequeue.ckpt); the open slots past it are
+#: read again, whole, by the next owner.
+CARRY_MAX = 20_000
 
 
 @dataclass
@@ -277,10 +295,26 @@ class GetShard(OwnedShard):
         """Messages sent and not reported done yet."""
         return sum(self.in_flight.values())
 
-    def settled(self) -> bool:
-        """No slot being read or open (read ahead, not final yet), nothing waiting to be sent,
-        nothing sent and not yet done: R is past everything this owner sent."""
-        return self.reader is None and not self.open and not self.in_flight and not self.outbox
+    def carriable(self) -> bool:
+        """No slot being read, nothing waiting to be sent, nothing sent and not yet done: what this
+        owner read is R and its open slots (``carry``)."""
+        return self.reader is None and not self.in_flight and not self.outbox
+
+    def carry(self) -> ReadAhead | None:
+        """The open slots, in order, while their markers and copies stay within CARRY_MAX (None:
+        none); the next owner reads the slots from the first one not carried. Only when
+        ``carriable``."""
+        slots: list[CarriedSlot] = []
+        size = 0
+        cursor = self.cursor
+        for slot_ms, state in sorted(self.open.items()):
+            size += len(state.markers) + len(state.seen or ())
+            if size > CARRY_MAX:
+                cursor = slot_ms
+                break
+            slots.append(CarriedSlot(slot_ms, state.read_pos, state.markers, frozenset(state.matched),
+                                     None if state.seen is None else dict(state.seen)))
+        return ReadAhead(self.shard.tick_ms, cursor, tuple(slots)) if slots else None
 
 
 class DequeueGet:
@@ -342,15 +376,22 @@ class DequeueGet:
         # it releases, possibly after the read above.
         ckpt = shard.load_dequeue_checkpoint() or ckpt
         log = stage_logger(STAGE, shard_id)
-        log.info("owning shard", epoch=epoch, read_ms=ckpt.read_ms)
+        carry = _usable(shard, ckpt, log)
+        log.info("owning shard", epoch=epoch, read_ms=ckpt.read_ms,
+                 carried_slots=len(carry.slots) if carry is not None else 0)
         # R under our epoch at once: dequeue-put drops the entries of an older owner (it reads
         # again, from R, everything they carry), rather than deliver them beside ours.
         try:
-            shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=ckpt.read_ms, epoch=epoch))
+            shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=ckpt.read_ms, epoch=epoch, carry=carry))
         except FencedError:
             self.owner.ownership.release_all_of(shard_id)
             return None  # a newer owner saved already: not ours after all
-        return GetShard(shard_id, shard, log, epoch, epoch << GENERATION_BITS, ckpt.read_ms, ckpt.read_ms)
+        st = GetShard(shard_id, shard, log, epoch, epoch << GENERATION_BITS, ckpt.read_ms, ckpt.read_ms)
+        if carry is not None:
+            st.cursor = carry.cursor_ms
+            st.open = {c.slot_ms: OpenSlot(c.read_pos, c.markers, set(c.matched), None, c.seen) for c in carry.slots}
+            self.ctx.metrics.inc("read_ahead_carried", len(carry.slots), shard=shard_id)
+        return st
 
     def step(self, timeout_s: float) -> int:
         owner = self.owner
@@ -629,7 +670,7 @@ class DequeueGet:
     @staticmethod
     def _drained(st: GetShard) -> bool:
         assert st.draining is not None
-        return st.settled() or time.monotonic() - st.draining >= DRAIN_S
+        return st.carriable() or time.monotonic() - st.draining >= DRAIN_S
 
     def _hand_over(self, st: GetShard) -> None:
         """Release a drained shard: R is saved already (``_advance_r``), so its next owner
@@ -639,15 +680,19 @@ class DequeueGet:
         self.owner.hand_over(st, read_ms=st.read_ms, in_flight=st.messages_in_flight())
 
     def _mark_released(self, st: GetShard) -> None:
-        """Before the lease goes: R under the epoch after ours, so that dequeue-put drops what we
-        sent and it still holds (its ``_owner_epoch``) at once, not only when the next owner
-        takes the shard. The next owner reads those slots again from R and sends them anew;
-        released on their time meanwhile, they would go out twice (a StatefulSet's rolling
-        update leaves the shard without an owner for seconds). The next owner's epoch is above
-        this one (``_take`` acquires above the checkpoint's)."""
-        if not st.in_flight:
-            return  # nothing we sent is held anywhere
-        st.shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=st.read_ms, epoch=st.epoch + 1))
+        """Before the lease goes: with messages in flight, R under the epoch after ours, so that
+        dequeue-put drops what we sent and it still holds (its ``_owner_epoch``) at once, not only
+        when the next owner takes the shard. The next owner reads those slots again from R and
+        sends them anew; released on their time meanwhile, they would go out twice (a
+        StatefulSet's rolling update leaves the shard without an owner for seconds). The next
+        owner's epoch is above this one (``_take`` acquires above the checkpoint's).
+
+        With none in flight, R and the open slots (``GetShard.carry``): the next owner reads only
+        what is written into them from now on."""
+        if st.in_flight:
+            st.shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=st.read_ms, epoch=st.epoch + 1))
+        elif st.carriable() and st.open:
+            st.shard.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=st.read_ms, epoch=st.epoch, carry=st.carry()))
 
     def caught_up(self) -> bool:
         """Every owned shard has sent every slot it may read now (``_horizon``) and the tails of its
@@ -685,7 +730,7 @@ class DequeueGet:
                     st.logger.warning("drain on stop ended", reason=str(exc)[:200])
                     self.owned.pop(st.shard_id, None)
                     continue
-                busy = busy or not st.settled()
+                busy = busy or not st.carriable()
             if not busy:
                 break
             time.sleep(0.005)
@@ -698,6 +743,29 @@ class DequeueGet:
         self.owner.leave()
         for shard in self._views.values():
             shard.close()
+
+
+def _usable(shard: Shard, ckpt: DequeueCheckpoint, log: StageLogger) -> ReadAhead | None:
+    """The read-ahead ``ckpt`` carries, if it still describes this shard: the same tick, its slots
+    between R and its cursor, read no further than the published flushed position (a rebuilt
+    wheel or TimerLog drops it, as does an enqueue.ckpt that cannot be read now: the slots are
+    read again from R)."""
+    carry = ckpt.carry
+    if carry is None:
+        return None
+    try:
+        published = shard.load_enqueue_checkpoint()
+    except CorruptCheckpointError:
+        published = None
+    flushed = published.flushed_pos if published is not None else -1
+    tick = shard.tick_ms
+    if carry.tick_ms == tick and ckpt.read_ms <= carry.cursor_ms and all(
+            ckpt.read_ms <= c.slot_ms < carry.cursor_ms and c.slot_ms % tick == 0 and c.read_pos <= flushed
+            for c in carry.slots):
+        return carry
+    log.warning("read-ahead not carried: it does not fit the shard, reading from R", read_ms=ckpt.read_ms,
+                tick_ms=tick, carried_tick_ms=carry.tick_ms, flushed_pos=flushed)
+    return None
 
 
 def _keep_view(st: GetShard) -> None:

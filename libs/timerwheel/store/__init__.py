@@ -3,7 +3,13 @@
 Start with ``Shard`` (shard.py); FORMAT.md documents every byte on disk and the recovery algorithm.
 """
 
-from timerwheel.store.checkpoint import CorruptCheckpointError, DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store.checkpoint import (
+    CarriedSlot,
+    CorruptCheckpointError,
+    DequeueCheckpoint,
+    EnqueueCheckpoint,
+    ReadAhead,
+)
 from timerwheel.store.format import (
     FORMAT_VERSION,
     RECORD_DTYPE,
@@ -24,11 +30,13 @@ __all__ = [
     "RECORD_DTYPE",
     "RECORD_SIZE",
     "RECORD_STRUCT",
+    "CarriedSlot",
     "CorruptCheckpointError",
     "CrashRecoveryReport",
     "DequeueCheckpoint",
     "EnqueueCheckpoint",
     "Flag",
+    "ReadAhead",
     "Shard",
     "Slot",
     "TimerLog",

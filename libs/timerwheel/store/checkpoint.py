@@ -2,7 +2,8 @@
 
 ``enqueue.ckpt`` (written only by the shard's enqueue-put owner) holds the TimerLog flushed
 position, the write watermark W, the next source offset per timer-topic partition and the owner
-epoch. ``dequeue.ckpt`` (only the dequeue-get owner) holds the read time R and the owner epoch.
+epoch. ``dequeue.ckpt`` (only the dequeue-get owner) holds the read time R and the owner epoch,
+and, written by an owner that let the shard go, its read-ahead (``carry``, ``ReadAhead``).
 
 Format: one JSON object, UTF-8, with ``kind``, ``version`` (FORMAT_VERSION), the fields, and
 ``crc32``: the zlib CRC-32 of the same object without ``crc32``, serialised with sorted keys and no
@@ -50,12 +51,41 @@ class EnqueueCheckpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class CarriedSlot:
+    """A slot read ahead (open: records may still be written into it) whose every message sent is
+    done: its records below ``read_pos`` are read, and what that read remembered (the cancel
+    markers by id hash, those some message matched, the first copy of each message) so that its
+    next records are read as the same owner would have."""
+
+    slot_ms: int
+    read_pos: int
+    #: id hash -> [(source partition, offset)] of each cancel marker read in the slot.
+    markers: dict[int, list[tuple[int, int]]]
+    matched: frozenset[int]
+    #: ``dequeue_get.Seen`` (None: too many messages to tell copies apart).
+    seen: dict[int, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadAhead:
+    """What a dequeue-get owner that let a shard go had read ahead, for the next one: every slot
+    in ``[R, cursor_ms)`` not in ``slots`` is delivered; ``slots`` are read up to their
+    ``read_pos``. Valid only at ``tick_ms`` (a window change's rebuilt wheel drops it)."""
+
+    tick_ms: int
+    cursor_ms: int
+    slots: tuple[CarriedSlot, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class DequeueCheckpoint:
-    """dequeue-get's progress: every slot before R = ``read_ms`` is delivered."""
+    """dequeue-get's progress: every slot before R = ``read_ms`` is delivered; ``carry``, what an
+    owner that let the shard go had read ahead beyond R (None: read again from R)."""
 
     read_ms: int
     epoch: int
     version: int = FORMAT_VERSION
+    carry: ReadAhead | None = None
 
 
 def encode(kind: str, body: dict[str, Any]) -> bytes:
@@ -228,8 +258,41 @@ def load_enqueue(path: str, memo: LoadMemo | None = None) -> EnqueueCheckpoint |
 
 def save_dequeue(path: str, ckpt: DequeueCheckpoint, fsync: bool = True) -> None:
     """Save ``ckpt`` atomically in this epoch's file (``_save``)."""
-    body = {"version": ckpt.version, "read_ms": ckpt.read_ms, "epoch": ckpt.epoch}
+    body: dict[str, Any] = {"version": ckpt.version, "read_ms": ckpt.read_ms, "epoch": ckpt.epoch}
+    if ckpt.carry is not None:
+        body["carry"] = _carry_body(ckpt.carry)
     _save(path, "dequeue", encode("dequeue", body), ckpt.epoch, fsync)
+
+
+def _carry_body(carry: ReadAhead) -> dict[str, Any]:
+    return {"tick_ms": carry.tick_ms, "cursor_ms": carry.cursor_ms, "slots": [
+        {"slot_ms": c.slot_ms, "read_pos": c.read_pos,
+         "markers": [[h, [list(ref) for ref in refs]] for h, refs in sorted(c.markers.items())],
+         "matched": sorted(c.matched), "seen": None if c.seen is None else sorted(map(list, c.seen.items()))}
+        for c in carry.slots]}
+
+
+def _carry(path: str, body: Any) -> ReadAhead:
+    """The ``carry`` field's value (CorruptCheckpointError naming what is wrong)."""
+    def num(value: Any) -> int:
+        if type(value) is not int:
+            raise ValueError(f"{value!r} is not an integer")
+        return value
+
+    def pair(value: Any) -> tuple[int, int]:
+        first, second = value
+        return num(first), num(second)
+
+    try:
+        slots = tuple(CarriedSlot(
+            slot_ms=num(c["slot_ms"]), read_pos=num(c["read_pos"]),
+            markers={num(h): [pair(ref) for ref in refs] for h, refs in c["markers"]},
+            matched=frozenset(map(num, c["matched"])),
+            seen=None if c["seen"] is None else dict(map(pair, c["seen"])),
+        ) for c in body["slots"])
+        return ReadAhead(tick_ms=num(body["tick_ms"]), cursor_ms=num(body["cursor_ms"]), slots=slots)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"checkpoint {path}: bad carry: {exc!r}") from None
 
 
 def load_dequeue(path: str, memo: LoadMemo | None = None) -> DequeueCheckpoint | None:
@@ -237,8 +300,10 @@ def load_dequeue(path: str, memo: LoadMemo | None = None) -> DequeueCheckpoint |
     body = _load(path, "dequeue", memo)
     if body is None:
         return None
+    carry = body.get("carry")
     return DequeueCheckpoint(
-        read_ms=_int(path, body, "read_ms"), epoch=_int(path, body, "epoch"), version=_int(path, body, "version")
+        read_ms=_int(path, body, "read_ms"), epoch=_int(path, body, "epoch"), version=_int(path, body, "version"),
+        carry=None if carry is None else _carry(path, carry),
     )
 
 
