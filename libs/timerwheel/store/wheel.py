@@ -151,8 +151,10 @@ class FreshSlots:
             # A long scan (the ``pending`` gauge counts the whole wheel) passes through uncached
             # blocks without keeping them: the blocks around R stay.
             keep = b1 - b0 < FRESH_SCAN_KEEP_BLOCKS
-            rows = (np.concatenate([self._block(b, keep) for b in range(b0, b1 + 1)]) if i1 > i0
-                    else np.zeros(0, SLOT_DTYPE))
+            if i1 <= i0:
+                return np.zeros(0, SLOT_DTYPE)
+            rows = self._block(b0, keep) if b0 == b1 else np.concatenate(
+                [self._block(b, keep) for b in range(b0, b1 + 1)])
             return rows[i0 - b0 * FRESH_BLOCK_SLOTS : i1 - b0 * FRESH_BLOCK_SLOTS]
         idx = np.asarray(key, dtype=np.int64)
         out = np.empty(idx.shape, dtype=SLOT_DTYPE)
