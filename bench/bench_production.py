@@ -560,13 +560,15 @@ def shared_volume(kafka: str, redis_url: str, n: int, rate: int, seconds: float)
     one mount and a plain directory, in the same run, one after the other."""
     layouts = ("local", "one-mount", "two-mounts")
     for name in layouts:
-        with layout(name) as mounts:
-            throughput(kafka, redis_url, n, mounts, "production.shared_volume.throughput", layout=name)
+        for code in codes():
+            with layout(name) as mounts:
+                throughput(kafka, redis_url, n, mounts, "production.shared_volume.throughput", layout=name, code=code)
     for name in layouts:
-        with layout(name) as mounts:
-            result = _lateness_run(kafka, redis_url, rate, seconds, mounts)
-        say(f"lateness, {name}: {result['summary']}")
-        emit_lateness("production.shared_volume.lateness.p99", result, layout=name)
+        for code in codes():
+            with layout(name) as mounts:
+                result = _lateness_run(kafka, redis_url, rate, seconds, mounts, code=code)
+            say(f"lateness, {name}, {code.name}: {result['summary']}")
+            emit_lateness("production.shared_volume.lateness.p99", result, layout=name, code=code.name)
 
 
 #: What ``python -m bench production`` runs unless ``TW_BENCH_PROD_ONLY`` says otherwise
