@@ -387,9 +387,9 @@ class Shard:
         The view is the wheel as of the synced position its header names (read past this node's
         cache, and its slots read again past the cache when that position moves: on another node
         the wheel is only known written that far) and a ``TailIndex`` of the TimerLog records from
-        there to the flushed position, read past the cache too. False while some of those bytes cannot be seen
-        yet (a short read, a stale page): the caller retries later and must not take the slots
-        for empty meanwhile. The writer's view is always complete.
+        there to the flushed position, read past the cache too. False while some of those bytes
+        cannot be seen yet (a short read, a stale page): the caller retries later and must not take
+        the slots for empty meanwhile. The writer's view is always complete.
         """
         if self.writer or not self.shared:
             return True  # one page cache: the writer's publishes are this view already
