@@ -163,6 +163,29 @@ def test_state_files_are_not_readable_by_the_world(open_shard: OpenShard) -> Non
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in files if p.stat().st_mode & 0o007} == {}
 
 
+def test_opening_the_writer_leaves_the_dequeue_owners_fresh_temp_and_removes_an_old_one(
+    open_shard: OpenShard,
+) -> None:
+    """The dequeue checkpoint is dequeue-get's: enqueue-put's writer, opening the shard while
+    dequeue-get is between writing its temp and renaming it, must not delete that temp (a CI run
+    saw the rename fail with ENOENT and dequeue-get exit). One a crash left long ago goes."""
+    from timerwheel.files import temp_path
+
+    shard = open_shard()
+    shard.close()
+    target = os.path.join(shard.directory, "dequeue.00000000000000000002.ckpt")
+    fresh, old = temp_path(target), temp_path(target)
+    for path in (fresh, old):
+        Path(path).write_bytes(b"{}")
+    long_ago = os.stat(old).st_mtime - ckpt_module.FOREIGN_TEMP_GRACE_S - 1
+    os.utime(old, (long_ago, long_ago))
+    enqueue_temp = temp_path(os.path.join(shard.directory, "enqueue.ckpt"))
+    Path(enqueue_temp).write_bytes(b"{}")
+    reopened = open_shard()
+    assert [n for n in os.listdir(reopened.directory) if ".tmp-" in n] == [os.path.basename(fresh)]
+    os.replace(fresh, target)  # the dequeue owner's rename still works
+
+
 def test_temp_file_names_differ_between_processes_that_share_a_pid(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
     """Every container's process is pid 1: a temp name must not be the pid alone, or two pods

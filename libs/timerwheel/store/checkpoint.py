@@ -307,12 +307,30 @@ def load_dequeue(path: str, memo: LoadMemo | None = None) -> DequeueCheckpoint |
     )
 
 
-def remove_stale_temps(directory: str, names: tuple[str, ...]) -> None:
-    """Delete temp files a crash left between write and rename, for the files named (their owner
-    only); a checkpoint name covers its epoch-named files too."""
-    stems = tuple(n[: -len(".ckpt")] + "." for n in names if n.endswith(".ckpt"))
+#: A temp file of a state file this process does not own is stale once it is this old: another
+#: process (the dequeue owner beside enqueue-put's writer) holds one for milliseconds, between its
+#: write and its rename, and deleting it there would fail that rename.
+FOREIGN_TEMP_GRACE_S = 600.0
+
+
+def remove_stale_temps(directory: str, names: tuple[str, ...], foreign: tuple[str, ...] = (),
+                       grace_s: float = FOREIGN_TEMP_GRACE_S) -> None:
+    """Delete temp files a crash left between write and rename: those of the files ``names`` (the
+    caller owns them, so any temp of theirs is stale) and those of ``foreign`` (files another live
+    process may be replacing right now) once older than ``grace_s``. A checkpoint name covers its
+    epoch-named files too."""
+    def stem(name: str) -> str:
+        return name[: -len(".ckpt")] + "."
+
+    def covers(target: str, group: tuple[str, ...]) -> bool:
+        return target in group or (target.endswith(".ckpt") and target.startswith(
+            tuple(stem(n) for n in group if n.endswith(".ckpt"))))
+
+    now = time.time()
     for name in os.listdir(directory):
-        target = name.split(".tmp-", 1)[0]
-        if ".tmp-" in name and (target in names or (target.endswith(".ckpt") and target.startswith(stems))):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
+        if ".tmp-" not in name:
+            continue
+        target, path = name.split(".tmp-", 1)[0], os.path.join(directory, name)
+        with contextlib.suppress(FileNotFoundError):
+            if covers(target, names) or (covers(target, foreign) and now - os.stat(path).st_mtime > grace_s):
+                os.unlink(path)

@@ -282,7 +282,8 @@ class Shard:
                 )
             else:
                 atomic_write(os.path.join(directory, META_FILE), json.dumps(wanted, indent=1).encode() + b"\n", fsync)
-            checkpoint.remove_stale_temps(directory, (META_FILE, WHEEL_FILE, ENQUEUE_CKPT, DEQUEUE_CKPT))
+            # The dequeue checkpoint is the dequeue owner's, which may be replacing it right now.
+            checkpoint.remove_stale_temps(directory, (META_FILE, WHEEL_FILE, ENQUEUE_CKPT), foreign=(DEQUEUE_CKPT,))
             timer_log = TimerLog(os.path.join(directory, LOG_DIR), segment_bytes, fsync=fsync)
             wheel = TimerWheel(os.path.join(directory, WHEEL_FILE), tick_ms, slots, fsync=fsync)
             shard = cls(
