@@ -419,3 +419,24 @@ def test_large_records_are_read_with_fetches_of_batch_bytes(kafka_bootstrap: str
             assert rec is not None and rec.offset == offset and rec.value is not None and len(rec.value) == 300_000
     finally:
         big.close()
+
+
+def test_a_group_member_subscribed_to_topics_created_just_before_gets_their_partitions(log: KafkaCommitLog) -> None:
+    """kafka-python 3.0.12: when the first metadata of a member's topics arrives after its first
+    join, the member joins again; a ``poll`` that times out after the leader computed that second
+    assignment but before the SyncGroup answer leaves it unapplied for good (the next poll sees
+    nothing left to join). A RetryConsumer in CI polled with no partitions for minutes. Short polls
+    hit that window nearly every time; the group consumer must not need a second join."""
+    for _ in range(3):
+        topics = [new_topic(log, 2), new_topic(log, 2)]
+        consumer = log.group_consumer(f"g-{uuid.uuid4().hex[:10]}", topics)
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                consumer.poll(10, 0.0)
+                if len(consumer.assignment()) == 4:
+                    break
+                time.sleep(0.001)
+            assert consumer.assignment() == {(t, p) for t in topics for p in (0, 1)}
+        finally:
+            consumer.close()

@@ -214,6 +214,10 @@ class KafkaGroupConsumer:
             raise KafkaLogError(f"poll of group {self.group!r} failed: {exc}") from exc
         return [to_record(r) for tp in sorted(batches) for r in batches[tp]]
 
+    def assignment(self) -> set[tuple[str, int]]:
+        """The ``(topic, partition)`` pairs Kafka has assigned to this member now."""
+        return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
     def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
         try:
             self._consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()})

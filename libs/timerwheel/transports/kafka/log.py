@@ -19,11 +19,13 @@ lock: one ``KafkaCommitLog`` may be shared by a stage's threads.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from timerwheel.clock import Clock
 from timerwheel.config import KAFKA_COMPRESSIONS, TimerConfig
+from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.transports.kafka.admin import Topics
 from timerwheel.transports.kafka.clients import BATCHED_FETCH, KafkaClients
@@ -187,6 +189,7 @@ class KafkaCommitLog:
         consumer = self._clients.consumer(f"group-{group}", **settings)
         with kafka_call(f"subscribe group {group!r} to {', '.join(topics)}"):
             consumer.subscribe(list(topics))
+            _await_partitions(consumer, group, topics)
         return KafkaGroupConsumer(consumer, group)
 
     def close(self) -> None:
@@ -198,3 +201,29 @@ class KafkaCommitLog:
         self.dead_letters.close()
         self.reader.close()
         self.topics.close()
+
+
+#: How long a new group member waits for its topics' partitions before its first join.
+GROUP_METADATA_WAIT_S = 10.0
+
+
+def _await_partitions(consumer: Any, group: str, topics: Sequence[str]) -> None:
+    """Have the member's metadata hold every subscribed topic's partitions before its first poll.
+
+    kafka-python 3.0.12 (the newest) joins again when a topic's first metadata arrives after the
+    member joined (``need_rejoin``: the assignment's snapshot differs), and loses that second
+    assignment when a ``poll`` times out between the leader computing it and the SyncGroup
+    answer: the next poll finds nothing left to join, and the member holds no partitions until
+    the group next rebalances. With the metadata in first, the first join is the only one. A
+    topic still missing after ``GROUP_METADATA_WAIT_S`` (created later, or never) is logged and
+    waited for by kafka-python itself."""
+    deadline = time.monotonic() + GROUP_METADATA_WAIT_S
+    missing = list(topics)
+    while missing:
+        missing = [t for t in missing if not consumer.partitions_for_topic(t)]
+        if missing and time.monotonic() >= deadline:
+            stage_logger("kafka").warning("a group's topics have no partitions yet; joining without them",
+                                          group=group, topics=missing)
+            return
+        if missing:
+            time.sleep(0.1)
