@@ -34,6 +34,13 @@ class CorruptRecordError(TimerwheelError):
         self.position = position
 
 
+class TimerLogDamagedError(TimerwheelError):
+    """A reader met a record of a slot's chain that its published checkpoint calls flushed, and it
+    is cut off or invalid: the TimerLog lost records after they were published (a torn or lost
+    tail), and the writer's recovery has not published a checkpoint since. What the slot holds
+    cannot be told until then (a lost cancel marker must not let its message out)."""
+
+
 class FencedError(TimerwheelError):
     """This process lost ownership of a shard: another owner holds a newer epoch."""
 

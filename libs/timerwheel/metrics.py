@@ -63,6 +63,8 @@ COUNTERS: dict[str, str] = {
     "fenced": "shard ownerships lost (lease lapsed or taken)",
     "source_records_lost": "timer records gone from Kafka before a checkpoint passed them",
     "stale_views": "reads of a shard whose published view was not yet visible on this node",
+    "damaged_views": "reads of a slot that met a TimerLog record its published checkpoint calls flushed cut off or "
+                     "invalid (records lost after publication): its records wait for the writer's recovery, per shard",
     "undecodable_batches": "timer-topic batches that could not be decoded, per partition",
     "dead_entries": "work-queue entries that could not be decoded, moved to the dead-entry stream",
     "early_records": "deliveries handed to dequeue-put further ahead of their time than TW_LOOKAHEAD_MS "

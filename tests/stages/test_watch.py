@@ -23,10 +23,11 @@ from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem
 from timerwheel.stages.dequeue_put import DequeuePut
 from timerwheel.stages.enqueue_put import w_cap_ms
-from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint
+from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, TimerRecord
 from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.kafka.log import KafkaCommitLog
 from timerwheel.transports.memory import MemoryWorkQueue
+from timerwheel.wire import id_hash
 
 
 class WatchRig(PutRig):
@@ -41,10 +42,10 @@ class WatchRig(PutRig):
     def set_r(self, read_ms: int) -> None:
         self.writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=read_ms, epoch=0))
 
-    def publish_input(self, write_ms: int, next_offset: int) -> None:
+    def publish_input(self, write_ms: int, next_offset: int, epoch: int = 1) -> None:
         """W = ``write_ms`` with the TimerLog holding the timer partition's input below ``next_offset``."""
         self.writer.save_enqueue_checkpoint(EnqueueCheckpoint(flushed_pos=self.writer.flush(), write_ms=write_ms,
-                                                              next_offsets={0: next_offset}, epoch=1))
+                                                              next_offsets={0: next_offset}, epoch=epoch))
         for put in self.stages:
             put.ctx.published_w[0] = put.ctx.published_w.get(0, 0) + 1
 
@@ -194,3 +195,31 @@ def test_on_kafka_a_record_leaves_by_the_watch_and_a_cancel_it_read_wins(
         put.close()
         writer.close()
         log.close()
+
+
+def test_a_cancel_cut_from_the_timerlog_after_its_checkpoint_still_wins(rig: WatchRig, clock: SimulatedClock) -> None:
+    """A torn or lost TimerLog tail takes a checkpointed cancel marker with it (e2e chaos: a cut after
+    a kill of enqueue-put). Until enqueue-put's recovery publishes offsets that go back before it,
+    the published checkpoint says the TimerLog holds the cancel, and neither the slot's tail nor the
+    watch (which reads from those offsets) would find it: the record waits, then the watch, read
+    again from the recovery's offsets, cancels it."""
+    put = rig.stage("a")
+    rig.timer_records(2)  # m0 and m1 (the record handed over below is m1)
+    cancel_at = rig.cancel("m1", SLOT + 10)
+    rig.writer.append([TimerRecord(int(Flag.DELETE), START, SLOT + 10, 0, cancel_at, 10, 0, id_hash("m1"))])
+    end = rig.timer_records(1)
+    rig.publish_input(START, end)
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 40))
+    put.step(0)
+    segment = max((Path(rig.config.data_dir) / "shard-0000" / "timerlog").glob("*.tlog"))
+    with open(segment, "r+b") as f:  # the marker, the TimerLog's last record, torn in half
+        f.truncate(segment.stat().st_size - 32)
+    assert _step_until(rig, SLOT + 30) == {}
+    # enqueue-put's recovery: the torn record cut, the positions up to the old end skipped, the
+    # input offsets back to after the newest record still held.
+    rig.writer.close()
+    rig.writer = open_shard(rig.config, 0, writer=True)
+    rig.writer.skip_to(rig.writer.flush() + 64)
+    rig.publish_input(START, cancel_at, epoch=2)
+    assert _step_until(rig, SLOT + 60) == {"m2": SLOT + 41}
+    assert rig.done() == 2  # m1 finished as cancelled

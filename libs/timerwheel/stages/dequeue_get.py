@@ -60,7 +60,7 @@ import numpy as np
 import numpy.typing as npt
 
 from timerwheel import telemetry
-from timerwheel.errors import FencedError, QueueFullError
+from timerwheel.errors import FencedError, QueueFullError, TimerLogDamagedError
 from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext, decoded, get_by
 from timerwheel.stages.codec import CONSUMER_OF, Q_FETCH, DoneEntry, FetchEntry, FetchItem, wire
@@ -177,7 +177,7 @@ def open_slot(shard: Shard, slot_time: int, limit_pos: int, since_pos: int = 0,
                         seen=state.seen if state is not None else {})
     held: list[SlotPiece] | None = []
     count = 0
-    for piece in shard.read_slot(slot_time, limit_pos, since_pos):
+    for piece in shard.read_slot(slot_time, limit_pos, since_pos, damage_raises=True):
         markers_of(piece[1], reader.markers)
         count += len(piece[0])
         if held is not None and count <= SMALL_SLOT:
@@ -185,7 +185,7 @@ def open_slot(shard: Shard, slot_time: int, limit_pos: int, since_pos: int = 0,
         else:
             held = None
     reader.marker_hashes = np.fromiter(reader.markers, dtype=np.uint64, count=len(reader.markers))
-    pieces = held if held is not None else shard.read_slot(slot_time, limit_pos, since_pos)
+    pieces = held if held is not None else shard.read_slot(slot_time, limit_pos, since_pos, damage_raises=True)
     reader.items = itertools.chain.from_iterable(
         fetch_items(positions[k:k + ITEMS_AT_ONCE], records[k:k + ITEMS_AT_ONCE], reader)
         for positions, records in pieces for k in range(0, len(positions), ITEMS_AT_ONCE))
@@ -469,7 +469,12 @@ class DequeueGet:
                 # Being handed over: no new slot is opened, but the open ones are read on until
                 # final (else R stays at the first of them, and the next owner reads again, and
                 # delivers again, what was read ahead).
-                st.reader = self._next_reader(st, ckpt, tails_only=st.draining is not None)
+                try:
+                    st.reader = self._next_reader(st, ckpt, tails_only=st.draining is not None)
+                except TimerLogDamagedError as exc:  # records lost after ckpt: its slots wait for the recovery
+                    assert st.view is not None
+                    st.view.damaged(self.ctx, st.logger, exc)
+                    break
                 if st.reader is None:
                     break
             reader = st.reader
@@ -516,10 +521,13 @@ class DequeueGet:
         pos, write_ms = ckpt.flushed_pos, ckpt.write_ms
         for slot_time, state in sorted(st.open.items()):
             if state.read_pos < pos:
-                since, state.read_pos = state.read_pos, pos
+                since = state.read_pos
                 slot = shard.slot(slot_time)
                 if slot.magic == SLOT_MAGIC and slot.slot_time == slot_time and slot.last_pos >= since:
-                    return open_slot(shard, slot_time, pos, since, state)
+                    reader = open_slot(shard, slot_time, pos, since, state)
+                    state.read_pos = pos
+                    return reader
+                state.read_pos = pos
             if slot_time + tick <= write_ms:
                 del st.open[slot_time]
                 self._final(state)
@@ -529,6 +537,9 @@ class DequeueGet:
         if st.cursor >= end:
             return None
         found = shard.next_nonempty(st.cursor, end)
+        # Read first: a read that raises (TimerLogDamagedError) leaves the cursor and the open slots as they were.
+        opened = None if found is None or found + tick <= write_ms else OpenSlot(pos)
+        first = None if found is None else open_slot(shard, found, pos, 0, opened)
         first_open = shard.slot_time(write_ms)
         for empty in range(max(st.cursor, first_open), end if found is None else found, tick):
             st.open[empty] = OpenSlot(pos)  # empty now: whatever is written into it comes as its tail
@@ -536,10 +547,9 @@ class DequeueGet:
             st.cursor = end
             return None
         st.cursor = found + tick
-        if found + tick <= write_ms:
-            return open_slot(shard, found, pos)
-        state = st.open[found] = OpenSlot(pos)
-        return open_slot(shard, found, pos, 0, state)
+        if opened is not None:
+            st.open[found] = opened
+        return first
 
     def _final(self, state: OpenSlot) -> None:
         """An open slot became final: count its markers that matched no message it sent."""

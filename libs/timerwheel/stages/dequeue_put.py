@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 
 import timerwheel.wire
 from timerwheel import telemetry
+from timerwheel.errors import TimerLogDamagedError
 from timerwheel.log import stage_logger
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import (
@@ -463,7 +464,10 @@ class DequeuePut(QueueStage):
         if ready:
             assert view is not None and ckpt is not None
             delivers = [h for h in ready if h.item.kind == DELIVER]
-            cancelled = self._cancelled(view.shard, delivers, ckpt.flushed_pos)
+            cancelled, undecided = self._cancelled(view, delivers, ckpt.flushed_pos)
+            if undecided:  # their slot's tail lost records: wait for the writer's recovery
+                waiting += [h for h in ready if id(h) in undecided]
+                ready = [h for h in ready if id(h) not in undecided]
             cancelled.update(id(h) for h in delivers
                              if self._watch.cancelled(shard_id, message_id_of(h.record, h.headers)))
         # Decided: nothing below raises.
@@ -504,33 +508,41 @@ class DequeuePut(QueueStage):
         self._owner_epochs[shard_id] = (epoch, mono)
         return epoch
 
-    def _cancelled(self, shard: Shard, ready: list[Held], flushed_pos: int) -> set[int]:
+    def _cancelled(self, view: PublishedView, ready: list[Held], flushed_pos: int) -> tuple[set[int], set[int]]:
         """``id()`` of the records a cancel marker in their slot's tail ``[read_pos, flushed_pos)``
-        cancels: matched on the id hash, confirmed on the full id."""
+        cancels (matched on the id hash, confirmed on the full id), and of those whose tail cannot
+        be told (``TimerLogDamagedError``: records lost after the checkpoint published them)."""
         by_read: dict[tuple[int, int], list[Held]] = {}
         for h in ready:
             entry = h.held.entry
             if entry.read_pos < flushed_pos:
                 by_read.setdefault((entry.slot_time, entry.read_pos), []).append(h)
+        shard = view.shard
         candidates: list[tuple[Held, tuple[int, int]]] = []
+        undecided: set[int] = set()
         for (slot_time, read_pos), held in by_read.items():
             markers: dict[int, list[tuple[int, int]]] = {}
-            for _positions, records in shard.read_slot(slot_time, flushed_pos, read_pos):
-                markers_of(records, markers)
+            try:
+                for _positions, records in shard.read_slot(slot_time, flushed_pos, read_pos, damage_raises=True):
+                    markers_of(records, markers)
+            except TimerLogDamagedError as exc:
+                undecided.update(id(h) for h in held)
+                view.damaged(self.ctx, self.logger, exc)
+                continue
             if not markers:
                 continue
             for h in held:
                 for ref in markers.get(timerwheel.wire.id_hash(message_id_of(h.record, h.headers)), ()):
                     candidates.append((h, ref))
         if not candidates:
-            return set()
+            return set(), undecided
         refs = sorted({ref for _h, ref in candidates})
         found = dict(zip(refs, self.commit_log.read(self.ctx.config.timer_topic, refs), strict=True))
         out = {id(h) for h, ref in candidates if confirmed(h.record, found[ref])}
         missed = len({id(h) for h, _ref in candidates} - out)
         if missed:
             self.ctx.metrics.inc("cancel_missed", missed)  # id-hash collision: not the same message
-        return out
+        return out, undecided
 
     def _deliver(self, rnd: Round, h: Held) -> None:
         rec = h.record

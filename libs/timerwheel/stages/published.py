@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from timerwheel.errors import TimerLogDamagedError
+from timerwheel.log import StageLogger
 from timerwheel.stages.base import StageContext
 from timerwheel.store import CorruptCheckpointError, EnqueueCheckpoint, Shard
 
@@ -36,6 +38,17 @@ class PublishedView:
     visible: bool = False
     #: Since when enqueue.ckpt reads as unreadable (time.monotonic()), or 0.
     torn_since: float = 0.0
+    #: The last damaged link reported (``damaged``): each is logged once, not at every look.
+    said_damage: str = ""
+
+    def damaged(self, ctx: StageContext, logger: StageLogger, exc: TimerLogDamagedError) -> None:
+        """A read of one of the shard's slots met a record the checkpoint calls flushed cut off or
+        invalid (``Shard._link_failed``): counted, and logged once; the caller's records wait."""
+        ctx.metrics.inc("damaged_views", shard=self.shard_id)
+        if str(exc) != self.said_damage:
+            self.said_damage = str(exc)
+            logger.warning("TimerLog records lost after their checkpoint; the slot's records wait for the writer's "
+                           "recovery", shard=self.shard_id, reason=str(exc))
 
     def newest(self, ctx: StageContext) -> EnqueueCheckpoint | None:
         """The published checkpoint once the view shows every record below its flushed position,

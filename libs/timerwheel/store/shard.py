@@ -47,6 +47,7 @@ from timerwheel.errors import (
     CorruptRecordError,
     FencedError,
     FormatMismatchError,
+    TimerLogDamagedError,
     TimerwheelError,
 )
 from timerwheel.files import FILE_MODE, atomic_write
@@ -93,6 +94,10 @@ DEFAULT_WHEEL_SYNC_RECORDS = 1_000_000
 #: A reader retries an invalid TimerLog record below the published flushed position this long
 #: (a stale view of a page: it reads fresh bytes each time) before it reports it corrupt.
 STALE_RETRY_S = 5.0
+#: A reader waits this long, under one checkpoint epoch, for a damaged link of a slot's chain below
+#: the published flushed position (``_link_failed``) to be repaired by the writer's recovery before
+#: it reports it corrupt and skips it (a real corrupt record in the middle must not stop a slot).
+DAMAGE_WAIT_S = 60.0
 
 
 def _meta(tick_ms: int, slots: int, segment_bytes: int) -> dict[str, int]:
@@ -232,6 +237,10 @@ class Shard:
         self.shared = is_shared(os.path.join(directory, META_FILE))
         self._tail_epoch = -1
         self._invalid_since: tuple[int, float] | None = None
+        #: Reader: the epoch of the newest checkpoint ``refresh`` was given, and the damaged links
+        #: met under it: position -> when first met (``_link_failed``).
+        self._epoch = -1
+        self._damaged: dict[int, float] = {}
 
     # ---------------------------------------------------------------- opening
 
@@ -392,6 +401,9 @@ class Shard:
         cannot be seen yet (a short read, a stale page): the caller retries later and must not take
         the slots for empty meanwhile. The writer's view is always complete.
         """
+        if published.epoch != self._epoch:
+            self._epoch = published.epoch
+            self._damaged.clear()  # a new writer recovered the shard: its checkpoint is looked at afresh
         if self.writer or not self.shared:
             return True  # one page cache: the writer's publishes are this view already
         limit = published.flushed_pos
@@ -488,7 +500,26 @@ class Shard:
         log.error("shard %s: corrupt TimerLog record at position %d (reading slot %d): %s; skipped",
                   self.directory, pos, slot_time, why)
 
-    def read_slot(self, slot_time: int, limit_pos: int | None = None, since_pos: int = 0) -> Iterator[SlotPiece]:
+    def _link_failed(self, pos: int, why: str, slot_time: int, limit_pos: int) -> None:
+        """A link of a slot's chain failed its checks (``limit_pos``: read_slot's with
+        ``damage_raises``, else -1). The writer reports and skips it. A reader does too once it has
+        met it for DAMAGE_WAIT_S under one checkpoint epoch; until then, if the link is below
+        ``limit_pos``, it raises TimerLogDamagedError: the published checkpoint says the record is
+        flushed, so it was cut after that (a torn or lost tail: a recovery the writer has not
+        published yet). Its slot cannot be told meanwhile: were the record a cancel marker, its
+        message would leave (e2e chaos). The writer's recovery repairs the chains and publishes a
+        checkpoint of a newer epoch whose input offsets go back before what was lost."""
+        if not self.writer and pos < limit_pos:
+            now = time.monotonic()
+            since = self._damaged.setdefault(pos, now)
+            if now - since < DAMAGE_WAIT_S:
+                raise TimerLogDamagedError(
+                    f"shard {self.directory}: TimerLog record at {pos} of slot {slot_time}, below the published "
+                    f"flushed position {limit_pos}: {why}")
+        self._report_corrupt(pos, why, slot_time)
+
+    def read_slot(self, slot_time: int, limit_pos: int | None = None, since_pos: int = 0, *,
+                  damage_raises: bool = False) -> Iterator[SlotPiece]:
         """The slot's records, newest first, column-wise: (positions, records) pieces of at most
         SLOT_PIECE_RECORDS records each, so that a slot of any size is read in bounded memory.
 
@@ -503,7 +534,9 @@ class Shard:
         DENSE_SLOT_SHARE of the TimerLog's records between its first and its last) by a
         vectorised scan of that stretch instead: the same records, in the same order. A record
         that fails its checks is reported and skipped, and the rest of the slot is then found by
-        a scan back to the slot's first_pos, so it does not hide its neighbours.
+        a scan back to the slot's first_pos, so it does not hide its neighbours; with
+        ``damage_raises`` a reader that must not take such a slot as read (dequeue-get and
+        dequeue-put's look for cancels) gets TimerLogDamagedError instead (``_link_failed``).
         """
         slot_time = self.slot_time(slot_time)
         limit_pos = self._limit(limit_pos)
@@ -528,11 +561,11 @@ class Shard:
             try:
                 prev, deliver = check_link(raw, pos)
             except CorruptRecordError:
-                self._report_corrupt(pos, why_invalid(raw) or "invalid record", slot_time)
+                self._link_failed(pos, why_invalid(raw) or "invalid record", slot_time, limit_pos if damage_raises else -1)
                 break
             if deliver - deliver % self.tick_ms != slot_time or prev >= pos:
-                self._report_corrupt(pos, f"record fires at {deliver} (prev_pos {prev}), not a link of slot {slot_time}",
-                                     slot_time)
+                self._link_failed(pos, f"record fires at {deliver} (prev_pos {prev}), not a link of slot {slot_time}",
+                                  slot_time, limit_pos if damage_raises else -1)
                 break
             positions.append(pos)
             data += raw
