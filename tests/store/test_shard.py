@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from timerwheel.errors import FencedError, FormatMismatchError, TimerwheelError
+from timerwheel.errors import FencedError, FormatMismatchError, TimerLogDamagedError, TimerwheelError
 from timerwheel.store import EnqueueCheckpoint, Flag, Shard, Slot, records_array, shard_dir
 from timerwheel.store import shard as shard_module
 
@@ -234,3 +234,36 @@ def test_a_corrupt_record_of_another_slot_inside_a_dense_slots_stretch_is_report
     shard.dense_slot_min = 10**9
     assert len(slot_records(shard, 1000)) == 50  # by its links, which do not pass the bad record
     assert shard.corrupt_seen == 1
+
+
+@pytest.mark.parametrize("dense_slot_min", [10**9, 1], ids=["by-links", "by-a-scan"])
+def test_a_reader_that_must_not_skip_waits_for_a_newer_epoch_when_published_records_are_cut(
+        open_shard: OpenShard, monkeypatch: pytest.MonkeyPatch, dense_slot_min: int) -> None:
+    """The TimerLog's newest record, published by a checkpoint, torn in half afterwards (a lost tail
+    the writer's recovery has not published yet): ``damage_raises`` readers get TimerLogDamagedError
+    rather than the slot without it, for DAMAGE_WAIT_S under the checkpoint's epoch, then the records
+    left (a chain; the scan of a dense slot stops at the cut); other readers get them at once. A checkpoint of a newer epoch (a writer that
+    recovered the shard, repairing its chains) starts the wait afresh for a link still damaged."""
+    writer = open_shard(segment_bytes=64 * 1024)
+    positions = writer.append([rec(1000) for _ in range(20)])
+    published = writer.flush()
+    reader = open_shard(writer=False, segment_bytes=64 * 1024)
+    reader.dense_slot_min = dense_slot_min
+    assert reader.refresh(EnqueueCheckpoint(published, 900, {0: 20}, 1))
+    (segment,) = (Path(reader.directory) / "timerlog").glob("*.tlog")
+    with open(segment, "r+b") as f:
+        f.truncate(published - 32)
+    with pytest.raises(TimerLogDamagedError, match=f"record at {positions[-1]} of slot 1000"):
+        list(reader.read_slot(1000, published, damage_raises=True))
+    if dense_slot_min == 1:  # the scan of what is left stops at the cut (IndexError): a step error, retried
+        with pytest.raises(IndexError, match="ends at"):
+            chain(reader, 1000, limit=published)
+    else:
+        left = positions[:-1][::-1]
+        assert chain(reader, 1000, limit=published) == left
+        monkeypatch.setattr(shard_module, "DAMAGE_WAIT_S", 0.0)  # met long enough: reported and skipped
+        assert [int(p) for piece, _ in reader.read_slot(1000, published, damage_raises=True) for p in piece] == left
+    monkeypatch.setattr(shard_module, "DAMAGE_WAIT_S", 60.0)
+    assert reader.refresh(EnqueueCheckpoint(published, 900, {0: 19}, 2))  # a newer writer: looked at afresh
+    with pytest.raises(TimerLogDamagedError):
+        list(reader.read_slot(1000, published, damage_raises=True))

@@ -547,6 +547,12 @@ class Shard:
             slot = Slot(slot.slot_time, since_pos, slot.last_pos, slot.num, slot.magic)
         stretch = self._dense_stretch(slot, limit_pos)
         if stretch is not None:
+            if damage_raises and slot.last_pos < limit_pos:
+                # A scan finds no record where the log was cut: its newest link tells (a cut is at the end).
+                try:
+                    check_link(self.log.read_raw(slot.last_pos), slot.last_pos)
+                except CorruptRecordError:
+                    self._link_failed(slot.last_pos, "its newest record cut off or invalid", slot_time, limit_pos)
             yield from self._scan(slot_time, *stretch)
             return
         first, pos = slot.first_pos, slot.last_pos
