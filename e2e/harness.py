@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import redis
 from infra import free_port
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -56,6 +57,7 @@ from timerwheel.config import TimerConfig
 from timerwheel.security import kafka_client_options, redis_client
 from timerwheel.store import layout
 from timerwheel.store.checkpoint import published_file
+from timerwheel.store.format import RECORD_DTYPE, RECORD_SIZE, valid_mask
 from two_mounts import TwoMounts
 
 STAGES = ("enqueue-get", "enqueue-put", "dequeue-get", "dequeue-getmsg", "dequeue-put")
@@ -776,6 +778,52 @@ def late_hops(pipe: Pipeline, targets: dict[str, Scheduled], timeout_s: float = 
     finally:
         consumer.close(autocommit=False)
     return {m: at for m, at in last_hop.items() if at >= targets[m].deliver_at_ms}
+
+
+def leak_facts(pipe: Pipeline, ids: Iterable[str], shards: int, timeout_s: float = 60) -> str:
+    """Where a leaked cancel's message and its cancel went, for a failure message: their timer-topic
+    records (partition, offset, timestamp, headers) and the TimerLog records naming those offsets
+    (shard, position, flags, delivery time), as the files hold them now."""
+    wanted = set(ids)
+    lines: list[str] = []
+    sources: dict[tuple[int, int], str] = {}
+    try:
+        consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
+                                 client_id=f"e2e-facts-{pipe.uid}", **pipe.kafka_options)
+        try:
+            tps = [TopicPartition(pipe.timer_topic, p) for p in sorted(consumer.partitions_for_topic(pipe.timer_topic) or ())]
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            ends = consumer.end_offsets(tps)
+            deadline = time.monotonic() + timeout_s
+            while any(consumer.position(tp) < ends[tp] for tp in tps) and time.monotonic() < deadline:
+                for recs in consumer.poll(timeout_ms=500, max_records=10_000).values():
+                    for r in recs:
+                        headers = {k: bytes(v).decode("utf-8", "replace") for k, v in (r.headers or ())}
+                        mid = headers.get("tw-cancel") or headers.get("tw-id")
+                        if mid in wanted:
+                            sources[(r.partition, r.offset)] = mid
+                            lines.append(f"timer topic p{r.partition} o{r.offset} ts {r.timestamp}: {headers}")
+        finally:
+            consumer.close(autocommit=False)
+        for shard in range(shards):
+            for segment in sorted((pipe.shard_dir(shard) / "timerlog").glob("*.tlog")):
+                data = segment.read_bytes()
+                base = int(segment.stem) if segment.stem.isdigit() else 0
+                arr = np.frombuffer(data[: len(data) - len(data) % RECORD_SIZE], dtype=RECORD_DTYPE)
+                ok = valid_mask(arr)
+                written = arr["magic"] != 0  # not positions left unused (zeros)
+                for k, (p, o) in enumerate(zip(arr["src_partition"].tolist(), arr["src_offset"].tolist(), strict=True)):
+                    if (p, o) in sources and written[k]:
+                        lines.append(f"TimerLog shard {shard} position {base + k * RECORD_SIZE}: "
+                                     f"{'valid' if ok[k] else 'INVALID'} flags {int(arr['magic'][k]) & 0xFF} "
+                                     f"deliver {int(arr['deliver_ms'][k])} source p{p} o{o} ({sources[(p, o)]})")
+                if len(data) % RECORD_SIZE:
+                    lines.append(f"TimerLog shard {shard} {segment.name}: {len(data) % RECORD_SIZE} bytes of a torn record at the end")
+            lines.append(f"shard {shard} enqueue.ckpt {pipe.checkpoint(shard)}")
+    except Exception as exc:  # noqa: BLE001 - facts for a failure message: never hide the failure
+        lines.append(f"(facts cut short: {exc!r})")
+    return "\n".join(lines)
 
 
 class LoadRun:

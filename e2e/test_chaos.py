@@ -49,6 +49,7 @@ from harness import (
     Pipeline,
     TimerProducer,
     late_hops,
+    leak_facts,
     make_report,
     now_ms,
 )
@@ -199,7 +200,8 @@ def finish(pipe: Pipeline, run: LoadRun, name: str, ledger: Ledger, damaged: int
         f"{len(leaked)} of {len(in_time)} cancels acknowledged before their target's delivery "
         f"time leaked: {[(m, in_time[m].deliver_at_ms, run.producer.cancel_acked.get(m)) for m in leaked[:5]]}; "
         f"of them with a roll hop written after the delivery time (id -> its timestamp): "
-        f"{late_hops(pipe, {m: in_time[m] for m in leaked})}")
+        f"{late_hops(pipe, {m: in_time[m] for m in leaked})}\ndisruptions: {ledger.events}\n"
+        f"{leak_facts(pipe, leaked[:5], SHARDS)}")
 
 
 def test_sigkill_each_stage_in_turn_and_two_at_once_loses_nothing(
