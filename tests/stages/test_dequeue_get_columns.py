@@ -94,8 +94,9 @@ def test_a_large_slot_is_streamed_in_pieces_not_held(tmp_path: Path, monkeypatch
     pieces: list[int] = []  # the records of each piece read, in turn
     read_slot = shard.read_slot
 
-    def counting(slot_time: int, limit_pos: int | None = None, since_pos: int = 0) -> Iterator[SlotPiece]:
-        for piece in read_slot(slot_time, limit_pos, since_pos):
+    def counting(slot_time: int, limit_pos: int | None = None, since_pos: int = 0, *,
+                 damage_raises: bool = False) -> Iterator[SlotPiece]:
+        for piece in read_slot(slot_time, limit_pos, since_pos, damage_raises=damage_raises):
             pieces.append(len(piece[0]))
             yield piece
 
