@@ -753,30 +753,40 @@ class Collector:
         self.close()
 
 
-def late_hops(pipe: Pipeline, targets: dict[str, Scheduled], timeout_s: float = 60) -> dict[str, int]:
-    """Of ``targets`` (rolled messages), those whose last roll hop reached the timer topic only at
-    or after their delivery time: id -> when (the hop record's timestamp). Such a hop lands in a
-    slot after its cancel's, and the cancel misses: what happened before W was capped at R plus a
-    third of the roll window (issue 30), the first thing to look at when a cancel leaks."""
+def timer_topic_records(pipe: Pipeline, client: str, timeout_s: float = 60, *,
+                        strict: bool = True) -> Iterator[tuple[int, int, int, dict[str, bytes]]]:
+    """Every record of the timer topic from its beginning to its end offsets as of the call:
+    (partition, offset, timestamp, headers). ``strict`` fails when the end is not reached within
+    ``timeout_s``; otherwise the records read by then are all there is."""
     consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
-                             client_id=f"e2e-hops-{pipe.uid}", **pipe.kafka_options)
+                             client_id=f"e2e-{client}-{pipe.uid}", **pipe.kafka_options)
     try:
         tps = [TopicPartition(pipe.timer_topic, p) for p in sorted(consumer.partitions_for_topic(pipe.timer_topic) or ())]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
-        last_hop: dict[str, int] = {}
         deadline = time.monotonic() + timeout_s
         while any(consumer.position(tp) < ends[tp] for tp in tps):
-            assert time.monotonic() < deadline, f"the timer topic not read to its end within {timeout_s:.0f} s"
+            if time.monotonic() >= deadline:
+                assert not strict, f"the timer topic not read to its end within {timeout_s:.0f} s"
+                return
             for recs in consumer.poll(timeout_ms=500, max_records=10_000).values():
                 for r in recs:
-                    headers = {k: bytes(v) for k, v in (r.headers or ())}
-                    mid = headers.get("tw-id", b"").decode()
-                    if mid in targets and int(headers.get("tw-roll", b"0") or 0) >= 1:
-                        last_hop[mid] = max(last_hop.get(mid, 0), r.timestamp)
+                    yield r.partition, r.offset, r.timestamp, {k: bytes(v) for k, v in (r.headers or ())}
     finally:
         consumer.close(autocommit=False)
+
+
+def late_hops(pipe: Pipeline, targets: dict[str, Scheduled], timeout_s: float = 60) -> dict[str, int]:
+    """Of ``targets`` (rolled messages), those whose last roll hop reached the timer topic only at
+    or after their delivery time: id -> when (the hop record's timestamp). Such a hop lands in a
+    slot after its cancel's, and the cancel misses: what happened before W was capped at R plus a
+    third of the roll window (issue 30), the first thing to look at when a cancel leaks."""
+    last_hop: dict[str, int] = {}
+    for _, _, timestamp, headers in timer_topic_records(pipe, "hops", timeout_s):
+        mid = headers.get("tw-id", b"").decode()
+        if mid in targets and int(headers.get("tw-roll", b"0") or 0) >= 1:
+            last_hop[mid] = max(last_hop.get(mid, 0), timestamp)
     return {m: at for m, at in last_hop.items() if at >= targets[m].deliver_at_ms}
 
 
@@ -788,24 +798,12 @@ def leak_facts(pipe: Pipeline, ids: Iterable[str], shards: int, timeout_s: float
     lines: list[str] = []
     sources: dict[tuple[int, int], str] = {}
     try:
-        consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, enable_auto_commit=False,
-                                 client_id=f"e2e-facts-{pipe.uid}", **pipe.kafka_options)
-        try:
-            tps = [TopicPartition(pipe.timer_topic, p) for p in sorted(consumer.partitions_for_topic(pipe.timer_topic) or ())]
-            consumer.assign(tps)
-            consumer.seek_to_beginning(*tps)
-            ends = consumer.end_offsets(tps)
-            deadline = time.monotonic() + timeout_s
-            while any(consumer.position(tp) < ends[tp] for tp in tps) and time.monotonic() < deadline:
-                for recs in consumer.poll(timeout_ms=500, max_records=10_000).values():
-                    for r in recs:
-                        headers = {k: bytes(v).decode("utf-8", "replace") for k, v in (r.headers or ())}
-                        mid = headers.get("tw-cancel") or headers.get("tw-id")
-                        if mid in wanted:
-                            sources[(r.partition, r.offset)] = mid
-                            lines.append(f"timer topic p{r.partition} o{r.offset} ts {r.timestamp}: {headers}")
-        finally:
-            consumer.close(autocommit=False)
+        for partition, offset, timestamp, raw in timer_topic_records(pipe, "facts", timeout_s, strict=False):
+            headers = {k: v.decode("utf-8", "replace") for k, v in raw.items()}
+            mid = headers.get("tw-cancel") or headers.get("tw-id")
+            if mid in wanted:
+                sources[(partition, offset)] = mid
+                lines.append(f"timer topic p{partition} o{offset} ts {timestamp}: {headers}")
         for shard in range(shards):
             for segment in sorted((pipe.shard_dir(shard) / "timerlog").glob("*.tlog")):
                 data = segment.read_bytes()
