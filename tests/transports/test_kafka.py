@@ -440,3 +440,22 @@ def test_a_group_member_subscribed_to_topics_created_just_before_gets_their_part
             assert consumer.assignment() == {(t, p) for t in topics for p in (0, 1)}
         finally:
             consumer.close()
+
+
+def test_read_since_gives_the_committed_records_from_a_timestamp_to_the_end(log: KafkaCommitLog) -> None:
+    """A new shard owner reads its progress back from ``R`` less a margin (``stages.progress``):
+    the records at or after a timestamp, up to the end as of the call, none of an aborted
+    transaction."""
+    topic = new_topic(log, 2)
+    log.append([OutRecord(topic, None, f"v{t}".encode(), (), partition=1, timestamp_ms=t) for t in (1_000, 2_000)])
+    producer = KafkaProducer(bootstrap_servers=log.bootstrap, transactional_id=f"tx-{uuid.uuid4().hex[:8]}")
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.send(topic, b"aborted", partition=1, timestamp_ms=2_500).get(10)
+    producer.abort_transaction()
+    producer.close()
+    log.append([OutRecord(topic, None, b"v3000", (), partition=1, timestamp_ms=3_000)])
+    assert [r.value for r in log.read_since(topic, 1, 1_500)] == [b"v2000", b"v3000"]
+    assert [r.value for r in log.read_since(topic, 1, 0)] == [b"v1000", b"v2000", b"v3000"]
+    assert log.read_since(topic, 1, 3_001) == []
+    assert log.read_since(topic, 0, 0) == []

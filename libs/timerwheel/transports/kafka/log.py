@@ -23,6 +23,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kafka import TopicPartition
+
 from timerwheel.clock import Clock
 from timerwheel.config import KAFKA_COMPRESSIONS, TimerConfig
 from timerwheel.log import stage_logger
@@ -31,7 +33,7 @@ from timerwheel.transports.kafka.admin import Topics
 from timerwheel.transports.kafka.clients import BATCHED_FETCH, KafkaClients
 from timerwheel.transports.kafka.codecs import check_codecs
 from timerwheel.transports.kafka.consumers import KafkaConsumerAdapter, KafkaGroupConsumer
-from timerwheel.transports.kafka.errors import kafka_call
+from timerwheel.transports.kafka.errors import KafkaLogError, kafka_call
 from timerwheel.transports.kafka.follower import Follower
 from timerwheel.transports.kafka.producer import Appender
 from timerwheel.transports.kafka.reader import Reader
@@ -158,6 +160,34 @@ class KafkaCommitLog:
 
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
         return self.reader.read(topic, positions)
+
+    def read_since(self, topic: str, partition: int, since_ms: int, *, timeout_s: float = 30.0) -> list[Record]:
+        """The committed records of ``topic``'s ``partition`` from the first whose timestamp is at
+        least ``since_ms`` (``offsets_for_times``) to the partition's end as of the call (its last
+        stable offset: ``read_committed``). A new shard owner reads its progress back with it
+        (``stages.progress``). ``KafkaLogError`` if the end is not reached within ``timeout_s``."""
+        tp = TopicPartition(topic, partition)
+        with kafka_call(f"offsets of {topic!r} partition {partition} since {since_ms}"):
+            probe = self._clients.consumer(f"since-{topic}")
+            try:
+                found = probe.offsets_for_times({tp: since_ms}, timeout_ms=self._clients.request_timeout_ms)
+                end: int = probe.end_offsets([tp], timeout_ms=self._clients.request_timeout_ms)[tp]
+            finally:
+                probe.close(autocommit=False)
+        at = found.get(tp)
+        start = end if at is None else min(at.offset, end)
+        out: list[Record] = []
+        consumer = self.consumer(topic, {partition: start})
+        deadline = time.monotonic() + timeout_s
+        try:
+            while consumer.position(partition) < end:
+                if time.monotonic() > deadline:
+                    raise KafkaLogError(f"reading {topic!r} partition {partition} from {start} did not reach "
+                                        f"{end} within {timeout_s:g} s")
+                out += [r for r in consumer.poll(10_000, 0.5) if r.offset < end]
+        finally:
+            consumer.close()
+        return out
 
     def follow(self, topic: str) -> None:
         """Read ``topic`` ahead from its end, in a thread of its own, into the cache that ``read``
