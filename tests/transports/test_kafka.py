@@ -443,7 +443,7 @@ def test_a_group_member_subscribed_to_topics_created_just_before_gets_their_part
 
 
 def test_read_since_gives_the_committed_records_from_a_timestamp_to_the_end(log: KafkaCommitLog) -> None:
-    """A new shard owner reads its progress back from ``R`` less a margin (``stages.progress``):
+    """A new shard owner reads its progress back from ``R`` less a margin (``timerwheel.progress``):
     the records at or after a timestamp, up to the end as of the call, none of an aborted
     transaction."""
     topic = new_topic(log, 2)

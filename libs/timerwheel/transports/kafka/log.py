@@ -37,7 +37,11 @@ from timerwheel.transports.kafka.errors import KafkaLogError, kafka_call
 from timerwheel.transports.kafka.follower import Follower
 from timerwheel.transports.kafka.producer import Appender
 from timerwheel.transports.kafka.reader import Reader
-from timerwheel.transports.kafka.transactions import DeadLetters
+from timerwheel.transports.kafka.transactions import (
+    DELIVERY_TRANSACTION_TIMEOUT_MS,
+    DeadLetters,
+    ShardDeliveries,
+)
 from timerwheel.transports.readcache import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, ReadCache
 
 __all__ = ["KafkaCommitLog"]
@@ -84,6 +88,8 @@ class KafkaCommitLog:
         self.dead_letters = DeadLetters(self._clients, self.topics,
                                         compression=None if compression == "none" else compression,
                                         max_request_size=max_request_size)
+        self._compression = None if compression == "none" else compression
+        self._max_request_size = max_request_size
         #: Records read before (walked past by a read, or read ahead by the follower), for ``read``.
         self.read_cache = ReadCache(read_cache_records, read_cache_bytes)
         self.reader = Reader(self._clients, self.read_cache, read_timeout_s=read_timeout_s, read_gap=read_gap)
@@ -158,6 +164,14 @@ class KafkaCommitLog:
         """enqueue-get's dead letters of one timer partition, once each (``transactions`` module header)."""
         return self.dead_letters.write(prefix, source_topic, partition, letters)
 
+    def shard_deliveries(self, prefix: str, progress_topic: str, shard: int, *,
+                         timeout_ms: int = DELIVERY_TRANSACTION_TIMEOUT_MS) -> ShardDeliveries:
+        """Exactly-once releases of ``shard`` under ``<prefix>-deliver-<shard>``, their progress on
+        ``progress_topic`` (``transactions.ShardDeliveries``)."""
+        return ShardDeliveries(self._clients, lambda t, p, since: self.read_since(t, p, since), prefix, progress_topic,
+                               shard, timeout_ms=timeout_ms, compression=self._compression,
+                               max_request_size=self._max_request_size)
+
     def read(self, topic: str, positions: Sequence[tuple[int, int]]) -> list[Record | None]:
         return self.reader.read(topic, positions)
 
@@ -165,7 +179,7 @@ class KafkaCommitLog:
         """The committed records of ``topic``'s ``partition`` from the first whose timestamp is at
         least ``since_ms`` (``offsets_for_times``) to the partition's end as of the call (its last
         stable offset: ``read_committed``). A new shard owner reads its progress back with it
-        (``stages.progress``). ``KafkaLogError`` if the end is not reached within ``timeout_s``."""
+        (``timerwheel.progress``). ``KafkaLogError`` if the end is not reached within ``timeout_s``."""
         tp = TopicPartition(topic, partition)
         with kafka_call(f"offsets of {topic!r} partition {partition} since {since_ms}"):
             probe = self._clients.consumer(f"since-{topic}")

@@ -28,20 +28,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
 import kafka.errors as kafka_errors
 from kafka import OffsetAndMetadata, TopicPartition
 
-from timerwheel.records import OutRecord
+from timerwheel.progress import READ_BACK_MARGIN_MS, Finished, Progress
+from timerwheel.records import OutRecord, Record
 from timerwheel.transports.kafka import internals
 from timerwheel.transports.kafka.admin import Topics
 from timerwheel.transports.kafka.clients import KafkaClients, send_record
 from timerwheel.transports.kafka.errors import REFUSED, KafkaLogError, kafka_call, refusal
 
-__all__ = ["DEAD_LETTER_TRANSACTION_TIMEOUT_MS", "DeadLetters", "TransactionalProducer"]
+__all__ = ["DEAD_LETTER_TRANSACTION_TIMEOUT_MS", "DELIVERY_TRANSACTION_TIMEOUT_MS", "DeadLetters", "ShardDeliveries",
+           "TransactionalProducer"]
 
 #: The dead-letter transactions' timeout (also how long a commit is waited for): a crashed
 #: enqueue-get's open transaction holds the dead-letter topic's last stable offset this long at
@@ -212,3 +214,61 @@ class DeadLetters:
                 producer.close()
             self._producers.clear()
             self._done.clear()
+
+
+#: A shard owner's delivery transactions' timeout (TW_TRANSACTION_TIMEOUT_MS's default): a crashed
+#: owner's open transaction holds its destinations' last stable offsets this long at most, or
+#: until the next owner's init.
+DELIVERY_TRANSACTION_TIMEOUT_MS = 10_000
+
+
+class ShardDeliveries:
+    """Exactly-once releases of one shard (design 7.1; not wired into dequeue-put yet).
+
+    ``take`` makes the producer of ``<prefix>-deliver-<shard>`` and runs ``init_transactions``
+    (fencing every older owner's producer and ending its open transaction), then reads the shard's
+    progress partition back from ``R - READ_BACK_MARGIN_MS``: the ``Finished`` set it returns names
+    every record a committed transaction released. ``commit`` writes a batch's records and its
+    progress record in one transaction. A commit of unknown outcome (``KafkaLogError.unknown_outcome``)
+    or any failure calls for ``take`` again before anything else is written: the next init decides
+    the open transaction, and the read-back tells what it did."""
+
+    def __init__(self, clients: KafkaClients, read_since: Callable[[str, int, int], Sequence[Record]], prefix: str,
+                 progress_topic: str, shard: int, *, timeout_ms: int = DELIVERY_TRANSACTION_TIMEOUT_MS,
+                 compression: str | None = None, max_request_size: int = 1024 * 1024) -> None:
+        """``read_since``: ``KafkaCommitLog.read_since`` (the read-back). Made by
+        ``KafkaCommitLog.shard_deliveries``."""
+        self._read_since = read_since
+        self.shard = shard
+        self.progress_topic = progress_topic
+        self.producer = TransactionalProducer(clients, f"{prefix}-deliver-{shard}", timeout_ms=timeout_ms,
+                                              compression=compression, max_request_size=max_request_size)
+        #: False until ``take`` succeeded, and again after any failure of ``commit``.
+        self.ready = False
+
+    def take(self, read_ms: int) -> Finished:
+        """Init (fence the others), then what committed progress records name from ``R`` on."""
+        self.producer.drop()
+        self.ready = False
+        self.producer.init()
+        since = read_ms - READ_BACK_MARGIN_MS
+        records = self._read_since(self.progress_topic, self.shard, since)
+        finished = Finished.read_back(self.shard, [r.value for r in records], read_ms)
+        self.ready = True
+        return finished
+
+    def commit(self, records: Sequence[OutRecord], progress: Progress, now_ms: int) -> list[tuple[int, int]]:
+        """``records`` and ``progress`` (stamped ``now_ms``: the release time) in one transaction;
+        the records' positions. ``KafkaLogError`` when nothing is known to be written: ``take``
+        again before the next commit."""
+        if not self.ready:
+            raise KafkaLogError(f"deliveries of shard {self.shard}: take the shard (init, read back) first")
+        mark = OutRecord(self.progress_topic, None, progress.encode(), (), partition=self.shard, timestamp_ms=now_ms)
+        try:
+            return self.producer.run([*records, mark])[: len(records)]
+        except KafkaLogError:
+            self.ready = False
+            raise
+
+    def close(self) -> None:
+        self.producer.close()

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from timerwheel.stages.progress import (
+from timerwheel.progress import (
     OFFSET_MASK,
     Finished,
     Progress,
