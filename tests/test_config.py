@@ -19,6 +19,9 @@ from timerwheel.errors import ConfigError
         ({"shards": 0}, "shards"),
         ({"allow_topics": ("(",)}, "allow_topics"),
         ({"dlq_topic": "__timer"}, "dlq_topic"),
+        ({"delivery_guarantee": "exactly-twice"}, "delivery_guarantee"),
+        ({"progress_topic": "__timer_dlq"}, "progress_topic"),
+        ({"transaction_timeout_ms": 999}, "transaction_timeout_ms"),
     ],
 )
 def test_invalid_values_name_the_field(changes: dict[str, object], field: str) -> None:
@@ -55,6 +58,17 @@ def test_env_values_are_parsed() -> None:
                                 "TW_DELAY_LEVELS": "1s 2s"})
     assert cfg.roll_window_ms == 86_400_000 and cfg.allow_topics == ("a.*", "b")
     assert cfg.fsync is False and cfg.delay_levels_ms == (1000, 2000)
+
+
+def test_exactly_once_settings_default_and_parse() -> None:
+    cfg = TimerConfig()
+    assert (cfg.delivery_guarantee, cfg.effective_progress_topic, cfg.transaction_timeout_ms) == \
+        ("at-least-once", "__timer_progress", 10_000)
+    cfg = TimerConfig.from_env({"TW_DELIVERY_GUARANTEE": "exactly-once", "TW_PROGRESS_TOPIC": "p",
+                                "TW_TRANSACTION_TIMEOUT_MS": "20s"})
+    assert (cfg.delivery_guarantee, cfg.effective_progress_topic, cfg.transaction_timeout_ms) == ("exactly-once", "p", 20_000)
+    with pytest.raises(ConfigError, match="^TW_DELIVERY_GUARANTEE: must be at-least-once or exactly-once"):
+        TimerConfig.from_env({"TW_DELIVERY_GUARANTEE": "once"})
 
 
 def test_every_env_var_maps_to_a_field() -> None:

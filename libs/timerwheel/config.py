@@ -31,6 +31,8 @@ DEFAULT_ALLOW_TOPICS = (r"(?!__).+",)
 
 #: Kafka's codecs, and "none" (TW_KAFKA_COMPRESSION).
 KAFKA_COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
+#: TW_DELIVERY_GUARANTEE's values (issue 31).
+DELIVERY_GUARANTEES = ("at-least-once", "exactly-once")
 #: What enqueue-get does with a message for a destination that does not exist (TW_MISSING_TOPIC).
 MISSING_TOPIC_POLICIES = ("hold", "dlq")
 
@@ -110,6 +112,13 @@ class TimerConfig:
     #: ``InputWatermark``). 0: every cancel acknowledged before its target's delivery time meets
     #: it; N: only those acknowledged at least N ms before it, for deliveries up to N ms sooner.
     cancel_lead_ms: int = 0
+    #: "at-least-once" or "exactly-once" (issue 31: each delivery committed with its progress record
+    #: in one Kafka transaction per shard; consumers read ``read_committed``).
+    delivery_guarantee: str = "at-least-once"
+    #: The topic of exactly-once's progress records (one partition per shard); "": ``<timer topic>_progress``.
+    progress_topic: str = ""
+    #: The delivery transactions' timeout, and how long a commit is waited for.
+    transaction_timeout_ms: int = 10_000
     #: How far ahead of its delivery time a message may be read, fetched and held by dequeue-put
     #: (``TW_LOOKAHEAD_MS``); 0: a slot is read once W passes its end; -1: DEFAULT_LOOKAHEAD_MS, or
     #: less when the roll window allows less (``effective_lookahead_ms``).
@@ -207,6 +216,12 @@ class TimerConfig:
         need(self.queue_put_timeout_s > 0, "queue_put_timeout_s", "must be > 0")
         need(self.lease_ttl_ms >= 1000, "lease_ttl_ms", f"must be >= 1000, got {self.lease_ttl_ms}")
         need(0 <= self.cancel_lead_ms <= 60_000, "cancel_lead_ms", f"must be 0..60000, got {self.cancel_lead_ms}")
+        need(self.delivery_guarantee in DELIVERY_GUARANTEES, "delivery_guarantee",
+             f"must be {' or '.join(DELIVERY_GUARANTEES)}, got {self.delivery_guarantee!r}")
+        need(self.effective_progress_topic not in (self.timer_topic, self.dlq_topic), "progress_topic",
+             "must differ from the timer and dead-letter topics")
+        need(1_000 <= self.transaction_timeout_ms <= 900_000, "transaction_timeout_ms",
+             f"must be 1000..900000 (the broker's transaction.max.timeout.ms default), got {self.transaction_timeout_ms}")
         lookahead_max = max(0, min(60_000, self.roll_window_ms // 6 - 2 * self.tick_ms))
         need(self.lookahead_ms == -1 or 0 <= self.lookahead_ms <= lookahead_max, "lookahead_ms",
              f"must be 0..{lookahead_max} (60000 at most, and roll_window_ms / 6 - 2 ticks) or -1 (the default), "
@@ -298,6 +313,11 @@ class TimerConfig:
         if self.lookahead_ms >= 0:
             return self.lookahead_ms
         return max(0, min(DEFAULT_LOOKAHEAD_MS, self.roll_window_ms // 6 - 2 * self.tick_ms))
+
+    @property
+    def effective_progress_topic(self) -> str:
+        """TW_PROGRESS_TOPIC, or ``<timer topic>_progress``."""
+        return self.progress_topic or f"{self.timer_topic}_progress"
 
     @property
     def transactional_id_prefix(self) -> str:
@@ -428,6 +448,15 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                           "0: every cancel acknowledged before its target's delivery time meets it. N: only "
                           "cancels acknowledged at least N ms before it are sure to, and deliveries come up to "
                           "N ms sooner when enqueue-get lags"),
+    "TW_DELIVERY_GUARANTEE": ("delivery_guarantee", "str",
+                              "at-least-once (the default) or exactly-once: each delivery, roll hop and dead "
+                              "letter of dequeue-put committed with its progress record in one Kafka transaction "
+                              "per shard (consumers read read_committed)"),
+    "TW_PROGRESS_TOPIC": ("progress_topic", "str",
+                          "exactly-once's progress topic, one partition per shard; empty: <timer topic>_progress"),
+    "TW_TRANSACTION_TIMEOUT_MS": ("transaction_timeout_ms", "duration",
+                                  "exactly-once: the delivery transactions' timeout and how long a commit is "
+                                  "waited for, 1000..900000 ms"),
     "TW_LOOKAHEAD_MS": ("lookahead_ms", "int",
                         "how far ahead of its delivery time a message is read from the wheel, fetched and held "
                         "by dequeue-put until its time, 0..60000 ms and at most roll_window_ms / 6 - 2 ticks; "
