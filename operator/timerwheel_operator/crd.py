@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from timerwheel.config import ALLOWED_TICKS_MS, DAY_MS, DEFAULT_ALLOW_TOPICS, DEFAULT_DELAY_LEVELS
+from timerwheel.config import (
+    ALLOWED_TICKS_MS,
+    DAY_MS,
+    DEFAULT_ALLOW_TOPICS,
+    DEFAULT_DELAY_LEVELS,
+    DELIVERY_GUARANTEES,
+)
 
 from timerwheel_operator import GROUP, KIND, PLURAL, VERSION
 
@@ -261,6 +267,11 @@ def spec_schema() -> Schema:
                 "maxItems": 100,
                 "items": {"type": "string", "minLength": 1, "maxLength": 512, "pattern": r"^[^,]+$"},
             },
+            "deliveryGuarantee": _str("at-least-once (the default) or exactly-once: dequeue-put commits each "
+                                      "shard's deliveries, roll hops and dead letters with a progress record in "
+                                      "one Kafka transaction; consumers must read with "
+                                      "isolation.level=read_committed (TW_DELIVERY_GUARANTEE)",
+                                      enum=list(DELIVERY_GUARANTEES), default="at-least-once"),
             "kafka": _kafka_schema(),
             "redis": {
                 "type": "object",

@@ -48,6 +48,7 @@ SPEC_ENV: dict[str, tuple[str, Any]] = {
     "dlqTopic": ("TW_DLQ_TOPIC", "__timer_dlq"),
     "timerPartitions": ("TW_TIMER_PARTITIONS", 4),
     "allowTopics": ("TW_ALLOW_TOPICS", list(DEFAULT_ALLOW_TOPICS)),
+    "deliveryGuarantee": ("TW_DELIVERY_GUARANTEE", "at-least-once"),
 }
 
 

@@ -91,6 +91,7 @@ GOOD = {"kafka": {"bootstrap": "k:9092"}, "redis": {"url": "redis://r:6379/0"}}
     ({"dlqTopic": "__timer"}, "spec.dlqTopic"),
     ({"timerTopic": "bad topic"}, "spec.timerTopic"),
     ({"allowTopics": ["a,b"]}, "spec.allowTopics"),
+    ({"deliveryGuarantee": "twice"}, "spec.deliveryGuarantee"),
     ({"redis": {}}, "spec.redis"),
     ({"kafka": {}}, "spec.kafka"),
     ({"stages": {"enqueuePut": {"replicas": 2}}}, "spec.stages.enqueuePut.replicas"),

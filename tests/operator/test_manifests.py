@@ -159,6 +159,21 @@ def test_a_settings_change_rolls_the_pods() -> None:
     assert settings_hash(a) == settings_hash(read(wheel_body(), "i"))
 
 
+def test_the_delivery_guarantee_reaches_the_settings_and_a_bad_one_is_named() -> None:
+    def settings(**spec: Any) -> dict[str, str]:
+        (cm,) = by_kind(built(**spec), "ConfigMap").values()
+        return dict(cm["data"])
+
+    assert settings()["TW_DELIVERY_GUARANTEE"] == "at-least-once"
+    env = settings(deliveryGuarantee="exactly-once")
+    assert env["TW_DELIVERY_GUARANTEE"] == "exactly-once"
+    assert TimerConfig.from_env({**env, "TW_REDIS_URL": "redis://x"}).delivery_guarantee == "exactly-once"
+    with pytest.raises(SpecError, match="^spec.deliveryGuarantee: must be at-least-once or exactly-once, "
+                                        "got 'twice'$") as refused:
+        read(wheel_body(deliveryGuarantee="twice"), "i")
+    assert refused.value.field == "spec.deliveryGuarantee" and "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize(("spec", "field"), [
     ({"tickMs": 7}, "spec.tickMs"),
     ({"allowTopics": ["("]}, "spec.allowTopics"),
@@ -166,6 +181,7 @@ def test_a_settings_change_rolls_the_pods() -> None:
     ({"kafka": {}}, "spec.kafka.bootstrap"),
     ({"redis": {}}, "spec.redis"),
     ({"stages": {"enqueueGet": {"replicas": 2}}}, "spec.stages.enqueueGet.replicas"),
+    ({"deliveryGuarantee": "twice"}, "spec.deliveryGuarantee"),
 ])
 def test_a_bad_spec_that_slipped_past_the_api_server_is_named(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError, match=rf"^{field}: "):
