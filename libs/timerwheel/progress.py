@@ -109,8 +109,12 @@ class Finished:
 
     def holds(self, slot: int, partition: int, offset: int) -> bool:
         """A committed transaction already finished this record with output."""
+        return self.holds_position(slot, source_position(partition, offset))
+
+    def holds_position(self, slot: int, position: int) -> bool:
+        """``holds`` for a source position."""
         positions = self._by_slot.get(slot)
-        return positions is not None and source_position(partition, offset) in positions
+        return positions is not None and position in positions
 
     def forget_before(self, read_ms: int) -> int:
         """Drop the slots before ``R`` (never read again); returns how many positions went."""

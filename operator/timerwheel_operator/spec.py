@@ -52,6 +52,12 @@ SPEC_ENV: dict[str, tuple[str, Any]] = {
 }
 
 
+#: SPEC_ENV fields added after the first release: written into the ConfigMap only when they differ
+#: from their default, so that an operator upgrade does not roll every stage pod of a TimerWheel
+#: that does not use them (the pods carry the ConfigMap's hash).
+WRITTEN_WHEN_SET = frozenset({"deliveryGuarantee"})
+
+
 class SpecError(ConfigError):
     """A spec value the stages would refuse; ``field`` is its path in the spec."""
 
@@ -177,7 +183,8 @@ def _env_value(value: Any) -> str:
 def settings_env(spec: Mapping[str, Any]) -> dict[str, str]:
     """The ConfigMap's ``TW_*`` settings: every SPEC_ENV field (its default when absent), Kafka,
     the data directory and the HTTP port. Redis comes from the spec's url or Secret (``env``)."""
-    env = {var: _env_value(spec.get(field, default)) for field, (var, default) in SPEC_ENV.items()}
+    env = {var: _env_value(spec.get(field, default)) for field, (var, default) in SPEC_ENV.items()
+           if field not in WRITTEN_WHEN_SET or spec.get(field, default) != default}
     env.update(kafka_env(spec.get("kafka") or {}))
     url = spec.get("redis", {}).get("url")
     if url and not spec.get("redis", {}).get("secretRef"):

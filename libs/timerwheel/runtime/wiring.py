@@ -23,6 +23,7 @@ from timerwheel.errors import ConfigError, SourceMismatchError, TimerwheelError
 from timerwheel.stages import DequeueGet, DequeueGetMsg, DequeuePut, EnqueueGet, EnqueuePut, StageContext
 from timerwheel.stages.codec import Q_DELIVER, Q_DONE, Q_FETCH, Q_PUT
 from timerwheel.stages.dequeue_get import STOP_DRAIN_S
+from timerwheel.stages.exactly_once import Deliveries
 from timerwheel.stages.ownership import Ownership
 from timerwheel.stages.published import TORN_READ_PATIENCE_S
 from timerwheel.store import checkpoint
@@ -96,6 +97,29 @@ def ensure_topics(cfg: TimerConfig, commit_log: CommitLog) -> int:
     partitions = commit_log.ensure_topic(cfg.timer_topic, cfg.timer_partitions)
     commit_log.ensure_topic(cfg.dlq_topic, 1)
     return partitions
+
+
+def shard_deliveries(cfg: TimerConfig, commit_log: Any) -> Callable[[int], Deliveries] | None:
+    """Exactly-once (TW_DELIVERY_GUARANTEE): what makes a shard's transactional releases, its
+    progress topic made (one partition per shard) or checked; None at least once. Refused on a
+    log without transactions (the embedded local log)."""
+    if cfg.delivery_guarantee != "exactly-once":
+        return None
+    if not hasattr(commit_log, "shard_deliveries"):
+        raise ConfigError("delivery_guarantee", "exactly-once needs Kafka (TW_KAFKA_BOOTSTRAP): the embedded "
+                                                "local log has no transactions")
+    topic = cfg.effective_progress_topic
+    partitions = commit_log.ensure_topic(topic, cfg.shards)
+    if partitions < cfg.shards:
+        raise ConfigError("progress_topic", f"{topic!r} has {partitions} partitions, fewer than TW_SHARDS "
+                                            f"({cfg.shards}): one per shard is needed")
+
+    def deliveries(shard: int) -> Deliveries:
+        made: Deliveries = commit_log.shard_deliveries(cfg.transactional_id_prefix, topic, shard,
+                                                       timeout_ms=cfg.transaction_timeout_ms)
+        return made
+
+    return deliveries
 
 
 def check_timer_topic(cfg: TimerConfig, commit_log: Any) -> int:
@@ -250,5 +274,6 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Tran
         return DequeueGetMsg(ctx, log, queues[Q_FETCH], queues[Q_DELIVER], range(cfg.shards))
     if name == "dequeue-put":
         return DequeuePut(ctx, log, queues[Q_DELIVER], queues[Q_DONE], range(cfg.shards),
-                          lambda s: open_reader_if_exists(cfg, s), stop_drain_s=0.0 if sole else STOP_DRAIN_S)
+                          lambda s: open_reader_if_exists(cfg, s), stop_drain_s=0.0 if sole else STOP_DRAIN_S,
+                          deliveries=shard_deliveries(cfg, log))
     raise ConfigError("stage", f"unknown stage {name!r}")

@@ -94,6 +94,7 @@ from timerwheel.stages.codec import (
 )
 from timerwheel.stages.dequeue_get import GENERATION_BITS, markers_of
 from timerwheel.stages.dequeue_getmsg import confirmed
+from timerwheel.stages.exactly_once import Deliveries, ExactlyOnce, Source, source_of_item
 from timerwheel.stages.published import CKPT_POLL_S, PublishedView
 from timerwheel.stages.watch import Watch
 from timerwheel.store import CorruptCheckpointError, Shard
@@ -180,6 +181,8 @@ class Round:
     dues: dict[int, int] = field(default_factory=dict)
     #: Items finished, with their entry (and for telemetry the item as it ended).
     finished: list[tuple[HeldEntry, DeliverItem]] = field(default_factory=list)
+    #: Exactly-once: index in ``out`` -> the record's identity (shard, slot, source position).
+    sources: dict[int, Source] = field(default_factory=dict)
 
 
 def _count(counts: dict[str, int], topic: str) -> None:
@@ -190,10 +193,13 @@ class DequeuePut(QueueStage):
     stage = STAGE
 
     def __init__(self, ctx: StageContext, commit_log: CommitLog, deliver_queue: WorkQueue, done_queue: WorkQueue,
-                 partitions: Sequence[int], open_shard: Callable[[int], Shard | None], stop_drain_s: float = 0.0) -> None:
+                 partitions: Sequence[int], open_shard: Callable[[int], Shard | None], stop_drain_s: float = 0.0,
+                 deliveries: Callable[[int], Deliveries] | None = None) -> None:
         """``open_shard(id)``: a read-only view of a shard (None while it does not exist yet): the
         release gate reads its enqueue.ckpt and its slots' tails. ``stop_drain_s``: how long
-        ``close`` releases what is held (STOP_DRAIN_S in a stage process, 0 in the embedded one)."""
+        ``close`` releases what is held (STOP_DRAIN_S in a stage process, 0 in the embedded one).
+        ``deliveries(shard)``: exactly-once (``stages.exactly_once``): a shard's transactional
+        releases; None: at-least-once, one append per round."""
         super().__init__(ctx, deliver_queue, partitions)
         self.stop_drain_s = stop_drain_s
         self.commit_log = commit_log
@@ -212,7 +218,6 @@ class DequeuePut(QueueStage):
         self._round: Round | None = None
         self._touched = time.monotonic()
         #: Shard -> (its dequeue-get owner's epoch, when read): ``_owner_epoch``.
-        self._owner_epochs: dict[int, tuple[int, float]] = {}
         #: Finished entries not reported and acknowledged yet, by (shard, generation) of their report
         #: (``_report``): a failed report or ack (Redis gone for a moment) is retried at the next
         #: step, so no finished entry is left held and touched for good.
@@ -220,6 +225,10 @@ class DequeuePut(QueueStage):
         self._unacked: dict[int, list[HeldEntry]] = {}
         #: The timer partitions read beside W's gate (``stages.watch``).
         self._watch = Watch(ctx, commit_log)
+        #: Shard -> (its dequeue.ckpt's epoch and R, when read): ``_dequeue_ckpt``.
+        self._dequeue_ckpts: dict[int, tuple[int, int, float]] = {}
+        self._eo = (ExactlyOnce(ctx, self.logger, deliveries, lambda s: self._dequeue_ckpt(s)[1])
+                    if deliveries is not None else None)
 
     # ---------------------------------------------------------------- the loop
 
@@ -330,6 +339,7 @@ class DequeuePut(QueueStage):
         kind, rec = item.kind, item.record
         if rec is None or kind == MISSING:
             src = f"{cfg.timer_topic}/{item.src_partition}/{item.src_offset}"
+            self._source(rnd, held, item)
             rnd.out.append(OutRecord(cfg.dlq_topic, None, None, (
                 (H_ERROR, f"source record {src} is gone from the log".encode()), (H_SOURCE, src.encode()))))
             _count(rnd.dead, "-")
@@ -372,6 +382,7 @@ class DequeuePut(QueueStage):
     def _dead_letter(self, rnd: Round, held: HeldEntry, item: DeliverItem, topic: str, reason: str) -> None:
         rec = item.record
         assert rec is not None
+        self._source(rnd, held, item)
         rnd.out.append(OutRecord(self.ctx.config.dlq_topic, rec.key, rec.value, dead_letter_headers(rec, reason)))
         _count(rnd.dead, topic)
         rnd.finished.append((held, item))
@@ -381,6 +392,7 @@ class DequeuePut(QueueStage):
         record due far past this clock (due at its own time)."""
         rec = h.record
         raw_roll = h.headers.get(H_ROLL)
+        self._source(rnd, h.held, h.item)
         rnd.out.append(OutRecord(self.ctx.config.timer_topic, rec.key, rec.value,
                                  rolled_headers(rec, message_id_of(rec, h.headers), due,
                                                 int(raw_roll) if raw_roll else 0, h.item.enqueued_ms),
@@ -494,19 +506,26 @@ class DequeuePut(QueueStage):
     def _owner_epoch(self, shard_id: int, view: PublishedView | None) -> int:
         """The epoch of the shard's dequeue-get owner as its dequeue.ckpt says (read at most every
         OWNER_EPOCH_EVERY_S; 0 while unknown: nothing is taken for stale then)."""
+        return self._dequeue_ckpt(shard_id, view)[0]
+
+    def _dequeue_ckpt(self, shard_id: int, view: PublishedView | None = None) -> tuple[int, int]:
+        """The shard's dequeue.ckpt's (epoch, R), read at most every OWNER_EPOCH_EVERY_S; (0, 0)
+        while unknown. R only moves on, so an older reading is below it, never past it."""
         mono = time.monotonic()
-        known = self._owner_epochs.get(shard_id)
-        if known is not None and mono - known[1] < OWNER_EPOCH_EVERY_S:
-            return known[0]
-        epoch = 0
+        known = self._dequeue_ckpts.get(shard_id)
+        if known is not None and mono - known[2] < OWNER_EPOCH_EVERY_S:
+            return known[0], known[1]
+        epoch, read_ms = 0, known[1] if known is not None else 0
+        view = view if view is not None else self._view(shard_id)
         if view is not None:
             try:
                 ckpt = view.shard.load_dequeue_checkpoint()
             except CorruptCheckpointError:
                 ckpt = None  # torn on a shared volume: unknown this time
-            epoch = ckpt.epoch if ckpt is not None else 0
-        self._owner_epochs[shard_id] = (epoch, mono)
-        return epoch
+            if ckpt is not None:
+                epoch, read_ms = ckpt.epoch, max(read_ms, ckpt.read_ms)
+        self._dequeue_ckpts[shard_id] = (epoch, read_ms, mono)
+        return epoch, read_ms
 
     def _cancelled(self, view: PublishedView, ready: list[Held], flushed_pos: int) -> tuple[set[int], set[int]]:
         """``id()`` of the records a cancel marker in their slot's tail ``[read_pos, flushed_pos)``
@@ -550,9 +569,37 @@ class DequeuePut(QueueStage):
         # OutRecord(...) goes through a Python-level __new__: twice the cost
         rnd.deliveries[len(rnd.out)] = h
         rnd.dues[len(rnd.out)] = h.due
+        self._source(rnd, h.held, h.item)
         rnd.out.append(tuple.__new__(OutRecord, (h.topic, rec.key, rec.value, headers, h.dest_partition, None)))
         _count(rnd.delivered, h.topic)
         rnd.finished.append((h.held, h.item))
+
+    def _source(self, rnd: Round, held: HeldEntry, item: DeliverItem) -> None:
+        """Exactly-once: the identity of the record about to be appended to ``rnd.out``."""
+        if self._eo is not None:
+            e = held.entry
+            rnd.sources[len(rnd.out)] = source_of_item(e.shard, e.slot_time, item.src_partition, item.src_offset)
+
+    def _commit_exactly_once(self, rnd: Round, hold: Callable[[int, str], OutRecord]) -> None:
+        """Exactly-once: the round's records shard by shard, each shard's with its progress record
+        in one transaction (``stages.exactly_once``); those a committed transaction released
+        already are finished without output. A destination that does not exist is held before
+        the transaction (a transactional send would wait for its metadata and fail the batch)."""
+        assert self._eo is not None
+        for i, h in list(rnd.deliveries.items()):
+            if self._partitions_of(h.topic) is None:
+                rnd.out[i] = hold(i, h.topic)
+        by_shard: dict[int, dict[int, Source]] = {}
+        for i, source in rnd.sources.items():
+            by_shard.setdefault(source[0], {})[i] = source
+        if len(rnd.sources) != len(rnd.out):
+            raise AssertionError(f"{len(rnd.out) - len(rnd.sources)} released records without a source")
+        for shard, sources in sorted(by_shard.items()):
+            for i in self._eo.commit(shard, rnd.out, sources, rnd.now):
+                if i in rnd.deliveries:
+                    h = rnd.deliveries.pop(i)
+                    rnd.delivered[h.topic] -= 1
+                    rnd.dues.pop(i, None)
 
     def _write(self, rnd: Round) -> None:
         """Append the round's records (retried until written), then report and ack the entries it
@@ -585,7 +632,10 @@ class DequeuePut(QueueStage):
                                      h.item.enqueued_ms, held_since_ms=since)
             return OutRecord(cfg.timer_topic, rec.key, rec.value, headers, partition=rec.partition)
 
-        append_until_written(ctx, self.commit_log, rnd.out, self.logger, on_missing=hold)
+        if self._eo is None:
+            append_until_written(ctx, self.commit_log, rnd.out, self.logger, on_missing=hold)
+        else:
+            self._commit_exactly_once(rnd, hold)
         ctx.processed(sum(len(r.value) for r in rnd.out if r.value))
         if rnd.held_for_topic:
             self.logger.warning("destination topics missing, records held", topics=rnd.held_for_topic)
@@ -692,5 +742,7 @@ class DequeuePut(QueueStage):
         except Exception as exc:  # noqa: BLE001 - best effort: another replica takes what is left
             self.logger.warning("drain on stop ended", reason=str(exc)[:200], held=len(self._entries))
         self._watch.close()
+        if self._eo is not None:
+            self._eo.close()
         for view in self._views.values():
             view.shard.close()

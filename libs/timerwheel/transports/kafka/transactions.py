@@ -251,7 +251,7 @@ class ShardDeliveries:
         self.producer.drop()
         self.ready = False
         self.producer.init()
-        since = read_ms - READ_BACK_MARGIN_MS
+        since = max(0, read_ms - READ_BACK_MARGIN_MS)
         records = self._read_since(self.progress_topic, self.shard, since)
         finished = Finished.read_back(self.shard, [r.value for r in records], read_ms)
         self.ready = True
