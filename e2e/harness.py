@@ -832,11 +832,12 @@ class LoadRun:
 
     def __init__(self, pipe: Pipeline, topic: str, *, seed: int, rate: float, min_delay_ms: int,
                  max_delay_ms: int, cancel_fraction: float = 0.0,
-                 cancel_before_ms: tuple[int, int] = (300, 1_500)) -> None:
+                 cancel_before_ms: tuple[int, int] = (300, 1_500), read_committed: bool = False) -> None:
+        """``read_committed``: the collector skips aborted transactions' records (exactly-once)."""
         self.pipe = pipe
         with ExitStack() as opened:  # what opened before a failure here is closed again
             self.producer = opened.enter_context(TimerProducer(pipe, seed=seed))
-            self.collector = opened.enter_context(Collector(pipe, [topic]))
+            self.collector = opened.enter_context(Collector(pipe, [topic], read_committed=read_committed))
             self.load = opened.enter_context(SteadyLoad(self.producer, topic, rate, min_delay_ms,
                                                         max_delay_ms, cancel_fraction, cancel_before_ms))
             self._opened = opened.pop_all()
