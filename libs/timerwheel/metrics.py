@@ -53,6 +53,11 @@ COUNTERS: dict[str, str] = {
     "copies_missed": "records taken for a copy of another in their slot that named another message (an id-hash collision)",
     "append_retries": "writes to the commit log retried",
     "dead_letter_retries": "enqueue-get's dead-letter transactions retried, per timer partition",
+    "delivery_transaction_retries": "exactly-once: dequeue-put's delivery transactions retried (after a take), per shard",
+    "delivery_takes": "exactly-once: takes of a shard's deliveries by dequeue-put (init_transactions, which fences "
+                      "every other producer of the shard's id, and the progress read back), per shard",
+    "duplicates_dropped": "exactly-once: records dequeue-put finished without output because a committed "
+                          "transaction had released them already, per shard",
     "queue_full_waits": "waits of a work-queue producer on a full queue (back-pressure)",
     "stage_errors": "failed stage steps, retried, per stage",
     "timerlog_records": "TimerLog records written, per shard",

@@ -19,6 +19,7 @@ import pytest
 from test_dequeue_put_checks import record
 from test_late_input import START
 from timerwheel import SimulatedClock, TimerConfig
+from timerwheel.errors import ConfigError
 from timerwheel.records import Record
 from timerwheel.runtime.wiring import shard_deliveries
 from timerwheel.stages import base, dequeue_put
@@ -29,6 +30,7 @@ from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Shard
 from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.kafka import transactions
 from timerwheel.transports.kafka.log import KafkaCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryWorkQueue
 
 SLOT = START + 1_000
@@ -201,3 +203,12 @@ def test_a_commit_of_unknown_outcome_is_decided_by_the_next_take(rig: EoRig, mon
     assert rig.ids(rig.dest) == ["m1"] and rig.done() == 1
     assert put.ctx.metrics.counter("duplicates_dropped", shard=0) == 1
     assert put.ctx.metrics.counter("delivery_takes", shard=0) == 2
+
+
+def test_the_local_log_refuses_exactly_once_in_one_line(tmp_path: Path) -> None:
+    """The embedded mode's local log has no transactions: refused before anything starts."""
+    config = TimerConfig(data_dir=str(tmp_path), delivery_guarantee="exactly-once")
+    with pytest.raises(ConfigError, match="^delivery_guarantee: exactly-once needs Kafka") as refused:
+        shard_deliveries(config, LocalCommitLog(tmp_path / "log", fsync=False))
+    assert "\n" not in str(refused.value)
+    assert shard_deliveries(TimerConfig(data_dir=str(tmp_path)), LocalCommitLog(tmp_path / "log2", fsync=False)) is None
