@@ -94,8 +94,12 @@ class Finished:
     """A shard owner's finished set: the source positions, per slot time at or after ``R``, that
     committed progress records name (read back at take-over, then its own commits added)."""
 
-    def __init__(self, shard: int) -> None:
+    def __init__(self, shard: int, since: int = 0) -> None:
         self.shard = shard
+        #: The set holds every committed position of the slots at or after this time (its
+        #: read-back's ``R``, or where ``forget_before`` cut it): a record of an older slot cannot
+        #: be told from it, and calls for a read-back from there (``stages.exactly_once``).
+        self.since = since
         self._by_slot: dict[int, set[int]] = {}
 
     def add(self, progress: Progress, read_ms: int = 0) -> None:
@@ -118,6 +122,7 @@ class Finished:
 
     def forget_before(self, read_ms: int) -> int:
         """Drop the slots before ``R`` (never read again); returns how many positions went."""
+        self.since = max(self.since, read_ms)
         old = [slot for slot in self._by_slot if slot < read_ms]
         return sum(len(self._by_slot.pop(slot)) for slot in old)
 
@@ -129,7 +134,7 @@ class Finished:
         """The finished set from the values of the shard's progress records, read from
         ``R - READ_BACK_MARGIN_MS`` to the partition's end (``read_committed``). A record that
         cannot be decoded is an error: skipping it could deliver its records twice."""
-        finished = cls(shard)
+        finished = cls(shard, read_ms)
         for value in values:
             if value is None:
                 raise ValueError(f"progress record of shard {shard} without a value")

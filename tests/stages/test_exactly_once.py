@@ -212,3 +212,29 @@ def test_the_local_log_refuses_exactly_once_in_one_line(tmp_path: Path) -> None:
         shard_deliveries(config, LocalCommitLog(tmp_path / "log", fsync=False))
     assert "\n" not in str(refused.value)
     assert shard_deliveries(TimerConfig(data_dir=str(tmp_path)), LocalCommitLog(tmp_path / "log2", fsync=False)) is None
+
+
+def test_a_replica_paused_in_its_commit_after_another_delivered_its_records_and_r_moved_on_adds_no_copy(
+        rig: EoRig) -> None:
+    """The zombie: "a" built its round and is paused before its commit; meanwhile "b" claims the
+    entry, delivers it, reports it, and R passes its slot. Resumed, "a" is fenced, takes the shard
+    again and must read the progress back from the slot of its records, not from R."""
+    first = rig.stage("a")
+    rig.hand_over(deliver(1, SLOT + 10, rig.dest))
+    first.step(0)  # taken, its commit done for nothing yet: hand the next one over
+    assert rig.ids(rig.dest) == ["m1"]
+    rig.hand_over(deliver(2, SLOT + 20, rig.dest))
+    assert first._eo is not None
+    commit = first._eo.commit
+
+    def paused(*args: Any) -> set[int]:
+        rig.take_over()  # "b": claims the entry "a" holds, delivers m2 and reports it
+        assert rig.ids(rig.dest) == ["m1", "m2"]
+        rig.writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=SLOT + 100, epoch=1))  # R past the slot
+        first._dequeue_ckpts.clear()
+        return commit(*args)
+
+    first._eo.commit = paused  # type: ignore[method-assign]
+    first.step(0)
+    assert rig.ids(rig.dest) == ["m1", "m2"]
+    assert first.ctx.metrics.counter("duplicates_dropped", shard=0) == 1

@@ -68,20 +68,26 @@ class ExactlyOnce:
         #: Takes of each shard by this process (the progress records' epoch field).
         self._takes: dict[int, int] = {}
 
-    def _taken(self, shard: int) -> tuple[Deliveries, Finished]:
+    def _taken(self, shard: int, floor: int) -> tuple[Deliveries, Finished]:
+        """The shard's deliveries, taken, and a finished set that covers the slots from ``floor``
+        (the oldest slot of the batch to commit) on. The set is read back from ``R`` usually;
+        from ``floor`` when a record of an older slot is in the batch: a replica paused in the
+        middle of a commit whose records another replica has since delivered, and whose slot
+        ``R`` has since passed (seen in the zombie test: read back from ``R`` only, it delivered
+        such a record a second time)."""
         deliveries = self._deliveries.get(shard)
         if deliveries is None:
             deliveries = self._deliveries[shard] = self._open(shard)
         finished = self._finished.get(shard)
-        if not deliveries.ready or finished is None:
-            read_ms = self._read_ms(shard)
+        if not deliveries.ready or finished is None or finished.since > floor:
+            read_ms = min(self._read_ms(shard), floor)
             finished = self._finished[shard] = deliveries.take(read_ms)
             self._takes[shard] = self._takes.get(shard, 0) + 1
             self.ctx.metrics.inc("delivery_takes", shard=shard)
             self.logger.info("shard deliveries taken (fenced older producers, progress read back)", shard=shard,
                              read_ms=read_ms, finished=len(finished))
         else:
-            finished.forget_before(self._read_ms(shard))
+            finished.forget_before(min(self._read_ms(shard), floor))
         return deliveries, finished
 
     def commit(self, shard: int, out: list[OutRecord], sources: dict[int, Source], now_ms: int) -> set[int]:
@@ -95,7 +101,7 @@ class ExactlyOnce:
         keep: list[int] = []
         while True:
             try:
-                deliveries, finished = self._taken(shard)
+                deliveries, finished = self._taken(shard, min(slot for _s, slot, _p in sources.values()))
                 keep = []
                 dropped: set[int] = set()
                 seen: set[tuple[int, int]] = set()
