@@ -1,12 +1,12 @@
 """Exactly-once delivery with real stage processes (issue 31): a zombie dequeue-put.
 
-Two dequeue-put replicas under a steady load in exactly-once mode, read ``read_committed``. One
-is stopped (SIGSTOP) while it holds and commits records, long enough for its heartbeat to lapse
-and the other replica to claim its entries and take its shards (``init_transactions`` fences its
-producers and aborts the transaction it left open); then it is resumed. Its next commit is
-fenced, it takes the shard again and reads back what the other delivered: nothing is delivered
-twice, nothing is lost, and the destinations' last stable offset moved on while it was stopped
-(the other's deliveries were read meanwhile).
+Two dequeue-put replicas under a steady load in exactly-once mode, read ``read_committed``, each
+owning one shard's deliveries by lease. One is stopped (SIGSTOP) while it holds and commits
+records, long enough for its lease to lapse and the other replica to take its shard, claim its
+entries and init the shard's transactional id (which fences its producer and aborts the
+transaction it left open); then it is resumed. It finds its lease lost, or its next commit
+fenced: nothing is delivered twice, nothing is lost, and the destinations' last stable offset
+moved on while it was stopped (the other's deliveries were read meanwhile).
 """
 
 from __future__ import annotations
@@ -36,16 +36,19 @@ def test_a_stopped_dequeue_put_is_fenced_when_resumed_and_nothing_is_delivered_t
         pipe.kill("dequeue-put", signal.SIGCONT)
         time.sleep(6)
         missing, rep = run.drain("exactly-once-zombie", 40)
-        print(rep.line(), flush=True)
         assert not missing and not rep.lost, f"lost {rep.lost[:10]}\n{pipe.tails(['dequeue-put', 'dequeue-put#2'])}"
         assert rep.duplicated == 0, rep.line()
         assert not rep.early, rep.early[:10]
-        resumed = [line for line in pipe.log_lines("dequeue-put")
-                   if line.get("event") == "delivery transaction failed, retrying"]
-        assert resumed, "the resumed replica was never refused a commit: it was not fenced"
-        taken_by_other = [line for line in pipe.log_lines("dequeue-put#2")
-                          if str(line.get("event", "")).startswith("shard deliveries taken")]
-        assert taken_by_other, "the other replica never took a shard's deliveries"
-        print(f"stopped for {time.monotonic() - stopped_at:.0f} s; fenced commits of the resumed replica: "
-              f"{len(resumed)}; takes by the other: {len(taken_by_other)}", flush=True)
+        def owned_by(name: str) -> set[int]:
+            return {int(line["shard"]) for line in pipe.log_lines(name)
+                    if line.get("event") == "owning shard's deliveries"}
+
+        assert owned_by("dequeue-put") & owned_by("dequeue-put#2"), \
+            f"the other replica never took the stopped one's shards: {owned_by('dequeue-put')} {owned_by('dequeue-put#2')}"
+        fenced = [line for line in pipe.log_lines("dequeue-put")
+                  if line.get("event") in ("delivery transaction failed, retrying",
+                                           "shard ownership lost, stopped delivering")]
+        assert fenced, "the resumed replica went on as the owner: neither its lease nor its producer was fenced"
+        print(f"stopped for {time.monotonic() - stopped_at:.0f} s; the resumed replica: "
+              f"{[(line['event'], line.get('shard')) for line in fenced][:4]}", flush=True)
         pipe.stop_cleanly()

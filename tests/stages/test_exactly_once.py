@@ -227,12 +227,12 @@ def test_a_replica_paused_in_its_commit_after_another_delivered_its_records_and_
     assert first._eo is not None
     commit = first._eo.commit
 
-    def paused(*args: Any) -> set[int]:
+    def paused(*args: Any, **kwargs: Any) -> set[int] | None:
         rig.take_over()  # "b": claims the entry "a" holds, delivers m2 and reports it
         assert rig.ids(rig.dest) == ["m1", "m2"]
         rig.writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=SLOT + 100, epoch=1))  # R past the slot
         first._dequeue_ckpts.clear()
-        return commit(*args)
+        return commit(*args, **kwargs)
 
     first._eo.commit = paused  # type: ignore[method-assign]
     first.step(0)

@@ -273,7 +273,10 @@ def build_stage(name: str, cfg: TimerConfig, ctx: StageContext, transports: Tran
     if name == "dequeue-getmsg":
         return DequeueGetMsg(ctx, log, queues[Q_FETCH], queues[Q_DELIVER], range(cfg.shards))
     if name == "dequeue-put":
+        deliveries = shard_deliveries(cfg, log)
         return DequeuePut(ctx, log, queues[Q_DELIVER], queues[Q_DONE], range(cfg.shards),
                           lambda s: open_reader_if_exists(cfg, s), stop_drain_s=0.0 if sole else STOP_DRAIN_S,
-                          deliveries=shard_deliveries(cfg, log))
+                          deliveries=deliveries,
+                          ownership=None if deliveries is None else Ownership(
+                              transports.leases, "dequeue-put", ctx.consumer, cfg.lease_ttl_ms, members=members))
     raise ConfigError("stage", f"unknown stage {name!r}")

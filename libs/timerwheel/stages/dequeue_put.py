@@ -1,6 +1,9 @@
 """dequeue-put: each record at its own time -> its destination, or back to the timer topic (roll).
 
-Stateless (no lease: any replica takes any deliver entry). dequeue-get reads the wheel up to
+At least once (the default) it is stateless: no lease, any replica takes any deliver entry.
+Exactly once (TW_DELIVERY_GUARANTEE, ``stages.exactly_once``) each shard's deliver partition is
+read by the replica holding the shard's ``dequeue-put`` lease, whose releases commit in one Kafka
+transaction per shard with a progress record. dequeue-get reads the wheel up to
 TW_LOOKAHEAD_MS ahead, so a DELIVER item usually arrives before its time: it is **held** in a heap
 by its delivery time ``t`` (the record's own ``tw-deliver-at``), and one loop **releases** each
 held record once both
@@ -95,6 +98,8 @@ from timerwheel.stages.codec import (
 from timerwheel.stages.dequeue_get import GENERATION_BITS, markers_of
 from timerwheel.stages.dequeue_getmsg import confirmed
 from timerwheel.stages.exactly_once import Deliveries, ExactlyOnce, Source, source_of_item
+from timerwheel.stages.owner import OwnedShard, ShardOwner
+from timerwheel.stages.ownership import Ownership
 from timerwheel.stages.published import CKPT_POLL_S, PublishedView
 from timerwheel.stages.watch import Watch
 from timerwheel.store import CorruptCheckpointError, Shard
@@ -194,12 +199,15 @@ class DequeuePut(QueueStage):
 
     def __init__(self, ctx: StageContext, commit_log: CommitLog, deliver_queue: WorkQueue, done_queue: WorkQueue,
                  partitions: Sequence[int], open_shard: Callable[[int], Shard | None], stop_drain_s: float = 0.0,
-                 deliveries: Callable[[int], Deliveries] | None = None) -> None:
+                 deliveries: Callable[[int], Deliveries] | None = None, ownership: Ownership | None = None) -> None:
         """``open_shard(id)``: a read-only view of a shard (None while it does not exist yet): the
         release gate reads its enqueue.ckpt and its slots' tails. ``stop_drain_s``: how long
         ``close`` releases what is held (STOP_DRAIN_S in a stage process, 0 in the embedded one).
         ``deliveries(shard)``: exactly-once (``stages.exactly_once``): a shard's transactional
-        releases; None: at-least-once, one append per round."""
+        releases; None: at-least-once, one append per round. ``ownership`` (exactly-once): each
+        shard's deliver partition is read by the replica that holds the shard's ``dequeue-put``
+        lease only (``stages.owner``), so that two replicas do not take turns fencing each other's
+        transactional producer; None: every replica reads every partition."""
         super().__init__(ctx, deliver_queue, partitions)
         self.stop_drain_s = stop_drain_s
         self.commit_log = commit_log
@@ -229,6 +237,11 @@ class DequeuePut(QueueStage):
         self._dequeue_ckpts: dict[int, tuple[int, int, float]] = {}
         self._eo = (ExactlyOnce(ctx, self.logger, deliveries, lambda s: self._dequeue_ckpt(s)[1])
                     if deliveries is not None else None)
+        self._owner: ShardOwner[OwnedShard] | None = None
+        if ownership is not None:
+            self._owner = ShardOwner(ctx, STAGE, self.partitions, ownership, self._take_shard, self._let_go,
+                                     "delivering")
+            self.partitions = []
 
     # ---------------------------------------------------------------- the loop
 
@@ -237,8 +250,78 @@ class DequeuePut(QueueStage):
         every held record whose time has come, in one append with what arrived."""
         self._touch()
         self._report()  # what a failed step finished and could not report
-        taken = super().step(min(timeout_s, self._wait_s()))
+        taken = self._own()
+        if not self.partitions:  # owning no shard yet (exactly-once): what is held still goes out
+            self.ctx.idle_wait(self.stage, min(timeout_s, self._wait_s(), 0.2))
+            return taken + self._release()
+        taken += super().step(min(timeout_s, self._wait_s()))
         return taken + self._release()
+
+    # ---------------------------------------------------------------- shard ownership (exactly-once)
+
+    def _own(self) -> int:
+        """Renew the leases, hand over the shards another replica ranks first for, take the wanted
+        ones, and read the deliver partitions of the shards owned; a shard taken has the entries
+        its previous owner left pending claimed at once. Returns the entries so claimed."""
+        owner = self._owner
+        if owner is None:
+            return 0
+        owner.renew()
+        for state in owner.balance():
+            owner.hand_over(state)
+        if owner.waiting:
+            owner.take_shards()
+        self.partitions = sorted(owner.owned)
+        taken = 0
+        for state in list(owner.owned.values()):
+            if state.reclaim:
+                pending = state.take_over_pending(self.deliver_q, self.ctx)
+                if pending:
+                    self.handle_batches({state.shard_id: pending})
+                    taken += len(pending)
+        return taken
+
+    def _take_shard(self, shard_id: int) -> OwnedShard | None:
+        """The lease of ``shard_id`` (``ShardOwner.start``); None while the shard does not exist
+        or another replica holds it."""
+        view = self._view(shard_id)
+        if view is None:
+            return None
+        assert self._owner is not None
+        epoch = self._owner.ownership.acquire(shard_id)
+        if epoch is None:
+            return None
+        log = stage_logger(STAGE, shard_id)
+        log.info("owning shard's deliveries", epoch=epoch)
+        return OwnedShard(shard_id, view.shard, log, epoch)
+
+    def _let_go(self, state: OwnedShard) -> None:
+        """A shard handed over or lost (``ShardOwner.stop``): what is held of it is dropped,
+        unacknowledged (its next owner claims the entries and releases them, its transaction
+        fencing ours), and its producer closed."""
+        shard = state.shard_id
+        if self._eo is not None:
+            self._eo.drop(shard)
+        dropped = 0
+        for key, held in list(self._entries.items()):
+            if held.partition == shard:
+                held.lost = True
+                del self._entries[key]
+                dropped += 1
+        if dropped:
+            self._heap = [x for x in self._heap if not x[2].held.lost]
+            heapq.heapify(self._heap)
+        self.partitions = [p for p in self.partitions if p != shard]
+        state.logger.info("shard's deliveries let go", held_entries_dropped=dropped)
+
+    def owns(self, shard: int, renew: bool = False) -> bool:
+        """This replica may release ``shard``'s records (always without ``ownership``); ``renew``:
+        renew the leases first when due (a commit retried for long must not outlive its lease)."""
+        if self._owner is None:
+            return True
+        if renew:
+            self._owner.renew()
+        return shard in self._owner.owned
 
     def _wait_s(self) -> float:
         """How long a step may wait for new entries: until just past the first held record's time
@@ -574,6 +657,11 @@ class DequeuePut(QueueStage):
         _count(rnd.delivered, h.topic)
         rnd.finished.append((h.held, h.item))
 
+    def _epoch_of(self, shard: int) -> int:
+        """The lease epoch under which this replica releases ``shard`` (0 without ``ownership``)."""
+        state = self._owner.owned.get(shard) if self._owner is not None else None
+        return state.epoch if state is not None else 0
+
     def _source(self, rnd: Round, held: HeldEntry, item: DeliverItem) -> None:
         """Exactly-once: the identity of the record about to be appended to ``rnd.out``."""
         if self._eo is not None:
@@ -595,7 +683,11 @@ class DequeuePut(QueueStage):
         if len(rnd.sources) != len(rnd.out):
             raise AssertionError(f"{len(rnd.out) - len(rnd.sources)} released records without a source")
         for shard, sources in sorted(by_shard.items()):
-            for i in self._eo.commit(shard, rnd.out, sources, rnd.now):
+            if not self.owns(shard):
+                continue  # let go meanwhile: its entries are another replica's now (lost, never acked)
+            dropped = self._eo.commit(shard, rnd.out, sources, rnd.now, epoch=self._epoch_of(shard),
+                                      owned=lambda shard=shard: self.owns(shard, renew=True))  # type: ignore[misc]
+            for i in dropped or ():
                 if i in rnd.deliveries:
                     h = rnd.deliveries.pop(i)
                     rnd.delivered[h.topic] -= 1
@@ -742,6 +834,8 @@ class DequeuePut(QueueStage):
         except Exception as exc:  # noqa: BLE001 - best effort: another replica takes what is left
             self.logger.warning("drain on stop ended", reason=str(exc)[:200], held=len(self._entries))
         self._watch.close()
+        if self._owner is not None:
+            self._owner.leave()
         if self._eo is not None:
             self._eo.close()
         for view in self._views.values():

@@ -65,8 +65,6 @@ class ExactlyOnce:
         self._read_ms = read_ms
         self._deliveries: dict[int, Deliveries] = {}
         self._finished: dict[int, Finished] = {}
-        #: Takes of each shard by this process (the progress records' epoch field).
-        self._takes: dict[int, int] = {}
 
     def _taken(self, shard: int, floor: int) -> tuple[Deliveries, Finished]:
         """The shard's deliveries, taken, and a finished set that covers the slots from ``floor``
@@ -82,7 +80,6 @@ class ExactlyOnce:
         if not deliveries.ready or finished is None or finished.since > floor:
             read_ms = min(self._read_ms(shard), floor)
             finished = self._finished[shard] = deliveries.take(read_ms)
-            self._takes[shard] = self._takes.get(shard, 0) + 1
             self.ctx.metrics.inc("delivery_takes", shard=shard)
             self.logger.info("shard deliveries taken (fenced older producers, progress read back)", shard=shard,
                              read_ms=read_ms, finished=len(finished))
@@ -90,16 +87,21 @@ class ExactlyOnce:
             finished.forget_before(min(self._read_ms(shard), floor))
         return deliveries, finished
 
-    def commit(self, shard: int, out: list[OutRecord], sources: dict[int, Source], now_ms: int) -> set[int]:
+    def commit(self, shard: int, out: list[OutRecord], sources: dict[int, Source], now_ms: int, *,
+               epoch: int = 0, owned: Callable[[], bool] = lambda: True) -> set[int] | None:
         """Write ``out[i]`` for each ``i`` of ``sources`` (all of ``shard``) with their progress
         record in one transaction, retried (after a take) until it succeeds. Returns the indexes
         finished without output: a committed transaction released them already (or one of this
         batch carries the same source). A record Kafka refuses for good is replaced in ``out`` by
-        its dead letter (``refused_record``)."""
+        its dead letter (``refused_record``). ``epoch``: the releasing replica's lease epoch (the
+        progress records carry it); ``owned()`` false (the shard let go between attempts): None,
+        nothing more is tried."""
         retry = RetryWait(self.ctx, self.logger.bind(shard=shard), "delivery transaction failed, retrying",
                           "delivery_transaction_retries", shard=shard)
         keep: list[int] = []
         while True:
+            if not owned():
+                return None
             try:
                 deliveries, finished = self._taken(shard, min(slot for _s, slot, _p in sources.values()))
                 keep = []
@@ -116,7 +118,7 @@ class ExactlyOnce:
                     for i in keep:
                         _s, slot, pos = sources[i]
                         by_slot.setdefault(slot, []).append(pos)
-                    progress = Progress(shard, self._takes.get(shard, 0), by_slot)
+                    progress = Progress(shard, epoch, by_slot)
                     deliveries.commit([out[i] for i in keep], progress, now_ms)
                     finished.add(progress)
                 if dropped:
@@ -130,6 +132,14 @@ class ExactlyOnce:
                     self.ctx.metrics.inc("refused_records")
                     self.logger.error("record refused by the log, dead-lettered", shard=shard, reason=reason)
                 retry.after(exc, shard=shard, records=len(sources))
+
+    def drop(self, shard: int) -> None:
+        """Let go of ``shard``: its producer closed, its finished set forgotten (a later owner of
+        it here takes it again)."""
+        deliveries = self._deliveries.pop(shard, None)
+        if deliveries is not None:
+            deliveries.close()
+        self._finished.pop(shard, None)
 
     def close(self) -> None:
         for deliveries in self._deliveries.values():

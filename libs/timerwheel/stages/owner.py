@@ -1,4 +1,5 @@
-"""ShardOwner: the ownership lifecycle of a shard-owning stage (enqueue-put, dequeue-get).
+"""ShardOwner: the ownership lifecycle of a shard-owning stage (enqueue-put, dequeue-get, and
+dequeue-put in exactly-once mode).
 
 A shard-owning stage works on the shards it holds a lease for (``Ownership``: the lease's epoch
 fences an owner that was replaced). The lifecycle is the same for every such stage; what it
@@ -21,9 +22,9 @@ does to a shard is its own:
   dropped at once and nothing more is written for it; it is taken again once wanted and free.
 
 Each owned shard is an ``OwnedShard`` (id, ``Shard``, logger, epoch) that the stage extends with
-what it tracks. A third owning stage (dequeue-put, once it delivers through one transactional
-producer per shard) plugs in the same way: its ``start`` opens the shard's producer under the
-lease, its ``stop`` closes it, and its queue partitions are the keys of ``owned``.
+what it tracks. dequeue-put in exactly-once mode is the third owning stage: its ``start`` takes
+the lease, its ``stop`` drops what it holds of the shard and closes the shard's transactional
+producer, and its queue partitions are the keys of ``owned``.
 """
 
 from __future__ import annotations
