@@ -35,6 +35,13 @@
   of each stage process and of Redis in % of a core (psutil cpu_times deltas; issue 13), then, on
   the same pipeline, lateness p50 / p99 at ``TW_BENCH_IDLE_RATE`` (200) msg/s for as long, delays
   1-5 s (``production.idle.lateness``): idling must not cost a due message its tick.
+* ``production.guarantee`` (issue 31): ``TW_DELIVERY_GUARANTEE`` at-least-once against
+  exactly-once, alternately in one run, ``TW_BENCH_GUARANTEE_ROUNDS`` (2) rounds of each: the
+  throughput (as above, without the pass-through) with the clock stopped by a consumer reading
+  ``read_committed`` that has read every record (``wait_consumed``), then the lateness at the
+  lateness rate for ``TW_BENCH_GUARANTEE_SECONDS`` (30), whole seconds (the receiver reads
+  ``read_committed`` always); medians, the ratios exactly-once / at-least-once, lost and
+  duplicated, and the failed delivery transactions the stage logs show.
 * ``production.slot_reads``: dequeue-getmsg's read pattern alone: a producer at the lateness rate
   with delays 1-5 s, and every 100 ms a ``KafkaCommitLog.read`` of the positions due in the slot
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
@@ -43,10 +50,10 @@
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (500),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_DUE`` (comma list of
 whole_second, uniform). ``TW_BENCH_PROD_ONLY``: comma list of throughput, compressed, sasl_ssl,
-lateness, burst, large_burst, idle, slot_reads, shared_volume, or ``all``; by default throughput,
-lateness, burst and idle (``DEFAULT_ONLY``). ``TW_BENCH_BASELINE=<git rev>``: throughput,
-lateness, burst and idle run that revision's stage processes too, alternately with the current
-code (``bench.baseline``), each row labelled ``code``. Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` /
+lateness, burst, large_burst, idle, slot_reads, shared_volume, guarantee, or ``all``; by default
+throughput, lateness, burst, idle and guarantee (``DEFAULT_ONLY``). ``TW_BENCH_BASELINE=<git
+rev>``: throughput, lateness, burst and idle run that revision's stage processes too, alternately
+with the current code (``bench.baseline``), each row labelled ``code``. Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` /
 ``TW_REDIS_URL``, else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards:
 2, timer partitions: 4. One production benchmark at a time per Redis server: each run numbers its
 Redis databases from 1.
@@ -57,6 +64,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -204,6 +212,26 @@ def new_pipeline(kafka: str, redis_url: str, mounts: TwoMounts | None = None,
     return pipe
 
 
+#: What dequeue-put logs (a warning) each time an exactly-once delivery transaction fails.
+TRANSACTION_FAILED = "delivery transaction failed"
+
+
+def exactly_once_counts(pipe: Pipeline) -> dict[str, int]:
+    """``transaction_failures``: how many times the stage logs say a delivery transaction failed;
+    ``progress_offsets``: the end offsets of the pipeline's progress topic, summed (its progress
+    records and their transactions' commit markers: 0, no topic, at least once)."""
+    failures = sum(path.read_text(errors="replace").count(TRANSACTION_FAILED) for path in pipe.log_dir.glob("*.log"))
+    topic, offsets = f"{pipe.timer_topic}_progress", 0
+    if topic in pipe.admin.list_topics():  # asked first: a consumer's metadata request would create it
+        consumer = KafkaConsumer(bootstrap_servers=pipe.kafka, group_id=None, **pipe.kafka_options)
+        try:
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            offsets = sum(consumer.end_offsets(tps).values())
+        finally:
+            consumer.close()
+    return {"transaction_failures": failures, "progress_offsets": offsets}
+
+
 def close(pipe: Pipeline) -> None:
     pipe.stop_all()
     if pipe.mounts is None:
@@ -227,19 +255,46 @@ def layout(name: str) -> Iterator[TwoMounts | None]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def wait_consumed(consumer: KafkaConsumer, n: int, timeout_s: float, keys: set[bytes]) -> tuple[float | None, int]:
+    """Poll the topics ``consumer`` is assigned until it has read n distinct keys (added to
+    ``keys``): (the time.monotonic() it did or None on timeout, records read). What a reader of
+    the destination gets, unlike ``wait_delivered``: a transaction's records count once committed,
+    and its commit markers, which take offsets too, not at all."""
+    deadline, records = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        for recs in consumer.poll(timeout_ms=100, max_records=10_000).values():
+            records += len(recs)
+            keys.update(r.key for r in recs)
+        if len(keys) >= n:
+            return time.monotonic(), records
+    return None, records
+
+
 def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = None,
                bench_name: str = "production.throughput", compression: str | None = None, baseline: bool = True,
                tw_env: dict[str, str] | None = None, figure: bool = True, code: Code = CURRENT,
-               **labels: Any) -> tuple[float, float | None]:
+               settings: dict[str, Any] | None = None, read_committed: bool = False,
+               report: dict[str, Any] | None = None, **labels: Any) -> tuple[float, float | None]:
     """The pipeline's messages/s for n due records (written with ``compression``) and, with
     ``baseline``, the pass-through's (its figure emitted unless ``figure`` is false). ``mounts``:
-    the data directory's layout; ``tw_env``: security settings of every client."""
-    pipe = new_pipeline(kafka, redis_url, mounts, tw_env, code)
+    the data directory's layout; ``tw_env``: security settings of every client; ``settings``:
+    the stages' own (``new_pipeline``). ``read_committed``: the clock stops when a consumer of the
+    destination reading ``read_committed`` has read n distinct records (``wait_consumed``: a reader
+    of exactly-once deliveries), not when the topic's end offsets add up to n; ``report`` then
+    gets the records read (``records``, duplicates included, and 2 s more after the last),
+    ``lost`` and ``duplicated``, and ``exactly_once_counts``."""
+    pipe = new_pipeline(kafka, redis_url, mounts, tw_env, code, **(settings or {}))
     dest = pipe.dest("tp")
-    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, **pipe.kafka_options)
+    reader: dict[str, Any] = {"enable_auto_commit": False, "auto_offset_reset": "earliest", "fetch_max_wait_ms": 100,
+                              "isolation_level": "read_committed"} if read_committed else {}
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None, **reader, **pipe.kafka_options)
     try:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
+        if read_committed:
+            tps = [TopicPartition(dest, p) for p in range(PARTITIONS)]
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
         fill_s = fill(kafka, pipe.timer_topic, dest, n, now_ms(), compression, pipe.kafka_options)
         say(f"throughput: {n:,} due records ({compression or 'uncompressed'}) written to the timer topic "
             f"in {fill_s:.1f} s")
@@ -252,10 +307,18 @@ def throughput(kafka: str, redis_url: str, n: int, mounts: TwoMounts | None = No
             assert pipe.procs["enqueue-get"].alive(), pipe.tails(["enqueue-get"])
             time.sleep(0.01)
         t0 = time.monotonic()
-        t1 = wait_delivered(consumer, dest, n, 600)
+        if read_committed:
+            keys: set[bytes] = set()
+            t1, records = wait_consumed(consumer, n, 600, keys)
+        else:
+            t1 = wait_delivered(consumer, dest, n, 600)
         if t1 is None:
             raise RuntimeError(f"throughput: not all {n} delivered within 600 s\n{pipe.tails()}")
         rate = n / (t1 - t0)
+        if read_committed and report is not None:
+            _t, more = wait_consumed(consumer, n + 1, 2.0, keys)  # duplicates coming late
+            report.update(records=records + more, lost=n - len(keys), duplicated=records + more - len(keys),
+                          seconds=round(t1 - t0, 2), **exactly_once_counts(pipe))
         if not baseline:
             say(f"five-process pipeline, timer topic {compression or 'uncompressed'}: {rate:,.0f} msg/s")
             return rate, None
@@ -323,17 +386,21 @@ def sasl_ssl(redis_url: str, n: int) -> None:
 
 
 def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float, mounts: TwoMounts | None = None,
-                  lead_ms: int = 0, due_mode: str = "whole_second", code: Code = CURRENT) -> dict[str, Any]:
-    """A fresh pipeline of ``code``, ``rate`` msg/s for ``seconds`` through it (``bench.steady``)."""
+                  lead_ms: int = 0, due_mode: str = "whole_second", code: Code = CURRENT,
+                  settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A fresh pipeline of ``code``, ``rate`` msg/s for ``seconds`` through it (``bench.steady``,
+    whose consumer reads ``read_committed``); ``settings``: more of the stages' own. The result
+    has ``exactly_once_counts`` too."""
     pipe = new_pipeline(kafka, redis_url, mounts, code=code, tick_ms=100, batch_size=200, max_in_flight=5_000,
-                        cancel_lead_ms=lead_ms)
+                        cancel_lead_ms=lead_ms, **(settings or {}))
     dest = pipe.dest("late")
     try:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
         pipe.start_all(120)
-        return steady(kafka, TimerwheelWire(pipe.timer_topic, dest, PARTITIONS), dest, rate, seconds, due_mode,
-                      options=pipe.kafka_options)
+        result = steady(kafka, TimerwheelWire(pipe.timer_topic, dest, PARTITIONS), dest, rate, seconds, due_mode,
+                        options=pipe.kafka_options)
+        return {**result, **exactly_once_counts(pipe)}
     finally:
         close(pipe)
 
@@ -571,11 +638,78 @@ def shared_volume(kafka: str, redis_url: str, n: int, rate: int, seconds: float)
             emit_lateness("production.shared_volume.lateness.p99", result, layout=name, code=code.name)
 
 
+#: ``production.guarantee``: the two delivery guarantees, in the order each round runs them.
+GUARANTEES = ("at-least-once", "exactly-once")
+
+
+def guarantee(kafka: str, redis_url: str, n: int, rate: int, seconds: float, rounds: int) -> None:
+    """``TW_DELIVERY_GUARANTEE`` at-least-once against exactly-once (issue 31), alternately in one
+    run, ``rounds`` rounds: each round the throughput of each (n due at once, the clock stopped
+    by a ``read_committed`` reader in both), then the lateness of each (``rate`` msg/s for
+    ``seconds``, whole seconds, ``bench.steady``'s consumer reads ``read_committed``); medians."""
+    tp: dict[str, list[float]] = {g: [] for g in GUARANTEES}
+    tp_reports: dict[str, list[dict[str, Any]]] = {g: [] for g in GUARANTEES}
+    late: dict[str, list[dict[str, Any]]] = {g: [] for g in GUARANTEES}
+    for i in range(rounds):
+        for g in GUARANTEES:
+            report: dict[str, Any] = {}
+            tp[g].append(throughput(kafka, redis_url, n, settings={"delivery_guarantee": g}, read_committed=True,
+                                    baseline=False, report=report)[0])
+            tp_reports[g].append(report)
+            say(f"guarantee round {i + 1}, {g}: throughput {tp[g][-1]:,.0f} msg/s ({report['records']:,} records "
+                f"read for {n:,}: lost {report['lost']}, duplicated {report['duplicated']}; "
+                f"{report['transaction_failures']} failed delivery transactions, progress topic at "
+                f"{report['progress_offsets']:,})")
+        for g in GUARANTEES:
+            result = _lateness_run(kafka, redis_url, rate, seconds, settings={"delivery_guarantee": g})
+            late[g].append(result)
+            say(f"guarantee round {i + 1}, {g}: lateness {result['summary']}; lost {result['lost']}, duplicated "
+                f"{result['duplicated']}, early {result['lateness']['timestamp']['early']}; "
+                f"{result['transaction_failures']} failed delivery transactions, progress topic at "
+                f"{result['progress_offsets']:,}")
+
+    def p(g: str, q: str) -> float:  # the median over the rounds of the Kafka timestamp's p50 / p99
+        values = [r["lateness"]["timestamp"][q] for r in late[g] if r["lateness"]["timestamp"][q] is not None]
+        return float(statistics.median(values)) if values else float("nan")
+
+    def total(g: str, key: str) -> int:
+        return sum(int(r[key]) for r in late[g])
+
+    alo, eos = (float(statistics.median(tp[g])) for g in GUARANTEES)
+    for g in GUARANTEES:
+        say(f"{g}: throughput {statistics.median(tp[g]):,.0f} msg/s (runs {', '.join(f'{r:,.0f}' for r in tp[g])}); "
+            f"lateness p50 / p99 {p(g, 'p50'):,.0f} / {p(g, 'p99'):,.0f} ms; lost {total(g, 'lost')}, duplicated "
+            f"{total(g, 'duplicated')} of {total(g, 'expected'):,} (lateness runs), "
+            f"{sum(r['lost'] for r in tp_reports[g])} and {sum(r['duplicated'] for r in tp_reports[g])} of "
+            f"{n * rounds:,} (throughput runs); failed delivery transactions "
+            f"{sum(r['transaction_failures'] for r in [*tp_reports[g], *late[g]])} (medians of {rounds})")
+    per_guarantee = {g: {"throughput_runs": [round(r) for r in tp[g]],
+                         "throughput_lost": sum(r["lost"] for r in tp_reports[g]),
+                         "throughput_duplicated": sum(r["duplicated"] for r in tp_reports[g]),
+                         "transaction_failures": sum(r["transaction_failures"] for r in [*tp_reports[g], *late[g]]),
+                         "progress_offsets": [r["progress_offsets"] for r in [*tp_reports[g], *late[g]]],
+                         "lateness_runs": [r["lateness"] for r in late[g]],
+                         "scheduled": total(g, "expected"), "delivered": total(g, "delivered"),
+                         "lost": total(g, "lost"), "duplicated": total(g, "duplicated"),
+                         "early": sum(r["lateness"]["timestamp"]["early"] for r in late[g]),
+                         "sustained": all(keeps_up(r) for r in late[g])} for g in GUARANTEES}
+    emit("production.guarantee.throughput", eos, "messages/s", at_least_once_per_s=round(alo),
+         ratio=round(eos / alo, 3), messages=n, rounds=rounds, read_committed=True,
+         runs={g: per_guarantee[g]["throughput_runs"] for g in GUARANTEES},
+         lost={g: per_guarantee[g]["throughput_lost"] for g in GUARANTEES},
+         duplicated={g: per_guarantee[g]["throughput_duplicated"] for g in GUARANTEES})
+    emit("production.guarantee.lateness.p99", p("exactly-once", "p99"), "ms", p50=p("exactly-once", "p50"),
+         at_least_once_p50=p("at-least-once", "p50"), at_least_once_p99=p("at-least-once", "p99"),
+         ratio=round(p("exactly-once", "p99") / max(p("at-least-once", "p99"), 1.0), 3), rounds=rounds,
+         rate_per_s=rate, seconds=seconds, due="whole_second", tick_ms=100, read_committed=True,
+         guarantees=per_guarantee)
+
+
 #: What ``python -m bench production`` runs unless ``TW_BENCH_PROD_ONLY`` says otherwise
 #: (``all``: every one); the others are long and measure what changes seldom.
-DEFAULT_ONLY = ("throughput", "lateness", "burst", "idle")
+DEFAULT_ONLY = ("throughput", "lateness", "burst", "idle", "guarantee")
 ALL_ONLY = ("throughput", "compressed", "sasl_ssl", "lateness", "burst", "large_burst", "idle", "slot_reads",
-            "shared_volume")
+            "shared_volume", "guarantee")
 
 
 def selected(value: str) -> set[str]:
@@ -628,6 +762,9 @@ def main() -> None:
     if "shared_volume" in only:
         shared_volume(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000), _env_int("TW_BENCH_PROD_RATE", 500),
                       float(_env_int("TW_BENCH_SHARED_SECONDS", 30)))
+    if "guarantee" in only:
+        guarantee(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000), _env_int("TW_BENCH_PROD_RATE", 500),
+                  float(_env_int("TW_BENCH_GUARANTEE_SECONDS", 30)), _env_int("TW_BENCH_GUARANTEE_ROUNDS", 2))
 
 
 if __name__ == "__main__":
