@@ -5,6 +5,7 @@ one and reads back what was committed, and a batch cut off before its commit lea
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -15,7 +16,8 @@ from timerwheel.records import OutRecord
 from timerwheel.transports.kafka.errors import KafkaLogError
 from timerwheel.transports.kafka.log import KafkaCommitLog
 
-SLOT = 1_700_000_000_000
+#: Near now: Kafka's retention (7 days) deletes older records at its next check.
+SLOT = int(time.time()) * 1000 - 3_600_000
 
 
 @pytest.fixture
