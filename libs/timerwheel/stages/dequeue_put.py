@@ -225,7 +225,6 @@ class DequeuePut(QueueStage):
         #: The round being filled: what arrived and goes out at once, then what is released.
         self._round: Round | None = None
         self._touched = time.monotonic()
-        #: Shard -> (its dequeue-get owner's epoch, when read): ``_owner_epoch``.
         #: Finished entries not reported and acknowledged yet, by (shard, generation) of their report
         #: (``_report``): a failed report or ack (Redis gone for a moment) is retried at the next
         #: step, so no finished entry is left held and touched for good.
