@@ -579,15 +579,3 @@ def test_no_read_cache_when_it_is_sized_zero(tmp_path: Path) -> None:
     log.follow("t")
     assert not log.read_cache.enabled and log.followed == set()
     log.close()
-
-
-def test_read_since_gives_the_records_from_the_first_at_a_timestamp_to_the_end(tmp_path: Path) -> None:
-    """The embedded log's side of a progress read-back (``KafkaCommitLog.read_since``)."""
-    log = LocalCommitLog(tmp_path, fsync=False)
-    log.ensure_topic("p", 2)
-    log.append([OutRecord("p", None, f"v{t}".encode(), (), partition=1, timestamp_ms=t) for t in (1_000, 2_000, 1_500)])
-    assert [r.value for r in log.read_since("p", 1, 1_800)] == [b"v2000", b"v1500"]  # from the first at or after
-    assert [r.value for r in log.read_since("p", 1, 0)] == [b"v1000", b"v2000", b"v1500"]
-    assert log.read_since("p", 1, 2_001) == []
-    assert log.read_since("p", 0, 0) == []
-    log.close()

@@ -65,6 +65,7 @@ the timer topic), so ``R`` moves on.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import time
@@ -682,10 +683,9 @@ class DequeuePut(QueueStage):
         if len(rnd.sources) != len(rnd.out):
             raise AssertionError(f"{len(rnd.out) - len(rnd.sources)} released records without a source")
         for shard, sources in sorted(by_shard.items()):
-            if not self.owns(shard):
-                continue  # let go meanwhile: its entries are another replica's now (lost, never acked)
+            # None: let go meanwhile, its entries another replica's now (lost, never acked).
             dropped = self._eo.commit(shard, rnd.out, sources, rnd.now, epoch=self._epoch_of(shard),
-                                      owned=lambda shard=shard: self.owns(shard, renew=True))  # type: ignore[misc]
+                                      owned=functools.partial(self.owns, shard, renew=True))
             for i in dropped or ():
                 if i in rnd.deliveries:
                     h = rnd.deliveries.pop(i)

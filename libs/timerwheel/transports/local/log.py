@@ -277,25 +277,6 @@ class LocalCommitLog:
                     hits[(p, o)] = rec
         return list(map(hits.get, positions))
 
-    def read_since(self, topic: str, partition: int, since_ms: int) -> list[Record]:
-        """The records of ``topic``'s ``partition`` from the first whose timestamp is at least
-        ``since_ms`` to the partition's end as of the call (``KafkaCommitLog.read_since``'s
-        semantics; read from the partition's start: the progress partitions it serves are small)."""
-        log = self.partition_log(topic, partition)
-        end = log.end()
-        consumer = LocalConsumer(self, topic, {partition: log.start()}, keep=False)
-        out: list[Record] = []
-        try:
-            while consumer.position(partition) < end:
-                got = [r for r in consumer.poll(10_000, 0) if r.offset < end]
-                if not got:
-                    break
-                out += got
-        finally:
-            consumer.close()
-        first = next((i for i, r in enumerate(out) if r.timestamp_ms >= since_ms), len(out))
-        return out[first:]
-
     def consumer(self, topic: str, offsets: Mapping[int, int], *, keep: bool = True) -> LocalConsumer:
         return LocalConsumer(self, topic, offsets, keep=keep)
 
