@@ -705,11 +705,81 @@ def guarantee(kafka: str, redis_url: str, n: int, rate: int, seconds: float, rou
          guarantees=per_guarantee)
 
 
+#: ``production.brokers``: the three-broker cluster's ``scripts/kafka.sh`` instance (its own
+#: ports and data, apart from the tests' ``cluster3``).
+CLUSTER3 = {"TW_KAFKA_INSTANCE": "bench-cluster3", "TW_KAFKA_BROKERS": "3"}
+
+
+@contextmanager
+def three_brokers() -> Iterator[str]:
+    """A KRaft cluster of three brokers (replication 3, min ISR 2, the transaction state log
+    replicated), its internal topics made; stopped again on the way out unless it ran before."""
+    from infra import prime_internal_topics  # tests/infra.py: the tests' kafka_cluster3 does the same
+
+    env = {**os.environ, **CLUSTER3}
+    script = str(ROOT / "scripts" / "kafka.sh")
+    was_running = subprocess.run([script, "status"], cwd=ROOT, env=env, capture_output=True, timeout=60,
+                                 check=False).returncode == 0
+    subprocess.run([script, "up"], cwd=ROOT, env=env, check=True, timeout=900, stdout=subprocess.DEVNULL)
+    settings = dict(line.split("=", 1) for line in (ROOT / ".run" / "kafka-bench-cluster3.env").read_text().splitlines()
+                    if "=" in line)
+    bootstrap = settings["TW_KAFKA_BOOTSTRAP"].strip()
+    try:
+        prime_internal_topics(bootstrap)
+        yield bootstrap
+    finally:
+        if not was_running:
+            subprocess.run([script, "down"], cwd=ROOT, env=env, timeout=300, check=False, stdout=subprocess.DEVNULL)
+
+
+def brokers(kafka: str, redis_url: str, n: int, rate: int, seconds: float, rounds: int) -> None:
+    """The cost of a three-broker cluster against one (issue 31), in both guarantees: each round
+    the throughput (``n`` due at once, counted ``read_committed``) and the lateness (``rate``
+    msg/s for ``seconds``, whole seconds) of each guarantee on one broker, then on three
+    (replication 3); medians over ``rounds``, and the ratios three / one."""
+    runs: dict[tuple[str, str], dict[str, list[float]]] = {}
+    with three_brokers() as kafka3:
+        clusters = (("one broker", kafka, 1), ("three brokers", kafka3, 3))
+        for i in range(rounds):
+            for name, bootstrap, replication in clusters:
+                for g in GUARANTEES:
+                    settings = {"delivery_guarantee": g, "replication": replication}
+                    row = runs.setdefault((name, g), {"throughput": [], "p50": [], "p99": [], "lost": [],
+                                                      "duplicated": []})
+                    report: dict[str, Any] = {}
+                    row["throughput"].append(throughput(bootstrap, redis_url, n, settings=settings, read_committed=True,
+                                                        baseline=False, report=report)[0])
+                    result = _lateness_run(bootstrap, redis_url, rate, seconds, settings=settings)
+                    row["p50"].append(result["lateness"]["timestamp"]["p50"])
+                    row["p99"].append(result["lateness"]["timestamp"]["p99"])
+                    row["lost"].append(report["lost"] + result["lost"])
+                    row["duplicated"].append(report["duplicated"] + result["duplicated"])
+                    say(f"brokers round {i + 1}, {name}, {g}: throughput {row['throughput'][-1]:,.0f} msg/s; "
+                        f"lateness {result['summary']}; lost {row['lost'][-1]}, duplicated {row['duplicated'][-1]}")
+
+    def median(name: str, g: str, key: str) -> float:
+        values = [v for v in runs[(name, g)][key] if v is not None]
+        return float(statistics.median(values)) if values else float("nan")
+
+    for g in GUARANTEES:
+        one, three = (median(c, g, "throughput") for c in ("one broker", "three brokers"))
+        emit("production.brokers.throughput", three, "messages/s", guarantee=g, one_broker_per_s=round(one),
+             ratio=round(three / one, 3), messages=n, rounds=rounds, read_committed=True,
+             runs={c: [round(x) for x in runs[(c, g)]["throughput"]] for c in ("one broker", "three brokers")})
+        emit("production.brokers.lateness.p99", median("three brokers", g, "p99"), "ms", guarantee=g,
+             p50=median("three brokers", g, "p50"), one_broker_p50=median("one broker", g, "p50"),
+             one_broker_p99=median("one broker", g, "p99"),
+             ratio=round(median("three brokers", g, "p99") / max(median("one broker", g, "p99"), 1.0), 3),
+             rate_per_s=rate, seconds=seconds, rounds=rounds,
+             lost={c: sum(runs[(c, g)]["lost"]) for c in ("one broker", "three brokers")},
+             duplicated={c: sum(runs[(c, g)]["duplicated"]) for c in ("one broker", "three brokers")})
+
+
 #: What ``python -m bench production`` runs unless ``TW_BENCH_PROD_ONLY`` says otherwise
 #: (``all``: every one); the others are long and measure what changes seldom.
-DEFAULT_ONLY = ("throughput", "lateness", "burst", "idle", "guarantee")
+DEFAULT_ONLY = ("throughput", "lateness", "burst", "idle", "guarantee", "brokers")
 ALL_ONLY = ("throughput", "compressed", "sasl_ssl", "lateness", "burst", "large_burst", "idle", "slot_reads",
-            "shared_volume", "guarantee")
+            "shared_volume", "guarantee", "brokers")
 
 
 def selected(value: str) -> set[str]:
@@ -765,6 +835,9 @@ def main() -> None:
     if "guarantee" in only:
         guarantee(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000), _env_int("TW_BENCH_PROD_RATE", 500),
                   float(_env_int("TW_BENCH_GUARANTEE_SECONDS", 30)), _env_int("TW_BENCH_GUARANTEE_ROUNDS", 2))
+    if "brokers" in only:
+        brokers(kafka, redis_url, _env_int("TW_BENCH_PROD_N", 20_000), _env_int("TW_BENCH_PROD_RATE", 500),
+                float(_env_int("TW_BENCH_GUARANTEE_SECONDS", 30)), _env_int("TW_BENCH_BROKERS_ROUNDS", 1))
 
 
 if __name__ == "__main__":

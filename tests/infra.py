@@ -310,7 +310,7 @@ class KafkaCluster:
             time.sleep(0.2)
 
 
-def _prime_internal_topics(bootstrap: str) -> None:
+def prime_internal_topics(bootstrap: str) -> None:
     """Make the consumer offsets and transaction state topics while all three brokers run: Kafka
     creates them at first use with replication factor 3, which it refuses with a broker down."""
     from kafka import KafkaAdminClient, KafkaProducer
@@ -342,5 +342,5 @@ def kafka_cluster3() -> Iterator[KafkaCluster]:
     TW_KAFKA_BROKERS=3 scripts/kafka.sh up``), its internal topics made; started only for the
     tests that ask for it and stopped at the end of the session like the others."""
     for settings in _instance("kafka", CLUSTER3_ENV, "kafka-cluster3", ("TW_KAFKA_BOOTSTRAP",)):
-        _prime_internal_topics(settings["TW_KAFKA_BOOTSTRAP"])
+        prime_internal_topics(settings["TW_KAFKA_BOOTSTRAP"])
         yield KafkaCluster(settings["TW_KAFKA_BOOTSTRAP"])
