@@ -38,6 +38,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -264,83 +265,76 @@ def sigkill_each_stage(pipe: Pipeline, name: str) -> None:
         pipe.stop_cleanly()
 
 
-def test_redis_flushall_a_redis_restart_and_a_broker_restart_mid_run_lose_nothing(
+def test_redis_and_broker_restarts_lose_nothing_and_exactly_once_through_them_and_sigkills_duplicates_nothing(
     tmp_path: Path, kafka_bootstrap: str, redis_url: str, kafka_control: ServerControl, redis_control: ServerControl
 ) -> None:
-    """Redis is a transport, not a store: after FLUSHALL or a restart (the script's Redis keeps
-    nothing) the stages recreate their groups and the shard owners replay from their checkpoints.
-    A Kafka broker restart is waited out."""
-    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, max_in_flight=MAX_IN_FLIGHT,
-                    batch_size=BATCH_SIZE, roll_window_ms=ROLL_WINDOW_MS)
-    dest = pipe.new_dest("load", 2)
-    with pipe.running(), LoadRun(pipe, dest, seed=23, rate=60, min_delay_ms=500, max_delay_ms=25_000,
-                                   cancel_fraction=CANCEL_FRACTION, cancel_before_ms=CANCEL_BEFORE_MS) as run:
-        ledger = Ledger(pipe, run.producer)
-        invalid = InvalidRecords(pipe, run)
-        time.sleep(6)
-        invalid.send()
-        ledger.disrupt("redis flushall", True, True)  # the shard owners lose their leases
-        pipe.redis.flushall()
-        time.sleep(8)
-        invalid.send()
-        ledger.disrupt("redis restart", True, True)
-        redis_control.restart()  # everything lost again, and connections refused meanwhile
-        time.sleep(6)
-        invalid.send()
-        ledger.disrupt("kafka restart", True, False)
-        kafka_control.restart()
-        time.sleep(10)
-        assert not pipe.dead(), pipe.tails(pipe.dead())
-        for name in STAGES:
-            pipe.wait_ready(name, 60)
-        finish(pipe, run, "chaos-redis-kafka", ledger, 0, 25_000)
-        invalid.check("chaos-redis-kafka")
-        invalid.close()
-        pipe.stop_cleanly()
+    """Two pipelines side by side through the same Redis and broker disruptions (one run of them
+    instead of two: the suite's time).
 
+    At least once: Redis is a transport, not a store: after FLUSHALL or a restart (the script's
+    Redis keeps nothing) the stages recreate their groups and the shard owners replay from their
+    checkpoints. A Kafka broker restart is waited out. Duplicates within the ledger's bound.
 
-def test_exactly_once_through_sigkills_a_torn_tail_a_redis_flush_and_a_broker_restart_duplicates_nothing(
-    tmp_path: Path, kafka_bootstrap: str, redis_url: str, kafka_control: ServerControl
-) -> None:
-    """TW_DELIVERY_GUARANTEE=exactly-once (issue 31), read ``read_committed``: every stage
-    SIGKILLed in turn (enqueue-put's TimerLog tail torn meanwhile), Redis flushed, the broker
-    restarted, with cancels and rolled messages among the load: 0 duplicates, 0 lost, 0 early, no
-    cancel acknowledged in time leaked, and the dead-letter topic exactly the invalid records."""
-    name = "chaos-exactly-once"
-    pipe = Pipeline(tmp_path, kafka_bootstrap, redis_url, shards=SHARDS, max_in_flight=MAX_IN_FLIGHT,
-                    batch_size=BATCH_SIZE, roll_window_ms=ROLL_WINDOW_MS, delivery_guarantee="exactly-once")
-    dest = pipe.new_dest("load", 2)
+    Exactly once (TW_DELIVERY_GUARANTEE, issue 31), read ``read_committed``: before those, every
+    stage SIGKILLed in turn (enqueue-put's TimerLog tail torn meanwhile). 0 duplicates.
+
+    Both: 0 lost, 0 early, no cancel acknowledged in time leaked (cancels and rolled messages are
+    among the load), and the dead-letter topic exactly the invalid records, each once."""
+    settings = {"shards": SHARDS, "max_in_flight": MAX_IN_FLIGHT, "batch_size": BATCH_SIZE,
+                "roll_window_ms": ROLL_WINDOW_MS}
+    alo = Pipeline(tmp_path / "at-least-once", kafka_bootstrap, redis_url, **settings)
+    eo = Pipeline(tmp_path / "exactly-once", kafka_bootstrap, redis_url, delivery_guarantee="exactly-once", **settings)
+    names = {alo: "chaos-redis-kafka", eo: "chaos-exactly-once"}
     rng = random.Random(31)
     damaged = 0
-    with pipe.running(), LoadRun(pipe, dest, seed=31, rate=60, min_delay_ms=500, max_delay_ms=25_000,
-                                   cancel_fraction=CANCEL_FRACTION, cancel_before_ms=CANCEL_BEFORE_MS,
-                                   read_committed=True) as run:
-        ledger = Ledger(pipe, run.producer)
-        invalid = InvalidRecords(pipe, run)
+    with ExitStack() as stack:
+        for pipe in (alo, eo):
+            stack.enter_context(pipe.running())
+        runs = {pipe: stack.enter_context(LoadRun(pipe, pipe.new_dest("load", 2), seed=seed, rate=60, min_delay_ms=500,
+                                                  max_delay_ms=25_000, cancel_fraction=CANCEL_FRACTION,
+                                                  cancel_before_ms=CANCEL_BEFORE_MS, read_committed=pipe is eo))
+                for pipe, seed in ((alo, 23), (eo, 31))}
+        ledgers = {pipe: Ledger(pipe, run.producer) for pipe, run in runs.items()}
+        invalid = {pipe: InvalidRecords(pipe, run) for pipe, run in runs.items()}
+
+        def disrupt(label: str, rereads_from_r: bool) -> None:
+            for pipe in (alo, eo):
+                invalid[pipe].send()
+                ledgers[pipe].disrupt(label, True, rereads_from_r)
+
         for victim in STAGES:
             time.sleep(rng.uniform(1.5, 3.5))
-            invalid.send()
-            ledger.disrupt(f"kill {victim}", victim in DEQUEUE_SIDE, victim == "dequeue-get")
-            pipe.kill(victim, signal.SIGKILL)
+            invalid[eo].send()
+            ledgers[eo].disrupt(f"kill {victim}", victim in DEQUEUE_SIDE, victim == "dequeue-get")
+            eo.kill(victim, signal.SIGKILL)
             if victim == "enqueue-put":
-                damaged += cut_timerlog_tails(pipe)
+                damaged += cut_timerlog_tails(eo)
             time.sleep(rng.uniform(0.2, 1.0))
-            pipe.start(victim)
-        ledger.disrupt("redis flushall", True, True)
-        pipe.redis.flushall()
-        time.sleep(5)
-        invalid.send()
-        ledger.disrupt("kafka restart", True, False)
+            eo.start(victim)
+        disrupt("redis flushall", True)  # the shard owners lose their leases
+        alo.redis.flushall()
+        time.sleep(6)
+        disrupt("redis restart", True)
+        redis_control.restart()  # everything lost again, and connections refused meanwhile
+        time.sleep(6)
+        disrupt("kafka restart", False)
         kafka_control.restart()
-        time.sleep(8)
-        for stage in STAGES:
-            pipe.wait_ready(stage, 60)
-        finish(pipe, run, name, ledger, damaged, 25_000, exactly_once=True)
-        invalid.check(name)
-        invalid.close()
-        takes = [line for line in pipe.log_lines("dequeue-put") if line.get("event", "").startswith("shard deliveries taken")]
+        time.sleep(10)
+        for pipe in (alo, eo):
+            assert not pipe.dead(), pipe.tails(pipe.dead())
+            for stage in STAGES:
+                pipe.wait_ready(stage, 60)
+        for run in runs.values():
+            run.load.stop()  # both loads end together
+        for pipe in (alo, eo):
+            finish(pipe, runs[pipe], names[pipe], ledgers[pipe], damaged if pipe is eo else 0, 25_000,
+                   exactly_once=pipe is eo)
+            invalid[pipe].check(names[pipe])
+            invalid[pipe].close()
+        takes = [line for line in eo.log_lines("dequeue-put") if line.get("event", "").startswith("shard deliveries taken")]
         assert takes, "dequeue-put never took a shard's deliveries: exactly-once was not on"
-        pipe.stop_cleanly()
+        for pipe in (alo, eo):
+            pipe.stop_cleanly()
 
 
 def test_a_torn_timerlog_tail_is_read_again_from_kafka(tmp_path: Path, kafka_bootstrap: str, redis_url: str) -> None:
