@@ -34,6 +34,16 @@ def _tw(tmp_path: Path, clock: SimulatedClock) -> EmbeddedTimerwheel:
     return EmbeddedTimerwheel(tmp_path, clock=clock, tick_ms=100, roll_window_ms=10_000, shards=2, fsync=False)
 
 
+def _scheduled(tw: EmbeddedTimerwheel) -> tuple[Ticket, Record]:
+    """A message due in 5 s, written into the wheel, and its timer record (for a reschedule past
+    the client's own check, as a client that did not look, or raced, writes it)."""
+    old = tw.schedule("orders", b"v", delay_ms=5_000)
+    tw.wait_idle()
+    original = tw.client.find(old)
+    assert original is not None
+    return old, original
+
+
 def _delivered(tw: EmbeddedTimerwheel) -> list[tuple[bytes | None, bytes | None, bytes | None]]:
     return [(r.value, r.header("tw-id"), r.header("tw-revision")) for r in tw.read("orders")]
 
@@ -64,14 +74,10 @@ def test_reschedule_later_delivers_once_at_the_new_time_with_the_same_id(tmp_pat
 def test_rescheduling_the_same_ticket_twice_moves_the_message_once(tmp_path: Path) -> None:
     clock = SimulatedClock(start_ms=START)
     with _tw(tmp_path, clock) as tw:
-        old = tw.schedule("orders", b"v", delay_ms=5_000)
-        tw.wait_idle()
-        original = tw.client.find(old)
-        assert original is not None
+        old, original = _scheduled(tw)
         first = tw.reschedule(old, deliver_at_ms=START + 8_000)
         with pytest.raises(TimerwheelError, match="rescheduled already"):  # the client sees the first
             tw.reschedule(old, deliver_at_ms=START + 9_000)
-        # Another client that did not look (or raced): the service voids it.
         second = tw.client.reschedule(old, deliver_at_ms=START + 9_000, original=original)
         assert first.revision == second.revision == 1
         _run_to(tw, clock, START + 12_000)
@@ -84,9 +90,7 @@ def test_rescheduling_the_same_ticket_twice_moves_the_message_once(tmp_path: Pat
 def test_a_cancelled_ticket_is_not_revived_by_a_reschedule(tmp_path: Path) -> None:
     clock = SimulatedClock(start_ms=START)
     with _tw(tmp_path, clock) as tw:
-        old = tw.schedule("orders", b"v", delay_ms=5_000)
-        tw.wait_idle()
-        original = tw.client.find(old)
+        old, original = _scheduled(tw)
         tw.cancel(old)
         with pytest.raises(TimerwheelError, match="cancelled already"):
             tw.reschedule(old, deliver_at_ms=START + 8_000)
