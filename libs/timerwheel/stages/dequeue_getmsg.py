@@ -186,7 +186,7 @@ class DequeueGetMsg(QueueStage):
             self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
             return DELIVER, None
         void_reschedules(self.ctx, self.logger, record, found, first_marker)
-        if marker_target(first_marker) is not None and first_marker.header(H_CANCEL) is None:
+        if first_marker.header(H_CANCEL) is None:  # a reschedule
             return REDIRECT, first_marker
         return CANCELLED, None
 
