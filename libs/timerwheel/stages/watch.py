@@ -11,7 +11,8 @@ cancel is at an offset below the shard's timer partitions' high watermarks ``E``
   TimerLog below that checkpoint's flushed position, in the message's slot, where the release's
   look in the slot's tail finds it (``DequeuePut._cancelled``), as for the W gate; or
 - in ``[O, E)``: this watch reads those offsets itself, a read_committed consumer per shard, and
-  keeps the cancels it meets (``cancelled``).
+  keeps the cancels it meets (``markers``), and the reschedules (issue 31: a reschedule is a
+  marker of the revision it replaces; of a record's markers the first decides, in dequeue-put).
 
 So a DELIVER record of shard ``s`` due at ``t`` may leave once an observation ``(t0, E, R0)`` with
 ``t < t0`` is *covered*: the shard's consumer is at or past ``E`` on each of its partitions, having
