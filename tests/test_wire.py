@@ -13,6 +13,8 @@ from timerwheel.wire import (
     default_id,
     delivered_headers,
     id_hash,
+    marker_target,
+    revision_id_hash,
     rolled_headers,
 )
 
@@ -97,6 +99,27 @@ def test_ticket_round_trips_through_str() -> None:
     assert Ticket.parse(str(t)) == t
     with pytest.raises(ValueError, match="not a timerwheel ticket"):
         Ticket.parse("garbage")
+
+
+def test_a_revision_ticket_is_tw2_and_a_tw1_ticket_is_revision_0() -> None:
+    t = Ticket(2, NOW + 5000, "id.with.dots", 3)
+    assert str(t) == f"tw2.2.{NOW + 5000}.3.id.with.dots" and Ticket.parse(str(t)) == t
+    assert Ticket.parse(f"tw1.2.{NOW}.x.y") == Ticket(2, NOW, "x.y", 0) and str(Ticket(2, NOW, "x.y")).startswith("tw1.")
+    for bad in (f"tw2.2.{NOW}.x.id", f"tw2.2.{NOW}.1.", "tw2.2"):
+        with pytest.raises(ValueError, match="not a timerwheel ticket"):
+            Ticket.parse(bad)
+
+
+def test_a_reschedule_is_a_marker_of_the_revision_before_and_revisions_hash_apart(rules: TimerRules) -> None:
+    moved = rec(("tw-topic", "orders"), ("tw-id", "m"), ("tw-revision", "2"), ("tw-deliver-at", str(NOW + 9)),
+                ("tw-replaces", str(NOW + 5)))
+    req = rules.parse(moved, NOW)
+    assert (req.cancel, req.message_id, req.revision, req.replaces, req.deliver_ms) == (False, "m", 2, NOW + 5, NOW + 9)
+    assert marker_target(moved) == ("m", 1)
+    assert marker_target(rec(("tw-cancel", "m"), ("tw-revision", "1"), ("tw-deliver-at", str(NOW)))) == ("m", 1)
+    assert marker_target(rec(("tw-topic", "orders"), ("tw-id", "m"), ("tw-deliver-at", str(NOW)))) is None
+    assert revision_id_hash("m", 0) == id_hash("m")
+    assert len({revision_id_hash("m", r) for r in range(4)}) == 4
 
 
 def test_delivered_headers_drop_control_headers_and_stamp_times() -> None:

@@ -1,9 +1,9 @@
-"""Schedule and cancel timer messages over any CommitLog (Kafka or the local log).
+"""Schedule, cancel and reschedule timer messages over any CommitLog (Kafka or the local log).
 
     client = TimerClient(commit_log)
     ticket = client.schedule("orders", b"value", key=b"k", delay_ms=5_000)
     client.cancel(ticket)
-    new_ticket = client.reschedule(ticket, deliver_at_ms=...)   # cancel + schedule again
+    new_ticket = client.reschedule(ticket, deliver_at_ms=...)   # the same message, moved later
 
 The client only sets the public ``tw-*`` headers (any Kafka producer can do the same). It
 picks the timer partition from the message id, and the ticket remembers it: a cancel must
@@ -14,19 +14,16 @@ go to the same timer partition as its message, so that both land in the same sha
 and raises ``InvalidTimerMessage`` with the reason instead of writing a record the service
 would only dead-letter; the ``timerwheel schedule`` command does.
 
-``reschedule`` finds the message's timer record (reading its timer partition back from the end),
-then appends the cancel and the new record together: in one Kafka transaction when the commit log
-has ``append_atomic`` (``KafkaCommitLog``), else in one ``append`` (the local log: one partition,
-as the new record goes to the ticket's timer partition, under that partition's lock).
-
-The transaction's id is the client's own and stable: ``timerwheel-reschedule-<client id>``, the
-client id given to ``TimerClient`` or by default ``<host>-<user>-<timer topic>``
-(``default_client_id``). The service waits for every transaction open on a timer partition before
-it moves ``W`` past it (a cancel behind it must not be passed), so a client that crashes inside
-one holds deliveries of that partition's shard back until Kafka aborts it (a 5 s transaction
-timeout, plus up to the broker's 10 s abort sweep), and a restarted client with the same id
-aborts it at once. Two clients that reschedule at the same time need different ids: the second to
-start fences the first, whose next reschedule fails once (nothing written) and then fences back.
+``reschedule`` (issue 31) finds the message's timer record (reading its timer partition back from
+the end) and appends **one record that replaces the ticket**: the same key, value, user headers
+and ``tw-id``, ``tw-revision`` = the ticket's + 1, ``tw-deliver-at`` = the new time, ``tw-replaces``
+= the ticket's time. It returns the new ticket (``tw2.<partition>.<time>.<revision>.<id>``). For
+each ticket the first cancel or reschedule in its timer partition decides and later ones are void,
+so exactly one of the old and the new message is delivered, under the same ``tw-id``. Only moves
+to a later time (or the same): an earlier one is refused here and void at the service (cancel and
+schedule a new message instead). What the client can see is void it refuses: the time passed, or
+a cancel or reschedule of the ticket already after the message in the part of the partition
+``find`` read. No transaction (before issue 31 a cancel and a new message went in one).
 """
 
 from __future__ import annotations
@@ -49,7 +46,7 @@ from timerwheel.clock import Clock, SystemClock
 from timerwheel.config import TimerConfig
 from timerwheel.errors import InvalidTimerMessage, TimerwheelError
 from timerwheel.records import Headers, OutRecord, Record
-from timerwheel.transports.base import AtomicLog, CommitLog
+from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_CANCEL,
     H_DELAY_LEVEL,
@@ -57,9 +54,12 @@ from timerwheel.wire import (
     H_DELIVER_AT,
     H_ID,
     H_PARTITION,
+    H_REPLACES,
+    H_REVISION,
     H_TOPIC,
     Ticket,
     TimerRules,
+    marker_target,
     user_headers,
 )
 
@@ -114,13 +114,13 @@ def default_client_id(timer_topic: str) -> str:
 class TimerClient:
     def __init__(self, commit_log: CommitLog, config: TimerConfig | None = None, clock: Clock | None = None,
                  *, validate: bool = False, client_id: str | None = None) -> None:
-        """``client_id`` names the client's reschedule transactions (module header); default
-        ``default_client_id``."""
+        """``client_id`` names the client (``default_client_id`` by default); ``transactional_id``,
+        derived from it, is kept for tools that ended a reschedule transaction left open by a
+        build before issue 31 (``reschedule`` opens none now)."""
         self.log = commit_log
         self.config = config or TimerConfig()
         self.clock = clock or SystemClock()
         self.client_id = client_id or default_client_id(self.config.timer_topic)
-        #: The Kafka transactional id of ``reschedule``'s transactions.
         self.transactional_id = f"timerwheel-reschedule-{self.client_id}"
         self.rules = TimerRules(self.config) if validate else None
         self.partitions = commit_log.ensure_topic(self.config.timer_topic, self.config.timer_partitions)
@@ -209,6 +209,8 @@ class TimerClient:
             ticket = Ticket.parse(t) if isinstance(t, str) else t
             headers: Headers = ((H_CANCEL, ticket.message_id.encode()),
                                 (H_DELIVER_AT, str(ticket.deliver_at_ms).encode()))
+            if ticket.revision:  # a rescheduled message: the revision this cancel stands against
+                headers += ((H_REVISION, str(ticket.revision).encode()),)
             if tracing:
                 sent = telemetry.send_span(self.config.timer_topic, ticket.message_id, ticket.partition, None,
                                            cancel=True)
@@ -221,18 +223,26 @@ class TimerClient:
         return records, spans
 
     def find(self, ticket: Ticket | str, max_records: int = 10_000_000) -> Record | None:
-        """The newest timer record of the ticket's message (its first write or a rolled copy),
-        read back from the end of its timer partition (at most ``max_records``), or None."""
+        """The newest timer record of the ticket's message and revision (its first write, a rolled
+        copy, or for a revision above 0 the reschedule record or its copies), read back from the
+        end of its timer partition (at most ``max_records``), or None."""
+        return self._find(ticket, max_records)[0]
+
+    def _find(self, ticket: Ticket | str, max_records: int = 10_000_000) -> tuple[Record | None, list[Record]]:
+        """``find``, and the cancels and reschedules of the ticket met after that record (in the
+        chunks read: the newest ones)."""
         ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
         topic, p = self.config.timer_topic, ticket.partition
         want = ticket.message_id.encode()
+        target = (ticket.message_id, ticket.revision)
         default = _DEFAULT_ID.fullmatch(ticket.message_id)
-        if default and int(default.group(1)) == p:  # an id the service gave: its record's own position
+        if default and int(default.group(1)) == p and not ticket.revision:  # an id the service gave
             rec = self.log.read(topic, [(p, int(default.group(2)))])[0]
             if rec is not None and rec.header(H_ID) in (None, want) and rec.header(H_CANCEL) is None:
-                return rec
+                return rec, []
         start = self.log.start_offsets(topic).get(p, 0)
         hi = self.log.end_offsets(topic).get(p, 0)
+        deciders: list[Record] = []
         while hi > start and max_records > 0:
             lo = max(start, hi - FIND_CHUNK)
             found: Record | None = None
@@ -244,47 +254,81 @@ class TimerClient:
                         raise TimerwheelError(f"find: reading partition {p} of {topic!r} from offset {lo} "
                                               f"did not reach {hi} within {FIND_TIMEOUT_S:g} s")
                     for r in consumer.poll(FIND_CHUNK, 1.0):
-                        if r.offset < hi and r.header(H_ID) == want and r.header(H_CANCEL) is None:
+                        if r.offset >= hi:
+                            continue
+                        if marker_target(r) == target:
+                            deciders.append(r)
+                        elif r.header(H_ID) == want and r.header(H_CANCEL) is None and _revision(r) == ticket.revision:
                             found = r
             finally:
                 consumer.close()
             if found is not None:
-                return found
+                return found, [d for d in deciders if d.offset > found.offset]
             max_records -= hi - lo
             hi = lo
-        return None
+        return None, deciders
 
     def reschedule(self, ticket: Ticket | str, *, delay_ms: int | None = None, deliver_at_ms: int | None = None,
                    delay_level: int | None = None, message_id: str | None = None,
                    original: Record | None = None) -> Ticket:
-        """Cancel the ticket's message and schedule it again (same destination, key, value and
-        headers) at the new time; returns the new ticket (a new message id unless ``message_id``).
-        The cancel and the new record are appended together (see the module header). Refused
-        once the old delivery time has passed (the message would be delivered twice).
+        """Move the ticket's message to a later time (or the same): one record that replaces the
+        ticket (module header); returns the new ticket, of the same id and the next revision.
+        Refused (``TimerwheelError``, nothing written) when it would be void: the old delivery time
+        passed, the new time is before it, or a cancel or reschedule of the ticket is in its timer
+        partition already. ``message_id``: must be the ticket's, if given (the id stays).
         ``original``: the message's newest timer record when the caller has it already (the
         console reads it from the position the TimerLog names), instead of ``find``ing it."""
         ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
+        if message_id is not None and message_id != ticket.message_id:
+            raise ValueError(f"reschedule keeps the message id {ticket.message_id!r}; got {message_id!r}")
         now = self.clock.now_ms()
         if ticket.deliver_at_ms <= now:
-            # Its cancel could no longer take effect: the message would be delivered twice.
             raise TimerwheelError(f"reschedule: the delivery time of {ticket.message_id!r} passed "
                                   f"{now - ticket.deliver_at_ms} ms ago; the message was most likely delivered")
+        given = sum(x is not None for x in (delay_ms, deliver_at_ms, delay_level))
+        if given != 1:
+            raise ValueError("reschedule: give exactly one of delay_ms, deliver_at_ms, delay_level")
+        if delay_ms is not None:
+            new_time = now + delay_ms
+        elif deliver_at_ms is not None:
+            new_time = deliver_at_ms
+        else:
+            assert delay_level is not None
+            levels = self.config.delay_levels_ms
+            if not 1 <= delay_level <= len(levels):
+                raise ValueError(f"delay_level must be 1..{len(levels)}, got {delay_level}")
+            new_time = now + levels[delay_level - 1]
+        if new_time < ticket.deliver_at_ms:
+            raise TimerwheelError(
+                f"reschedule: {new_time} is before the ticket's time {ticket.deliver_at_ms}; a reschedule only "
+                f"moves a message later (an earlier one is void): cancel {ticket} and schedule a new message")
+        deciders: list[Record] = []
         if original is None:
-            original = self.find(ticket)
+            original, deciders = self._find(ticket)
         if original is None:
-            raise TimerwheelError(f"reschedule: no timer record of {ticket.message_id!r} in partition "
-                                  f"{ticket.partition} of {self.config.timer_topic!r}")
+            raise TimerwheelError(f"reschedule: no timer record of {ticket.message_id!r} revision {ticket.revision} "
+                                  f"in partition {ticket.partition} of {self.config.timer_topic!r}")
+        if deciders:
+            first = deciders[0]
+            what = "cancelled" if first.header(H_CANCEL) is not None else "rescheduled"
+            raise TimerwheelError(f"reschedule: {ticket} was {what} already (offset {first.offset} of partition "
+                                  f"{first.partition}); the first cancel or reschedule of a ticket decides")
         topic = (original.header(H_TOPIC) or b"").decode("utf-8", "replace")
         raw_partition = original.header(H_PARTITION)
-        timer = Timer(topic, original.value, original.key, tuple(user_headers(original.headers)), delay_ms,
-                      deliver_at_ms, delay_level, message_id,
-                      int(raw_partition) if raw_partition and raw_partition.isdigit() else None)
-        records, tickets, spans = self._timer_records([timer], timer_partition=ticket.partition)
-        cancels, cancel_spans = self._cancel_records([ticket])
-        if isinstance(self.log, AtomicLog):
-            self.log.append_atomic([*cancels, *records], self.transactional_id)
-        else:
-            self.log.append([*cancels, *records])
-        for span in [*cancel_spans, *(spans or ())]:
+        timer = Timer(topic, original.value, original.key, tuple(user_headers(original.headers)),
+                      deliver_at_ms=new_time, message_id=ticket.message_id,
+                      partition=int(raw_partition) if raw_partition and raw_partition.isdigit() else None)
+        records, _tickets, spans = self._timer_records([timer], timer_partition=ticket.partition)
+        revision = ticket.revision + 1
+        record = records[0]
+        record = record._replace(headers=(*record.headers, (H_REVISION, str(revision).encode()),
+                                          (H_REPLACES, str(ticket.deliver_at_ms).encode())))
+        self.log.append([record])
+        for span in spans or ():
             span.end()
-        return tickets[0]
+        return Ticket(ticket.partition, new_time, ticket.message_id, revision)
+
+
+def _revision(record: Record) -> int:
+    raw = record.header(H_REVISION)
+    return int(raw) if raw and raw.isdigit() else 0

@@ -8,6 +8,15 @@ dead-letter record's ``tw-error`` header.
 Ids: ``tw-id`` if present, else ``<partition>-<offset>`` of the record as first written.
 A rolled record carries its resolved id in ``tw-id``, so the id never changes. The TimerLog
 keeps a 64-bit hash of the id (``id_hash``); a cancel is confirmed on the full id.
+
+Revisions (issue 31): a reschedule is one record that replaces a ticket: the message's content,
+the same ``tw-id``, ``tw-revision`` = the ticket's + 1, ``tw-deliver-at`` = the new time and
+``tw-replaces`` = the ticket's time. A message is ``(tw-id, tw-revision)`` (no header: revision 0);
+the TimerLog's hash of revision ``r > 0`` is that of ``id + "\0" + r`` (``revision_id_hash``), so a
+marker of one revision never touches another. A reschedule record is a **marker** of
+``(id, revision - 1)`` due at ``tw-replaces``, as a cancel (``tw-cancel`` = id, ``tw-revision`` =
+the revision it cancels) is; of a message's markers the first in its timer partition decides
+(``tw-first-offset``, stamped on a marker's roll hops, keeps its producer's offset).
 """
 
 from __future__ import annotations
@@ -38,6 +47,11 @@ H_ERROR = "tw-error"
 H_SOURCE = "tw-source"
 #: When dequeue-put first found the destination of a due message missing (it holds it, then DLQ).
 H_HELD_SINCE = "tw-held-since"
+#: Issue 31: the revision of a message (absent: 0), the delivery time of the ticket a reschedule
+#: replaces, and on a marker's roll hop the offset its producer's record got (which came first).
+H_REVISION = "tw-revision"
+H_REPLACES = "tw-replaces"
+H_FIRST_OFFSET = "tw-first-offset"
 
 #: Consumer retry (``timerwheel.retry``): how many times the record was handed back to its group
 #: (absent or 0 on the first delivery), and where it was first read (topic, partition, offset).
@@ -48,9 +62,12 @@ H_ORIGIN_OFFSET = "tw-origin-offset"
 RETRY_HEADERS = frozenset({H_RECONSUME_TIMES, H_ORIGIN_TOPIC, H_ORIGIN_PARTITION, H_ORIGIN_OFFSET})
 
 #: Headers the producer sets to steer the timer; none of them reaches the destination.
-CONTROL_HEADERS = frozenset({H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION})
-#: Headers the service stamps; a producer's own copies are replaced.
-SERVICE_HEADERS = frozenset({H_ID, H_ROLL, H_ENQUEUED_AT, H_DELIVERED_AT, H_HELD_SINCE})
+CONTROL_HEADERS = frozenset({H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION,
+                             H_REPLACES})
+#: Headers the service stamps; a producer's own copies are replaced. (``tw-revision`` is set by the
+#: producer of a reschedule and stamped on the delivered record when above 0.)
+SERVICE_HEADERS = frozenset({H_ID, H_ROLL, H_ENQUEUED_AT, H_DELIVERED_AT, H_HELD_SINCE, H_REVISION,
+                             H_FIRST_OFFSET})
 
 MAX_ID_BYTES = 1024
 _DECIMAL = re.compile(r"-?\d{1,20}")
@@ -71,6 +88,12 @@ def id_hash(message_id: str) -> int:
     h = _BLAKE2B_8.copy()
     h.update(message_id.encode())
     return _U64_LE(h.digest())[0]  # type: ignore[no-any-return]
+
+
+def revision_id_hash(message_id: str, revision: int) -> int:
+    """The TimerLog's hash of revision ``revision`` of a message: ``id_hash`` of the id for
+    revision 0 (as before revisions), of ``id + "\\0" + revision`` above."""
+    return id_hash(message_id) if revision == 0 else id_hash(f"{message_id}\0{revision}")
 
 
 def topic_hash(topic: str) -> int:
@@ -98,27 +121,46 @@ class TimerRequest(NamedTuple):
     src_partition: int
     src_offset: int
     src_size: int
+    #: The message's revision (``tw-revision``; a cancel's: the revision it cancels).
+    revision: int = 0
+    #: A reschedule: the delivery time of the ticket it replaces (``tw-replaces``), else None.
+    #: ``deliver_ms`` is then the new time, and the record a marker of ``(id, revision - 1)``.
+    replaces: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """What a producer needs to cancel: the timer partition, the delivery time and the id.
+    """What a producer needs to cancel or reschedule: the timer partition, the delivery time, the
+    id and the revision (0 unless rescheduled).
 
-    ``str(ticket)`` gives ``tw1.<partition>.<deliver_at>.<id>``; ``Ticket.parse`` reads it back.
+    ``str(ticket)`` gives ``tw1.<partition>.<deliver_at>.<id>`` for revision 0 (as before
+    revisions) and ``tw2.<partition>.<deliver_at>.<revision>.<id>`` above; ``Ticket.parse`` reads
+    both (``tw1.`` as revision 0).
     """
 
     partition: int
     deliver_at_ms: int
     message_id: str
+    revision: int = 0
 
     def __str__(self) -> str:
+        if self.revision:
+            return f"tw2.{self.partition}.{self.deliver_at_ms}.{self.revision}.{self.message_id}"
         return f"tw1.{self.partition}.{self.deliver_at_ms}.{self.message_id}"
 
     @classmethod
     def parse(cls, text: str) -> Ticket:
+        if text.startswith("tw2."):
+            parts = text.split(".", 4)
+            if (len(parts) == 5 and parts[1].isdigit() and parts[2].lstrip("-").isdigit() and parts[3].isdigit()
+                    and parts[4]):
+                return cls(int(parts[1]), int(parts[2]), parts[4], int(parts[3]))
+            raise ValueError(f"not a timerwheel ticket: {text!r} "
+                             "(expected tw2.<partition>.<deliver_at>.<revision>.<id>)")
         parts = text.split(".", 3)
         if len(parts) != 4 or parts[0] != "tw1" or not parts[1].isdigit() or not parts[2].lstrip("-").isdigit():
-            raise ValueError(f"not a timerwheel ticket: {text!r} (expected tw1.<partition>.<deliver_at>.<id>)")
+            raise ValueError(f"not a timerwheel ticket: {text!r} (expected tw1.<partition>.<deliver_at>.<id> "
+                             "or tw2.<partition>.<deliver_at>.<revision>.<id>)")
         return cls(int(parts[1]), int(parts[2]), parts[3])
 
 
@@ -243,7 +285,7 @@ class TimerRules:
                 message_id = (default_id(record.partition, record.offset) if raw_id is None
                               else raw_id.decode("utf-8", "replace"))
                 return _new_tuple(TimerRequest, (deliver, False, message_id, topic, 0, record.timestamp_ms,
-                                                 record.partition, record.offset, size))
+                                                 record.partition, record.offset, size, 0, None))
         # Every check in turn, each with its reason (the common record never gets here).
         if size > cfg.max_record_bytes:
             raise InvalidTimerMessage(f"record of {size} bytes exceeds max_record_bytes {cfg.max_record_bytes}")
@@ -255,12 +297,27 @@ class TimerRules:
         raw_part = hdr.get(H_PARTITION)
         if raw_part is not None:
             _decimal(H_PARTITION, raw_part)
+        raw_rev = hdr.get(H_REVISION)
+        revision = _decimal(H_REVISION, raw_rev) if raw_rev is not None else 0
+        raw_replaces = hdr.get(H_REPLACES)
+        replaces = _decimal(H_REPLACES, raw_replaces) if raw_replaces is not None else None
+        if H_FIRST_OFFSET in hdr:
+            _decimal(H_FIRST_OFFSET, hdr[H_FIRST_OFFSET])
         cancel = hdr.get(H_CANCEL)
         if cancel is not None:
+            if replaces is not None:
+                raise InvalidTimerMessage(f"{H_CANCEL} and {H_REPLACES} together: a record cancels or reschedules")
             target = cancel.decode("utf-8", "replace")
             if not target or len(cancel) > MAX_ID_BYTES:
                 raise InvalidTimerMessage(f"{H_CANCEL} must be a message id of 1..{MAX_ID_BYTES} bytes")
-            return TimerRequest(deliver, True, target, "", roll, enqueued, record.partition, record.offset, size)
+            return TimerRequest(deliver, True, target, "", roll, enqueued, record.partition, record.offset, size,
+                                revision)
+        if replaces is not None:
+            if not hdr.get(H_ID):
+                raise InvalidTimerMessage(f"{H_REPLACES} without {H_ID}: a reschedule names the message it moves")
+            if revision == 0:
+                raise InvalidTimerMessage(f"{H_REPLACES} with {H_REVISION} 0 (or none): a reschedule's revision "
+                                          "is the ticket's + 1")
         raw_topic = hdr.get(H_TOPIC)
         if not raw_topic:
             raise InvalidTimerMessage(f"missing {H_TOPIC}")
@@ -277,7 +334,8 @@ class TimerRules:
         if raw_id is not None and (not raw_id or len(raw_id) > MAX_ID_BYTES):
             raise InvalidTimerMessage(f"{H_ID} must be 1..{MAX_ID_BYTES} bytes")
         message_id = raw_id.decode("utf-8", "replace") if raw_id else default_id(record.partition, record.offset)
-        return TimerRequest(deliver, False, message_id, topic, roll, enqueued, record.partition, record.offset, size)
+        return TimerRequest(deliver, False, message_id, topic, roll, enqueued, record.partition, record.offset, size,
+                            revision, replaces)
 
 
 def raw_message_id(record: Record, headers: dict[str, bytes] | None = None) -> bytes:
@@ -293,7 +351,33 @@ def message_id_of(record: Record, headers: dict[str, bytes] | None = None) -> st
 
 _NOT_DELIVERED = CONTROL_HEADERS | SERVICE_HEADERS
 #: Control headers that take ``TimerRules.parse`` off its short path.
-_FULL_PARSE = frozenset({H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT})
+_FULL_PARSE = frozenset({H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT, H_REVISION,
+                         H_REPLACES, H_FIRST_OFFSET})
+
+
+def revision_of(headers: dict[str, bytes]) -> int:
+    """``tw-revision`` of a record that passed ``TimerRules.parse`` (absent: 0)."""
+    raw = headers.get(H_REVISION)
+    return int(raw) if raw else 0
+
+
+def marker_target(marker: Record) -> tuple[str, int] | None:
+    """The ``(id, revision)`` a marker record stands against: a cancel's ``tw-cancel`` and
+    ``tw-revision``; a reschedule's ``tw-id`` and ``tw-revision - 1``. None for a message."""
+    hdr = dict(marker.headers)
+    target = hdr.get(H_CANCEL)
+    if target is not None:
+        return target.decode("utf-8", "replace"), revision_of(hdr)
+    if H_REPLACES in hdr:
+        return message_id_of(marker, hdr), revision_of(hdr) - 1
+    return None
+
+
+def first_offset(marker: Record) -> int:
+    """The offset a marker's producer's record got: ``tw-first-offset`` on a roll hop, else its own.
+    Of two markers of one message in one timer partition, the lower came first."""
+    raw = marker.header(H_FIRST_OFFSET)
+    return int(raw) if raw else marker.offset
 
 
 def user_headers(headers: Headers) -> list[tuple[str, bytes]]:
@@ -310,12 +394,15 @@ def delivered_headers(record: Record, headers: dict[str, bytes], enqueued_text: 
     ``headers`` is ``dict(record.headers)``; the times come as their decimal text (``str(ms).encode()``,
     which dequeue-put makes once per batch for the delivery time)."""
     raw_roll = headers.get(H_ROLL)
-    stamped = (
+    stamped: Headers = (
         (H_ID, raw_message_id(record, headers)),
         _ROLL_ZERO if not raw_roll else (H_ROLL, str(int(raw_roll)).encode()),
         (H_ENQUEUED_AT, enqueued_text),
         (H_DELIVERED_AT, now_text),
     )
+    raw_rev = headers.get(H_REVISION)
+    if raw_rev and int(raw_rev):  # a rescheduled message: which revision (the id stays)
+        stamped = (*stamped, (H_REVISION, str(int(raw_rev)).encode()))
     if _NOT_DELIVERED.issuperset(headers):  # no user header: the common record
         return stamped
     return (*[h for h in record.headers if h[0] not in _NOT_DELIVERED], *stamped)
@@ -324,17 +411,32 @@ def delivered_headers(record: Record, headers: dict[str, bytes], enqueued_text: 
 def rolled_headers(record: Record, message_id: str, deliver_ms: int, roll: int, enqueued_ms: int,
                    held_since_ms: int | None = None) -> Headers:
     """Headers of a rolled record written back to the timer topic: absolute time, roll + 1, same id.
-    A record held for a missing destination is rolled the same way, with ``tw-held-since``."""
-    drop = {H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ROLL, H_ID, H_ENQUEUED_AT, H_HELD_SINCE}
+    A record held for a missing destination is rolled the same way, with ``tw-held-since``.
+    A marker (a cancel, or a reschedule: its ``tw-replaces`` kept, ``deliver_ms`` its new time)
+    carries ``tw-first-offset``, its producer's offset, through every hop."""
+    drop = {H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ROLL, H_ID, H_ENQUEUED_AT, H_HELD_SINCE, H_FIRST_OFFSET}
     out = [(k, v) for k, v in record.headers if k not in drop]
     out.append((H_DELIVER_AT, str(deliver_ms).encode()))
     out.append((H_ROLL, str(roll + 1).encode()))
     out.append((H_ENQUEUED_AT, str(enqueued_ms).encode()))
     if record.header(H_CANCEL) is None:
         out.append((H_ID, message_id.encode()))
+    if record.header(H_CANCEL) is not None or record.header(H_REPLACES) is not None:
+        out.append((H_FIRST_OFFSET, str(first_offset(record)).encode()))
     if held_since_ms is not None:
         out.append((H_HELD_SINCE, str(held_since_ms).encode()))
     return tuple(out)
+
+
+def redirected_headers(reschedule: Record, message_id: str, deliver_ms: int, enqueued_ms: int) -> Headers:
+    """Headers of the message a winning reschedule record puts back on the timer topic: its
+    revision due at its new time (``tw-replaces`` and ``tw-first-offset`` dropped: a message now,
+    no longer a marker), as a roll hop."""
+    drop = {H_REPLACES, H_FIRST_OFFSET}
+    bare = Record(reschedule.topic, reschedule.partition, reschedule.offset, reschedule.timestamp_ms,
+                  reschedule.key, reschedule.value, tuple(h for h in reschedule.headers if h[0] not in drop))
+    raw_roll = reschedule.header(H_ROLL)
+    return rolled_headers(bare, message_id, deliver_ms, int(raw_roll) if raw_roll else 0, enqueued_ms)
 
 
 def dead_letter_headers(record: Record, reason: str) -> Headers:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console as RichConsole
 from starlette.testclient import TestClient
-from timerwheel import EmbeddedTimerwheel, SimulatedClock
+from timerwheel import EmbeddedTimerwheel, SimulatedClock, Ticket
 from timerwheel.config import TimerConfig
 from timerwheel.console.app import create_app, parse_time
 from timerwheel.console.browse import Columns, browse_dead_letters, browse_pending, reason_kind
@@ -225,7 +225,7 @@ def test_a_cancel_from_the_console_is_a_tw_cancel_record_with_the_delivery_time(
     assert rec.header(H_CANCEL) == b"m200" and rec.header(H_DELIVER_AT) == str(data.due["m200"]).encode()
 
 
-def test_a_reschedule_writes_the_cancel_and_the_new_record_keeping_the_id(inst: Installation, data: Data) -> None:
+def test_a_reschedule_writes_one_record_that_replaces_the_ticket_keeping_the_id(inst: Installation, data: Data) -> None:
     with TestClient(create_app(inst, action_token=TOKEN, start_sampler=False)) as c:
         csrf = _form(c)
         c.post("/unlock", data={"csrf": csrf, "token": TOKEN})
@@ -235,11 +235,12 @@ def test_a_reschedule_writes_the_cancel_and_the_new_record_keeping_the_id(inst: 
         assert r2.status_code == 409 and "in the past" in _detail(r2.text)
     ticket = re.search(r'id="outcome-ticket">([^<]+)<', r.text)
     assert ticket
-    part, at, mid = ticket.group(1).split(".", 3)[1:]
-    assert mid == "m250" and int(at) == START + 600_000
-    rec = _last_timer_record(data, int(part))
+    new = Ticket.parse(ticket.group(1))
+    assert (new.message_id, new.revision, new.deliver_at_ms) == ("m250", 1, START + 600_000)
+    rec = _last_timer_record(data, new.partition)
     assert rec.header(H_ID) == b"m250" and rec.header(H_TOPIC) == b"b" and rec.value == b"value 250"
-    assert rec.header(H_DELIVER_AT) == str(START + 600_000).encode()
+    assert rec.header(H_DELIVER_AT) == str(START + 600_000).encode() and rec.header("tw-revision") == b"1"
+    assert rec.header("tw-replaces") == str(data.due["m250"]).encode()
 
 
 def test_a_dead_letter_is_redriven_as_a_new_timer_record_and_one_the_service_refuses_is_not(

@@ -87,6 +87,42 @@ def test_a_copy_is_absolute_keeps_its_id_and_what_the_hop_carried() -> None:
         ("tw-id", b"3-40")), partition=3)
 
 
+def resched(partition: int, offset: int, mid: str, revision: int, at: int, replaces: int,
+            first: int | None = None) -> Record:
+    extra: tuple[tuple[str, bytes], ...] = (("tw-revision", str(revision).encode()),
+                                            ("tw-replaces", str(replaces).encode()))
+    if first is not None:  # a roll hop of the reschedule's marker
+        extra += (("tw-first-offset", str(first).encode()), ("tw-roll", b"1"))
+    return timer(partition, offset, mid, at=at, extra=extra)
+
+
+def test_a_reschedule_is_a_move_and_the_first_cancel_or_reschedule_of_a_revision_decides() -> None:
+    """Issue 31: a reschedule record moves the id to its next revision (not a new timer); of two
+    markers of one revision the first by its producer's offset decides, even when the later one's
+    roll hop comes first in the partition; the copy of a winning reschedule is a plain message."""
+    found = Outcomes(TimerRules(CFG), "dlq", "tt")
+    at, t2, t3 = T0 + 5_000, T0 + 9_000, T0 + 12_000
+    for r in [
+        timer(0, 0, "moved", at=at), resched(0, 1, "moved", 1, t2, at),
+        resched(0, 2, "moved", 1, t3, at),  # void: the same ticket again
+        cancel(0, 3, "moved"),  # void: a cancel of the old ticket after its reschedule
+        timer(0, 4, "revived", at=at), cancel(0, 5, "revived"), resched(0, 6, "revived", 1, t2, at),
+        timer(0, 7, "put-back", at=at), resched(0, 8, "put-back", 1, t2, at),
+        timer(0, 9, "put-back", at=t2, extra=(("tw-revision", b"1"), ("tw-roll", b"1"))),  # dequeue-put's
+        timer(0, 10, "rolled-first", at=at), resched(0, 20, "rolled-first", 1, t3, at, first=12),
+        resched(0, 21, "rolled-first", 1, t2, at, first=11),  # the first: its hop just came later
+    ]:
+        found.add_timer_record(r)
+    assert {mid: found.outcome(mid) for mid in found.latest} == {
+        "moved": "rescheduled", "revived": "cancelled", "put-back": "rescheduled", "rolled-first": "rescheduled"}
+    assert [(mid, e.offset) for mid, e in found.to_reschedule()] == [
+        ("moved", 1), ("put-back", 9), ("rolled-first", 21)]
+    rec = resched(0, 1, "moved", 1, t2, at)
+    copy = recovered_record(rec, "moved", TimerRules(CFG).delivery_time(rec, 0, check_max=False))
+    hdr = dict(copy.headers)
+    assert "tw-replaces" not in hdr and hdr["tw-revision"] == b"1" and hdr["tw-deliver-at"] == str(t2).encode()
+
+
 # -- against the real Kafka and Redis -------------------------------------------------------------
 
 

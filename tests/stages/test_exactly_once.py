@@ -24,7 +24,7 @@ from timerwheel.records import Record
 from timerwheel.runtime.wiring import shard_deliveries
 from timerwheel.stages import base, dequeue_put
 from timerwheel.stages.base import StageContext
-from timerwheel.stages.codec import DELIVER, ROLL, DeliverEntry, DeliverItem, DoneEntry
+from timerwheel.stages.codec import DELIVER, REDIRECT, ROLL, DeliverEntry, DeliverItem, DoneEntry
 from timerwheel.stages.dequeue_put import DequeuePut
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Shard
 from timerwheel.store.layout import open_reader_if_exists, open_shard
@@ -162,9 +162,16 @@ def test_a_crash_after_the_commit_before_the_acknowledgement_delivers_once(
     assert second.ctx.metrics.counter("duplicates_dropped", shard=0) == 2
 
 
+@pytest.mark.parametrize("kind", [ROLL, REDIRECT])
 @pytest.mark.parametrize("where", ["before-commit", "before-ack"])
-def test_a_roll_hop_redone_after_a_crash_lands_once(rig: EoRig, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    hop = DeliverItem(ROLL, SLOT, START - 60_000, record(7, rig.dest, SLOT + 50 * 86_400_000), 0, 7)
+def test_a_roll_hop_redone_after_a_crash_lands_once(rig: EoRig, monkeypatch: pytest.MonkeyPatch, where: str,
+                                                   kind: int) -> None:
+    """A roll hop, or a reschedule's redirect (issue 31: the message put back as its next revision,
+    which carries the reschedule record), commits in the batch's transaction: once."""
+    rec = record(7, rig.dest, SLOT + 50 * 86_400_000)
+    if kind == REDIRECT:
+        rec = rec._replace(headers=(*rec.headers, ("tw-revision", b"1"), ("tw-replaces", str(SLOT).encode())))
+    hop = DeliverItem(kind, SLOT, START - 60_000, rec, 0, 7)
     put = rig.stage("a")
     rig.hand_over(hop)
 
@@ -186,6 +193,8 @@ def test_a_roll_hop_redone_after_a_crash_lands_once(rig: EoRig, monkeypatch: pyt
     hops = rig.committed(rig.config.timer_topic)
     assert [(r.header("tw-id"), r.header("tw-roll")) for r in hops] == [(b"m7", b"1")]
     assert rig.done() == 1
+    if kind == REDIRECT:
+        assert hops[0].header("tw-revision") == b"1" and hops[0].header("tw-replaces") is None
 
 
 def test_a_commit_of_unknown_outcome_is_decided_by_the_next_take(rig: EoRig, monkeypatch: pytest.MonkeyPatch) -> None:

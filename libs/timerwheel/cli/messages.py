@@ -285,24 +285,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def add_reschedule(sub: Any) -> None:
-    p = sub.add_parser("reschedule", help="cancel a message and schedule it again; prints the new ticket",
+    p = sub.add_parser("reschedule", help="move a message to a later time; prints the new ticket",
                        **described(
-                           "Cancel the ticket's message and schedule the same record again at a new time, both in "
-                           "one append (one Kafka transaction with --kafka); prints the new ticket. Where the shards "
-                           "can be read, a message that is no longer pending (cancelled, or rescheduled already: "
-                           "its ticket is spent) is refused, exit 1, and nothing is written; else it says so on "
-                           "stderr when that cannot be told.",
+                           "Move the ticket's message to a later time: one record that replaces the ticket (the same "
+                           "message id, the next revision); prints the new ticket (tw2.). The first cancel or "
+                           "reschedule of a ticket decides, later ones are void. An earlier time is refused: cancel "
+                           "and schedule a new message. Where the shards can be read, a message that is no longer "
+                           "pending (cancelled, or rescheduled already: its ticket is spent) is refused, exit 1, and "
+                           "nothing is written; else it says so on stderr when that cannot be told.",
                            "timerwheel reschedule --data-dir ./data tw1.2.1700000005000.5f3c8a1e2b7d9c4f-0 --delay 1h",
                            "timerwheel reschedule --data-dir ./data tw1.2.1700000005000.5f3c8a1e2b7d9c4f-0 "
                            "--deliver-at now+2d"))
     client_args(p)
-    p.add_argument("ticket", help="the ticket schedule printed")
+    p.add_argument("ticket", help="the ticket schedule (or the last reschedule) printed")
     _when_args(p)
-    p.add_argument("--id", dest="message_id", help="message id of the new timer (default: generated)")
-    p.add_argument("--client-id", help="names this client's Kafka transaction (timerwheel-reschedule-CLIENT_ID), "
-                                       "the same on every run: a run that starts again after a crash ends what the "
-                                       "crashed one left open (default: <host>-<user>-<timer topic>; runs at the same "
-                                       "time need different ids)")
     p.set_defaults(handler=cmd_reschedule)
 
 
@@ -310,7 +306,7 @@ def cmd_reschedule(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     _check_level(cfg, args.delay_level)
     ticket = _ticket(args.ticket)
-    client = TimerClient(commit_log(cfg, args.kafka, args), cfg, validate=True, client_id=args.client_id)
+    client = TimerClient(commit_log(cfg, args.kafka, args), cfg, validate=True)
     _check_partition(ticket, client)
     if ticket.deliver_at_ms > client.clock.now_ms():  # else the client refuses it, saying why
         index = _PendingIndex(cfg, client)
@@ -322,12 +318,11 @@ def cmd_reschedule(args: argparse.Namespace) -> int:
             return 1
         if pending is None:
             sys.stderr.write(f"timerwheel: note: whether {ticket.message_id} is still pending is not known here "
-                             f"({index.unknown}): if it was cancelled or rescheduled already, this schedules it "
-                             "again\n")
+                             f"({index.unknown}): if it was cancelled or rescheduled already, the service takes "
+                             "this reschedule as void\n")
     _warn_if_past(args.deliver_at)
     return _print_ticket(args, lambda: client.reschedule(
-        ticket, delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at, delay_level=args.delay_level,
-        message_id=args.message_id))
+        ticket, delay_ms=args.delay_ms, deliver_at_ms=args.deliver_at, delay_level=args.delay_level))
 
 
 class _PendingIndex:
@@ -343,6 +338,10 @@ class _PendingIndex:
 
     def pending(self, ticket: Ticket) -> bool | None:
         """Whether the ticket's message is pending; None if that cannot be told (``unknown``)."""
+        if ticket.revision:
+            # A rescheduled message is written where its old revision leaves: not in the shards yet.
+            self.unknown = self.unknown or f"a rescheduled message (revision {ticket.revision}) is not listed"
+            return None
         found = self._find(ticket.message_id, ticket.deliver_at_ms, ticket.deliver_at_ms + 1, ticket.partition)
         return None if self.unknown else found is not None
 

@@ -12,7 +12,8 @@ What an operator of timerwheel looks at, built only from what the installation a
   topic.
 
 Actions go through the public wire contract only (``actions``): a cancel is a ``tw-cancel``
-record, a reschedule or "deliver now" a cancel and a new timer record (``TimerClient.reschedule``),
+record, a reschedule one record that replaces the ticket (``TimerClient.reschedule``; later times
+only, so "deliver now" is refused),
 a redrive a new timer record built from the dead letter. So the pipeline's guarantees (never early,
 at least once, a cancel acknowledged before the delivery time meets its message) stay its own.
 

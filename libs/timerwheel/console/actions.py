@@ -2,9 +2,9 @@
 contract"), written through ``TimerClient`` as any producer would write it:
 
 - **cancel**: a ``tw-cancel`` record with the message's ``tw-deliver-at``, to its timer partition;
-- **reschedule** / **deliver now**: ``TimerClient.reschedule`` (the cancel and a new timer record,
-  in one Kafka transaction), at the new time or now, keeping the message's id (a consumer that
-  drops duplicates by ``tw-id`` sees one message);
+- **reschedule**: ``TimerClient.reschedule`` (one record that replaces the ticket: the same id,
+  the next revision), to a later time only; **deliver now** is an earlier time and is refused
+  (issue 31: cancel and schedule a new message instead);
 - **redrive** a dead letter: a new timer record built from it: its destination, key, value and
   user headers, its id (``tw-id``, else the id the service gave it), due at its old delivery time
   or now if that has passed. What the service would dead-letter again (a destination the
@@ -25,7 +25,6 @@ from timerwheel.console.browse import DeadLetter, PendingItem, find_pending
 from timerwheel.console.source import Installation
 from timerwheel.errors import InvalidTimerMessage, TimerwheelError
 from timerwheel.records import Record
-from timerwheel.transports.base import AtomicLog
 from timerwheel.wire import (
     H_DELIVER_AT,
     H_ERROR,
@@ -72,10 +71,9 @@ class Actions:
         return self._client
 
     def warm(self) -> None:
-        """Connect what a write needs before the first one: the client, and Kafka's transactional
-        producer (reschedule and deliver now write in a transaction; its first start takes seconds)."""
-        if isinstance(self.client.log, AtomicLog):
-            self.client.log.append_atomic([], self.client.transactional_id)
+        """Connect what a write needs before the first one: the client (a reschedule writes one
+        record since issue 31: no transactional producer to start)."""
+        _ = self.client
 
     def _pending(self, message_id: str) -> PendingItem:
         message_id = message_id.strip()
@@ -117,15 +115,18 @@ class Actions:
         if deliver_at_ms // tick == item.deliver_at_ms // tick:
             raise ActionRefused(f"{item.message_id!r} is due at {item.deliver_at_ms} already, in the same tick as "
                                 f"{deliver_at_ms}: nothing to change")
+        if deliver_at_ms < item.deliver_at_ms:
+            raise ActionRefused(f"{item.message_id!r} is due at {item.deliver_at_ms}: a reschedule only moves a message "
+                                "later (issue 31; an earlier one would be void). Cancel it and schedule a new message")
         original = self.inst.commit_log.read(self.inst.config.timer_topic, [(item.partition, item.offset)])[0]
         if original is None:
             raise ActionRefused(f"the timer record of {item.message_id!r} is gone from the timer topic (retention)")
         ticket = Ticket(item.partition, item.deliver_at_ms, item.message_id)
         new = self.client.reschedule(ticket, deliver_at_ms=deliver_at_ms, message_id=item.message_id,
                                      original=original)
-        return Outcome(title, f"{item.message_id!r}: a cancel of its delivery at {item.deliver_at_ms} and a new timer "
-                              f"record due at {deliver_at_ms} were written together to partition {item.partition} "
-                              f"of {self.inst.config.timer_topic!r}", str(new))
+        return Outcome(title, f"{item.message_id!r}: a reschedule record moving its delivery at {item.deliver_at_ms} "
+                              f"to {deliver_at_ms} (revision {new.revision}, the same id) was written to partition "
+                              f"{item.partition} of {self.inst.config.timer_topic!r}", str(new))
 
     def redrive(self, letters: Sequence[DeadLetter]) -> Outcome:
         """Schedule the dead letters again (see the module header); those the service would

@@ -12,6 +12,10 @@ into fresh, empty shards:
   starts): for each message id, its latest record — the producer's original or a roll hop that
   dequeue-put wrote back (a hop keeps the partition and the id, so "latest" is the highest
   offset; across partitions, the newest timestamp) — and the ids named by ``tw-cancel`` records.
+  Revisions (issue 31): for each ``(id, revision)`` the first cancel or reschedule record
+  (``tw-first-offset``, else its offset) decides, as in the service: a cancel ends the message, a
+  reschedule moves it to the next revision, whose latest copy (the message dequeue-put put back,
+  or else the reschedule record itself) is then the one to judge.
 * **The dead-letter topic**: the ids already dead-lettered (``tw-id``, else the default id of
   the timer record that ``tw-source`` names).
 * **Every destination topic** that a candidate names: the ids already delivered (``tw-id``).
@@ -69,12 +73,18 @@ from timerwheel.wire import (
     H_DELAY_MS,
     H_DELIVER_AT,
     H_ENQUEUED_AT,
+    H_FIRST_OFFSET,
     H_ID,
+    H_REPLACES,
+    H_REVISION,
     H_SOURCE,
     H_TOPIC,
     TimerRules,
     default_id,
+    first_offset,
+    marker_target,
     message_id_of,
+    revision_of,
 )
 
 log = stage_logger("recover-from-kafka")
@@ -86,8 +96,9 @@ WRITE_BATCH = 500
 #: A scan that makes no progress for this long gives up (an open transaction holds it back, or
 #: the broker is gone).
 STALL_S = 60.0
-#: Control headers a copy replaces: its time is absolute, its id explicit.
-_REPLACED = frozenset({H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ID})
+#: Control headers a copy replaces: its time is absolute, its id explicit (and a winning reschedule
+#: record's copy is a message of its revision, no longer a marker).
+_REPLACED = frozenset({H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ID, H_REPLACES, H_FIRST_OFFSET})
 
 
 class KafkaRecoveryRefused(TimerwheelError):
@@ -116,6 +127,10 @@ class Outcomes:
     timer_topic: str
     latest: dict[str, Latest] = field(default_factory=dict)
     cancels: set[str] = field(default_factory=set)
+    #: (id, revision) -> the first cancel or reschedule of it: (its first offset, a cancel, where it is).
+    deciders: dict[tuple[str, int], tuple[int, bool, Latest]] = field(default_factory=dict)
+    #: (id, revision above 0) -> its latest copy as a message (put back by dequeue-put, or rolled).
+    moved: dict[tuple[str, int], Latest] = field(default_factory=dict)
     delivered: set[str] = field(default_factory=set)
     dead: set[str] = field(default_factory=set)
     topics: list[str] = field(default_factory=list)
@@ -125,15 +140,29 @@ class Outcomes:
     def add_timer_record(self, record: Record) -> None:
         self.scanned += 1
         hdr = dict(record.headers)
-        target = hdr.get(H_CANCEL)
-        if target is not None:
-            self.cancels.add(target.decode("utf-8", "replace"))
+        aimed = marker_target(record)
+        if aimed is not None:
+            is_cancel = H_CANCEL in hdr
+            if is_cancel:
+                self.cancels.add(aimed[0])
+            first = self.deciders.get(aimed)
+            if first is None or first_offset(record) < first[0]:
+                self.deciders[aimed] = (first_offset(record), is_cancel, self._entry(record, hdr))
             return
         mid = message_id_of(record, hdr)
+        revision = revision_of(hdr) if hdr.get(H_REVISION, b"").isdigit() else 0
+        if revision:
+            known = self.moved.get((mid, revision))
+            if known is None or known.offset < record.offset:
+                self.moved[(mid, revision)] = self._entry(record, hdr)
+            return
         before = self.latest.get(mid)
         if before is not None and (before.offset > record.offset if before.partition == record.partition
                                    else before.timestamp_ms > record.timestamp_ms):
             return
+        self.latest[mid] = self._entry(record, hdr)
+
+    def _entry(self, record: Record, hdr: dict[str, bytes]) -> Latest:
         try:
             self.rules.parse(record, record.timestamp_ms, hdr)
             valid = True
@@ -145,7 +174,20 @@ class Outcomes:
         if index is None:
             index = self._topic_index[topic] = len(self.topics)
             self.topics.append(topic)
-        self.latest[mid] = Latest(record.partition, record.offset, record.timestamp_ms, index, valid)
+        return Latest(record.partition, record.offset, record.timestamp_ms, index, valid)
+
+    def current(self, mid: str) -> tuple[Latest, bool]:
+        """The id's record to judge, following its reschedules (the first marker of each revision
+        decides), and whether a cancel ended it."""
+        entry, revision = self.latest[mid], 0
+        while True:
+            first = self.deciders.get((mid, revision))
+            if first is None:
+                return entry, False
+            if first[1]:
+                return entry, True
+            revision += 1
+            entry = self.moved.get((mid, revision), first[2])
 
     def add_destination_record(self, record: Record) -> None:
         raw = record.header(H_ID)
@@ -169,22 +211,22 @@ class Outcomes:
 
     def destinations(self) -> list[str]:
         """The destination topics to read for deliveries: those of valid, uncancelled candidates."""
-        used = {e.topic for mid, e in self.latest.items() if e.valid and mid not in self.cancels}
+        used = {e.topic for e, cancelled in map(self.current, self.latest) if e.valid and not cancelled}
         return sorted(self.topics[i] for i in used if self.topics[i])
 
     def outcome(self, mid: str) -> str:
-        entry = self.latest[mid]
+        entry, cancelled = self.current(mid)
         if mid in self.delivered:
             return "delivered"
         if mid in self.dead or not entry.valid:
             return "dead_lettered"
-        if mid in self.cancels:
+        if cancelled:
             return "cancelled"
         return "rescheduled"
 
     def to_reschedule(self) -> list[tuple[str, Latest]]:
-        """The ids to reschedule and their latest records, in (partition, offset) order."""
-        out = [(mid, e) for mid, e in self.latest.items() if self.outcome(mid) == "rescheduled"]
+        """The ids to reschedule and their records to copy (``current``), in (partition, offset) order."""
+        out = [(mid, self.current(mid)[0]) for mid in self.latest if self.outcome(mid) == "rescheduled"]
         out.sort(key=lambda x: (x[1].partition, x[1].offset))
         return out
 

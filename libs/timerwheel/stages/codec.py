@@ -17,7 +17,7 @@ The entries are internal (never a public interface): a queue is drained before a
 changes them, or its entries are moved aside as undecodable (``base.decoded``) and their slots
 sent again by dequeue-get after ``STALL_S`` (late, never lost). Issue 30 added ``read_pos`` to
 fetch and deliver entries and made a fetch item's cancel marker a list of candidates; issue 31 a
-fetch item's ``same_as`` (read from entries without it as None) and the DUPLICATE kind.
+fetch item's ``same_as`` (read from entries without it as None) and the DUPLICATE and REDIRECT kinds.
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ class FetchEntry:
 
 
 #: What dequeue-put does with an item (DUPLICATE: another copy of the message in its slot is
-#: delivered, this one finishes without output).
-DELIVER, ROLL, CANCELLED, MISSING, DUPLICATE = 0, 1, 2, 3, 4
+#: delivered, this one finishes without output; REDIRECT: a reschedule of it came first, the
+#: item's record is that reschedule record, put back on the timer topic as the next revision).
+DELIVER, ROLL, CANCELLED, MISSING, DUPLICATE, REDIRECT = 0, 1, 2, 3, 4, 5
 
 
 class DeliverItem(NamedTuple):

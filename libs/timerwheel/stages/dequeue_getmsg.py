@@ -3,7 +3,8 @@
 Stateless. Takes fetch entries from its queue partitions, reads every source record they
 name (and the cancel markers and earlier copies they reference) from the timer topic in one
 batched call grouped per partition, and passes each on to dequeue-put as DELIVER, ROLL,
-CANCELLED (the full id of the message equals the marker's ``tw-cancel``), DUPLICATE (an
+CANCELLED (the full id of the message equals the marker's ``tw-cancel``), REDIRECT (the first
+marker of the message is a reschedule: ``decider``), DUPLICATE (an
 earlier copy of it in the slot has the same full id: design 2.5) or MISSING (the source record
 is gone from the log: reported and dead-lettered, never retried forever — PITFALLS #7480).
 
@@ -19,6 +20,7 @@ import dataclasses
 import operator
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
+from typing import Any
 
 from timerwheel import telemetry
 from timerwheel.log import stage_logger
@@ -29,6 +31,7 @@ from timerwheel.stages.codec import (
     DELIVER,
     DUPLICATE,
     MISSING,
+    REDIRECT,
     ROLL,
     DeliverEntry,
     DeliverItem,
@@ -38,7 +41,7 @@ from timerwheel.stages.codec import (
 )
 from timerwheel.store import Flag
 from timerwheel.transports.base import CommitLog, FollowingLog, WorkQueue
-from timerwheel.wire import H_CANCEL, message_id_of
+from timerwheel.wire import H_CANCEL, H_REVISION, first_offset, marker_target, message_id_of
 
 STAGE = "dequeue-getmsg"
 _ROLL = int(Flag.ROLL)
@@ -144,8 +147,10 @@ class DequeueGetMsg(QueueStage):
             if (None in records or any(map(_CANCELS, items)) or any(map(_SAME_AS, items))
                     or not _ROLLED.isdisjoint(map(_FLAGS, items))):
                 each = [self._kind(item, rec, markers) for item, rec in zip(items, records, strict=True)]
-                missing += each.count(MISSING)
-                kinds: Iterable[int] = each
+                missing += sum(k == MISSING for k, _ in each)
+                kinds: Iterable[int] = [k for k, _ in each]
+                # A REDIRECT carries the reschedule record that moves the message.
+                records = [rec if k != REDIRECT else moved for (k, moved), rec in zip(each, records, strict=True)]
             else:
                 kinds = repeat(DELIVER)
             # DeliverItem(...) goes through a Python-level __new__: tuple.__new__ in map is a C loop.
@@ -160,30 +165,67 @@ class DequeueGetMsg(QueueStage):
         put_blocking(self.ctx, self.deliver_q, partition, out, self.logger.bind(shard=partition))
         return start
 
-    def _kind(self, item: FetchItem, record: Record | None, markers: dict[tuple[int, int], Record | None]) -> int:
-        """What dequeue-put does with ``item``, whose source record is ``record`` (None: gone from the log)."""
+    def _kind(self, item: FetchItem, record: Record | None, markers: dict[tuple[int, int], Record | None]
+              ) -> tuple[int, Record | None]:
+        """What dequeue-put does with ``item``, whose source record is ``record`` (None: gone from
+        the log), and for a REDIRECT the reschedule record that moves it."""
         if record is None:
-            return MISSING
+            return MISSING, None
         if item.flags & _ROLL:
-            return ROLL
+            return ROLL, None
         if item.same_as is not None:
             first = markers[item.same_as]
-            if first is not None and message_id_of(first) == message_id_of(record):
-                return DUPLICATE  # the first copy carries the message (and meets its cancels)
+            if first is not None and same_message(first, record):
+                return DUPLICATE, None  # the first copy carries the message (and meets its cancels)
             self.ctx.metrics.inc("copies_missed")  # id-hash collision: another message
         if not item.cancels:
-            return DELIVER
-        if any(confirmed(record, markers[(p, o)]) for p, o in item.cancels):
-            return CANCELLED
-        self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
-        return DELIVER
+            return DELIVER, None
+        found = [markers[ref] for ref in item.cancels]
+        first_marker = decider(record, found)
+        if first_marker is None:
+            self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
+            return DELIVER, None
+        void_reschedules(self.ctx, self.logger, record, found, first_marker)
+        if first_marker.header(H_CANCEL) is None:  # a reschedule
+            return REDIRECT, first_marker
+        return CANCELLED, None
+
+
+def _identity(message: Record) -> tuple[str, int]:
+    raw = message.header(H_REVISION)
+    return message_id_of(message), int(raw) if raw else 0
+
+
+def same_message(a: Record, b: Record) -> bool:
+    """Two timer records of one message: the same full id and revision (design 2.5)."""
+    return _identity(a) == _identity(b)
 
 
 def confirmed(message: Record, marker: Record | None) -> bool:
-    """The cancel ``marker`` (its source record, None if gone) cancels ``message``: its ``tw-cancel``
-    is the message's full id (an id-hash match is only a candidate). dequeue-put asks the same of
-    the markers it finds in a slot's tail."""
-    if marker is None:
-        return False
-    target = marker.header(H_CANCEL)
-    return target is not None and target.decode("utf-8", "replace") == message_id_of(message)
+    """The ``marker`` (its source record, None if gone) stands against ``message``: a cancel whose
+    ``tw-cancel`` and ``tw-revision`` are the message's full id and revision, or a reschedule of
+    that revision (its ``tw-id``, and ``tw-revision`` one above). An id-hash match is only a
+    candidate. dequeue-put asks the same of the markers it finds in a slot's tail."""
+    return marker is not None and marker_target(marker) == _identity(message)
+
+
+def decider(message: Record, markers: Iterable[Record | None]) -> Record | None:
+    """Of the ``markers`` confirmed against ``message``, the one that decides its fate: the first
+    in its timer partition (``first_offset``; design 6.1: the first cancel or reschedule of a
+    ticket wins, later ones are void). None if none is confirmed."""
+    mine = [m for m in markers if m is not None and confirmed(message, m)]
+    return min(mine, key=first_offset) if mine else None
+
+
+def void_reschedules(ctx: StageContext, logger: Any, message: Record, markers: Iterable[Record | None],
+                     winner: Record) -> None:
+    """Count and log the reschedules of ``message`` that lost to ``winner`` (``reschedules_void``)."""
+    seen = {first_offset(winner)}
+    for m in markers:
+        if m is None or not confirmed(message, m) or m.header(H_CANCEL) is not None or first_offset(m) in seen:
+            continue
+        seen.add(first_offset(m))
+        ctx.metrics.inc("reschedules_void")
+        mid, rev = _identity(message)
+        logger.info("reschedule void: another cancel or reschedule of the ticket came first", id=mid, revision=rev,
+                    partition=m.partition, offset=first_offset(m), first=first_offset(winner))

@@ -19,11 +19,14 @@ held record once both
    ``t``, and keeps the cancels it met there; those below the checkpoint's input offsets are in
    the TimerLog below ``F``, as for ``W``.
 
-At release the slot's chain is read for cancel markers at positions in ``[read_pos, F)``
+At release the slot's chain is read for markers at positions in ``[read_pos, F)``
 (``read_pos``: where dequeue-get read the slot; it matched the markers below it, and dequeue-getmsg
-confirmed those); a marker whose id hash matches is confirmed on the full id (dequeue-getmsg's
-``confirmed``: its source record's ``tw-cancel`` against the message's id) and the record is
-dropped as CANCELLED, as is one whose id the watch met in a cancel. Two markers of one id hash
+confirmed those); a marker whose id hash matches is confirmed on the full id and revision
+(dequeue-getmsg's ``confirmed``), as is one the watch met. Of the confirmed markers of a record
+the first in its timer partition decides (``decider``, issue 31): a cancel drops it as CANCELLED;
+a reschedule **redirects** it: the reschedule record's content goes back to the timer topic as the
+message's next revision, due at its new time, like a roll hop (a REDIRECT item, decided by
+dequeue-getmsg, is held like a ROLL one until ``W`` passes its slot). Two markers of one id hash
 both count.
 
 What is released in one loop round goes out in one append, ``tw-delivered-at`` stamped at release,
@@ -72,7 +75,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import timerwheel.wire
 from timerwheel import telemetry
 from timerwheel.errors import TimerLogDamagedError
 from timerwheel.log import stage_logger
@@ -90,6 +92,7 @@ from timerwheel.stages.codec import (
     DELIVER,
     DUPLICATE,
     MISSING,
+    REDIRECT,
     ROLL,
     DeliverEntry,
     DeliverItem,
@@ -97,7 +100,7 @@ from timerwheel.stages.codec import (
     wire,
 )
 from timerwheel.stages.dequeue_get import GENERATION_BITS, markers_of
-from timerwheel.stages.dequeue_getmsg import confirmed
+from timerwheel.stages.dequeue_getmsg import decider, void_reschedules
 from timerwheel.stages.exactly_once import Deliveries, ExactlyOnce, Source, source_of_item
 from timerwheel.stages.owner import OwnedShard, ShardOwner
 from timerwheel.stages.ownership import Ownership
@@ -106,6 +109,7 @@ from timerwheel.stages.watch import Watch
 from timerwheel.store import CorruptCheckpointError, Shard
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
+    H_CANCEL,
     H_ERROR,
     H_HELD_SINCE,
     H_PARTITION,
@@ -115,6 +119,9 @@ from timerwheel.wire import (
     dead_letter_headers,
     delivered_headers,
     message_id_of,
+    redirected_headers,
+    revision_id_hash,
+    revision_of,
     rolled_headers,
 )
 
@@ -176,6 +183,7 @@ class Round:
     hops: list[int] = field(default_factory=list)
     delivered: dict[str, int] = field(default_factory=dict)
     rolled: dict[str, int] = field(default_factory=dict)
+    redirected: dict[str, int] = field(default_factory=dict)
     cancelled: dict[str, int] = field(default_factory=dict)
     #: Copies of a message in its slot finished without output (DUPLICATE).
     copies: dict[str, int] = field(default_factory=dict)
@@ -450,7 +458,7 @@ class DequeuePut(QueueStage):
             _count(rnd.copies, topic)
             rnd.finished.append((held, item))
         else:
-            assert kind == ROLL
+            assert kind in (ROLL, REDIRECT)  # REDIRECT: ``rec`` is the reschedule record
             # Held until W passes its slot's time, not rolled as soon as read ahead: a crash reads
             # again the slots from R on, and a hop done again is a second copy of the message.
             heapq.heappush(self._heap, (item.fire_ms, next(self._seq), Held(held, item, rec, hdr, topic, None,
@@ -461,6 +469,21 @@ class DequeuePut(QueueStage):
         round's trace context (``Round.hops``)."""
         rnd.hops.append(len(rnd.out))
         self._roll_back(rnd, h, self.ctx.rules.delivery_time(h.record, rnd.now, check_max=False, headers=h.headers))
+
+    def _redirect(self, rnd: Round, h: Held, reschedule: Record) -> None:
+        """The first marker of ``h``'s message is a reschedule (design 6.2 "Later"): its content goes
+        back to the timer topic as the next revision, due at its new time, like a roll hop (the same
+        partition: its shard, where its own cancels go)."""
+        hdr = dict(reschedule.headers)
+        due = self.ctx.rules.delivery_time(reschedule, rnd.now, check_max=False, headers=hdr)
+        self._source(rnd, h.held, h.item)
+        rnd.hops.append(len(rnd.out))
+        rnd.out.append(OutRecord(self.ctx.config.timer_topic, reschedule.key, reschedule.value,
+                                 redirected_headers(reschedule, message_id_of(reschedule, hdr), due,
+                                                    h.item.enqueued_ms),
+                                 partition=reschedule.partition))
+        _count(rnd.redirected, h.topic)
+        rnd.finished.append((h.held, h.item._replace(kind=REDIRECT, record=reschedule)))
 
     def _dead_letter(self, rnd: Round, held: HeldEntry, item: DeliverItem, topic: str, reason: str) -> None:
         rec = item.record
@@ -555,16 +578,14 @@ class DequeuePut(QueueStage):
                 released = {id(h) for h in early}
                 waiting = [h for h in waiting if id(h) not in released]
                 self.ctx.metrics.inc("released_by_watch", len(early), shard=shard_id)
-        cancelled: set[int] = set()
+        decided: dict[int, Record] = {}
         if ready:
             assert view is not None and ckpt is not None
             delivers = [h for h in ready if h.item.kind == DELIVER]
-            cancelled, undecided = self._cancelled(view, delivers, ckpt.flushed_pos)
+            decided, undecided = self._decided(shard_id, view, delivers, ckpt.flushed_pos)
             if undecided:  # their slot's tail lost records: wait for the writer's recovery
                 waiting += [h for h in ready if id(h) in undecided]
                 ready = [h for h in ready if id(h) not in undecided]
-            cancelled.update(id(h) for h in delivers
-                             if self._watch.cancelled(shard_id, message_id_of(h.record, h.headers)))
         # Decided: nothing below raises.
         for h in waiting:
             heapq.heappush(self._heap, (h.due, next(self._seq), h))
@@ -578,13 +599,18 @@ class DequeuePut(QueueStage):
             return
         rnd.now = self.ctx.clock.now_ms()  # tw-delivered-at: the release (the gate may have taken a while)
         for h in ready:
+            marker = decided.get(id(h))
             if h.item.kind == ROLL:
                 self._roll(rnd, h)
-            elif id(h) in cancelled:
+            elif h.item.kind == REDIRECT:
+                self._redirect(rnd, h, h.record)
+            elif marker is None:
+                self._deliver(rnd, h)
+            elif marker.header(H_CANCEL) is not None:
                 _count(rnd.cancelled, h.topic)
                 rnd.finished.append((h.held, h.item._replace(kind=CANCELLED)))
             else:
-                self._deliver(rnd, h)
+                self._redirect(rnd, h, marker)
 
     def _owner_epoch(self, shard_id: int, view: PublishedView | None) -> int:
         """The epoch of the shard's dequeue-get owner as its dequeue.ckpt says (read at most every
@@ -610,10 +636,14 @@ class DequeuePut(QueueStage):
         self._dequeue_ckpts[shard_id] = (epoch, read_ms, mono)
         return epoch, read_ms
 
-    def _cancelled(self, view: PublishedView, ready: list[Held], flushed_pos: int) -> tuple[set[int], set[int]]:
-        """``id()`` of the records a cancel marker in their slot's tail ``[read_pos, flushed_pos)``
-        cancels (matched on the id hash, confirmed on the full id), and of those whose tail cannot
-        be told (``TimerLogDamagedError``: records lost after the checkpoint published them)."""
+    def _decided(self, shard_id: int, view: PublishedView, ready: list[Held], flushed_pos: int
+                 ) -> tuple[dict[int, Record], set[int]]:
+        """Of the records ``ready``, ``id()`` -> the marker that decides each (a cancel: dropped; a
+        reschedule: moved), of those a marker was found for in their slot's tail
+        ``[read_pos, flushed_pos)`` (matched on the id hash, confirmed on the full id and revision)
+        or in the watch; the first in the timer partition decides (``decider``). And ``id()`` of
+        those whose tail cannot be told (``TimerLogDamagedError``: records lost after the
+        checkpoint published them)."""
         by_read: dict[tuple[int, int], list[Held]] = {}
         for h in ready:
             entry = h.held.entry
@@ -634,16 +664,28 @@ class DequeuePut(QueueStage):
             if not markers:
                 continue
             for h in held:
-                for ref in markers.get(timerwheel.wire.id_hash(message_id_of(h.record, h.headers)), ()):
+                ihash = revision_id_hash(message_id_of(h.record, h.headers), revision_of(h.headers))
+                for ref in markers.get(ihash, ()):
                     candidates.append((h, ref))
-        if not candidates:
-            return set(), undecided
-        refs = sorted({ref for _h, ref in candidates})
-        found = dict(zip(refs, self.commit_log.read(self.ctx.config.timer_topic, refs), strict=True))
-        out = {id(h) for h, ref in candidates if confirmed(h.record, found[ref])}
-        missed = len({id(h) for h, _ref in candidates} - out)
-        if missed:
-            self.ctx.metrics.inc("cancel_missed", missed)  # id-hash collision: not the same message
+        per_record: dict[int, tuple[Held, list[Record | None]]] = {}
+        for h in ready:
+            if id(h) not in undecided:
+                watched = self._watch.markers(shard_id, message_id_of(h.record, h.headers), revision_of(h.headers))
+                if watched:
+                    per_record[id(h)] = (h, list(watched))
+        if candidates:
+            refs = sorted({ref for _h, ref in candidates})
+            found = dict(zip(refs, self.commit_log.read(self.ctx.config.timer_topic, refs), strict=True))
+            for h, ref in candidates:
+                per_record.setdefault(id(h), (h, []))[1].append(found[ref])
+        out: dict[int, Record] = {}
+        for key, (h, markers_found) in per_record.items():
+            winner = decider(h.record, markers_found)
+            if winner is None:
+                self.ctx.metrics.inc("cancel_missed")  # id-hash collision: not the same message
+                continue
+            void_reschedules(self.ctx, self.logger, h.record, markers_found, winner)
+            out[key] = winner
         return out, undecided
 
     def _deliver(self, rnd: Round, h: Held) -> None:
@@ -740,6 +782,8 @@ class DequeuePut(QueueStage):
             m.observe_many("delivery_lateness_ms", [now - t for t in rnd.dues.values()])
         if rnd.rolled:
             m.inc_many("rolled", "topic", rnd.rolled)
+        if rnd.redirected:
+            m.inc_many("redirected", "topic", rnd.redirected)
         if rnd.cancelled:
             m.inc_many("cancelled", "topic", rnd.cancelled)
         if rnd.copies:
@@ -755,7 +799,7 @@ class DequeuePut(QueueStage):
             entries = [DeliverEntry(e.entry.shard, e.entry.generation, e.entry.slot_time, e.entry.read_pos, tuple(items))
                        for e, items in ended.values()]
             telemetry.dequeue_put_batch(span, cfg, ctx.rules, entries, rnd.out, now,
-                                        {"DELIVER": DELIVER, "ROLL": ROLL, "CANCELLED": CANCELLED,
+                                        {"DELIVER": DELIVER, "ROLL": ROLL, "CANCELLED": CANCELLED, "REDIRECT": REDIRECT,
                                          "DUPLICATE": DUPLICATE})
 
     def _finish(self, finished: list[tuple[HeldEntry, DeliverItem]]) -> None:

@@ -42,7 +42,7 @@ from timerwheel.records import OutRecord, Record
 from timerwheel.stages.base import RetryWait, StageContext, append_until_written, put_blocking, refused_record
 from timerwheel.stages.codec import PutEntry, PutRow, wire
 from timerwheel.transports.base import CommitLog, Consumer, DeadLetterLog, ReportsUndecodable, WorkQueue
-from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, topic_hash
+from timerwheel.wire import H_TOPIC, dead_letter_headers, id_hash, revision_id_hash, topic_hash
 
 STAGE = "enqueue-get"
 REWIND_CHECK_S = 2.0
@@ -146,7 +146,7 @@ class EnqueueGet:
         #: (source partition, source offset, dead letter, its destination for the metric)
         dead: list[tuple[int, int, OutRecord, str]] = []
         scheduled: dict[str, int] = {}
-        cancels = 0
+        cancels = reschedules = 0
         #: partition -> [first offset, last offset, rows, traces]
         batches: dict[int, list[Any]] = {}
         topic_hashes = self._topic_hashes
@@ -162,8 +162,8 @@ class EnqueueGet:
             batch[1] = r.offset
             hdr = dict(r.headers)
             try:
-                deliver, cancel, message_id, topic, roll, enqueued, _p, _o, size = parse(r, now, hdr)
-                if missing is not None and not cancel and roll == 0 and missing(topic):
+                deliver, cancel, message_id, topic, roll, enqueued, _p, _o, size, revision, replaces = parse(r, now, hdr)
+                if missing is not None and not cancel and roll == 0 and replaces is None and missing(topic):
                     raise InvalidTimerMessage(f"destination topic {topic!r} does not exist (TW_MISSING_TOPIC=dlq)")
             except InvalidTimerMessage as exc:
                 raw = hdr.get(H_TOPIC)
@@ -171,11 +171,20 @@ class EnqueueGet:
                              OutRecord(ctx.config.dlq_topic, r.key, r.value, dead_letter_headers(r, exc.reason)),
                              raw.decode("utf-8", "replace") if raw else "-"))
                 continue
-            row = (r.offset, size, enqueued, deliver, cancel, topic_hashes.get(topic) or self._topic_hash(topic),
-                   id_hash(message_id))
+            if replaces is not None:
+                # A reschedule: a marker of (id, revision - 1) at the replaced time; where that
+                # message leaves, the first marker of it decides (design 6.2 "Later").
+                if deliver < replaces:
+                    self._void(r, message_id, revision, deliver, replaces)
+                    continue
+                row = (r.offset, size, enqueued, replaces, True, 0, revision_id_hash(message_id, revision - 1))
+                reschedules += 1
+            else:
+                row = (r.offset, size, enqueued, deliver, cancel, topic_hashes.get(topic) or self._topic_hash(topic),
+                       id_hash(message_id) if not revision else revision_id_hash(message_id, revision))
             if cancel:
                 cancels += 1
-            elif roll == 0:
+            elif roll == 0 and replaces is None:
                 scheduled[topic] = scheduled.get(topic, 0) + 1
             tp = hdr.get("traceparent")
             if tp:
@@ -210,6 +219,8 @@ class EnqueueGet:
             ctx.metrics.inc_many("scheduled", "topic", scheduled)
         if cancels:
             ctx.metrics.inc("cancel_requests", cancels)
+        if reschedules:
+            ctx.metrics.inc("reschedule_requests", reschedules)
         if t0 is not None:
             telemetry.enqueue_get_batch(t0, ctx.config, records, [d[2] for d in dead])
 
@@ -247,6 +258,14 @@ class EnqueueGet:
                 skipped.update((p, o) for o, _ in letters[:len(letters) - written])
                 self.logger.info("dead letters written before, skipped", partition=p, skipped=len(letters) - written)
         return skipped
+
+    def _void(self, record: Record, message_id: str, revision: int, deliver: int, replaces: int) -> None:
+        """A reschedule to a time before the ticket's: void (this build applies moves to a later
+        time only; the client refuses earlier ones). Its offset is passed on with no row."""
+        self.ctx.metrics.inc("reschedules_void")
+        self.logger.warning("reschedule void: an earlier time; cancel the ticket and schedule a new message",
+                            id=message_id, revision=revision - 1, replaces=replaces, deliver_at=deliver,
+                            partition=record.partition, offset=record.offset)
 
     def _missing(self, topic: str) -> bool:
         """The destination does not exist (the commit log caches the answer)."""

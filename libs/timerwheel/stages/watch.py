@@ -11,7 +11,8 @@ cancel is at an offset below the shard's timer partitions' high watermarks ``E``
   TimerLog below that checkpoint's flushed position, in the message's slot, where the release's
   look in the slot's tail finds it (``DequeuePut._cancelled``), as for the W gate; or
 - in ``[O, E)``: this watch reads those offsets itself, a read_committed consumer per shard, and
-  keeps the cancels it meets (``cancelled``).
+  keeps the cancels it meets (``markers``), and the reschedules (issue 31: a reschedule is a
+  marker of the revision it replaces; of a record's markers the first decides, in dequeue-put).
 
 So a DELIVER record of shard ``s`` due at ``t`` may leave once an observation ``(t0, E, R0)`` with
 ``t < t0`` is *covered*: the shard's consumer is at or past ``E`` on each of its partitions, having
@@ -37,11 +38,12 @@ import time
 from dataclasses import dataclass, field
 
 from timerwheel.log import stage_logger
+from timerwheel.records import Record
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.enqueue_put import w_cap_ms
 from timerwheel.store import CorruptCheckpointError, EnqueueCheckpoint, Shard
 from timerwheel.transports.base import CommitLog, Consumer
-from timerwheel.wire import H_CANCEL
+from timerwheel.wire import H_CANCEL, H_REPLACES, marker_target
 
 #: How often a shard's timer partitions' ends are asked while records wait for the gate.
 OBSERVE_S = 0.01
@@ -70,8 +72,9 @@ class ShardWatch:
     consumer: Consumer | None = None
     #: Partition -> the offset from which every cancel up to the consumer's position is kept.
     kept_from: dict[int, int] = field(default_factory=dict)
-    #: Cancelled message id -> (partition, highest offset of a cancel of it).
-    cancels: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: (message id, revision) -> each marker of it met: a cancel, or a reschedule (issue 31; the
+    #: first of them decides, ``DequeuePut._decided``, which needs a reschedule's content).
+    cancels: dict[tuple[str, int], list[Record]] = field(default_factory=dict)
     #: The observation being pursued (its ends not reached yet), when it was asked (monotonic).
     seen: Observation | None = None
     asked_at: float = 0.0
@@ -116,11 +119,15 @@ class Watch:
             self._settle(sw, consumer, cap, patient)
         return sw.grant
 
-    def cancelled(self, shard_id: int, message_id: str) -> bool:
-        """A cancel of ``message_id`` was read on the shard's timer partitions (from where the
-        checkpoint's TimerLog ends)."""
+    def markers(self, shard_id: int, message_id: str, revision: int) -> list[Record]:
+        """The cancels and reschedules of ``(message_id, revision)`` read on the shard's timer
+        partitions (from where the checkpoint's TimerLog ends)."""
         sw = self._shards.get(shard_id)
-        return sw is not None and message_id in sw.cancels
+        return list(sw.cancels.get((message_id, revision), ())) if sw is not None else []
+
+    def cancelled(self, shard_id: int, message_id: str, revision: int = 0) -> bool:
+        """A cancel or reschedule of ``(message_id, revision)`` was read on the shard's timer partitions."""
+        return bool(self.markers(shard_id, message_id, revision))
 
     def close(self) -> None:
         for sw in self._shards.values():
@@ -180,7 +187,8 @@ class Watch:
                 consumer.seek(p, o)
                 sw.kept_from[p] = o
         if sw.cancels:
-            sw.cancels = {mid: at for mid, at in sw.cancels.items() if at[1] >= have.get(at[0], 0)}
+            kept = {key: [m for m in rs if m.offset >= have.get(m.partition, 0)] for key, rs in sw.cancels.items()}
+            sw.cancels = {key: ats for key, ats in kept.items() if ats}
         sw.floor = ckpt
         return consumer
 
@@ -220,12 +228,10 @@ class Watch:
                 self._failed(sw, "read", exc)
                 return False
             for r in records:
-                target = r.header(H_CANCEL)
-                if target is not None:
-                    mid = target.decode("utf-8", "replace")
-                    at = sw.cancels.get(mid)
-                    if at is None or at[1] < r.offset:
-                        sw.cancels[mid] = (r.partition, r.offset)
+                if r.header(H_CANCEL) is not None or r.header(H_REPLACES) is not None:
+                    key = marker_target(r)
+                    if key is not None:
+                        sw.cancels.setdefault(key, []).append(r)
 
     def _failed(self, sw: ShardWatch, what: str, exc: Exception) -> None:
         """Count a failed Kafka call of the watch; its records wait for ``W`` meanwhile."""

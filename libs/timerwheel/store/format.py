@@ -12,7 +12,7 @@ Layout (64 bytes, little-endian; FORMAT.md has the same table):
      36  src_offset     i64   offset of the source record
      44  src_size       u32   size in bytes of the source record
      48  topic_hash     u32   hash of the destination topic
-     52  id_hash        u64   hash of the message id (cancel markers match on it)
+     52  id_hash        u64   hash of the message id and revision (markers match on it; wire.revision_id_hash)
      60  crc32          u32   zlib CRC-32 of bytes 0..59
 
 The layout is written down once, in ``_LAYOUT``; ``RECORD_STRUCT`` (one record at a time) and
