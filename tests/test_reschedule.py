@@ -243,3 +243,25 @@ def test_a_reschedule_that_reaches_a_message_already_read_ahead_moves_it(tmp_pat
         assert _delivered(tw) == []
         _run_to(tw, clock, START + 9_000)
         assert _delivered(tw) == [(b"v", new.message_id.encode(), b"1")]
+
+
+def test_deliver_now_delivers_a_copy_of_the_next_revision_now_and_never_the_old_message(tmp_path: Path) -> None:
+    """``TimerClient.deliver_now`` (the console's button): a copy due now and a cancel of the
+    ticket; the old message never leaves, the ticket cannot be moved or delivered now again."""
+    clock = SimulatedClock(start_ms=START)
+    with _tw(tmp_path, clock) as tw:
+        old, _original = _scheduled(tw)
+        copy = tw.client.deliver_now(old)
+        assert (copy.message_id, copy.revision, copy.deliver_at_ms) == (old.message_id, 1, START)
+        written = [r for r in tw.read("__timer") if r.offset > _original.offset and r.partition == old.partition]
+        assert [(r.header("tw-cancel"), r.header("tw-revision")) for r in written] == [
+            (None, b"1"), (old.message_id.encode(), None)], "the copy first, then the cancel of the ticket"
+        assert written[0].header("tw-replaces") is None
+        with pytest.raises(TimerwheelError, match="cancelled already"):
+            tw.client.deliver_now(old)
+        with pytest.raises(TimerwheelError, match="cancelled already"):
+            tw.reschedule(old, deliver_at_ms=START + 8_000)
+        _run_to(tw, clock, START + 1_000)
+        assert _delivered(tw) == [(b"v", old.message_id.encode(), b"1")]
+        _run_to(tw, clock, START + 8_000)
+        assert _delivered(tw) == [(b"v", old.message_id.encode(), b"1")], "the old message left too"

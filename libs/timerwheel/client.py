@@ -277,7 +277,8 @@ class TimerClient:
         passed, the new time is before it, or a cancel or reschedule of the ticket is in its timer
         partition already. ``message_id``: must be the ticket's, if given (the id stays).
         ``original``: the message's newest timer record when the caller has it already (the
-        console reads it from the position the TimerLog names), instead of ``find``ing it."""
+        console reads it from the position the TimerLog names), instead of ``find``ing it (and the
+        ticket's decisions after it: the service decides then)."""
         ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
         if message_id is not None and message_id != ticket.message_id:
             raise ValueError(f"reschedule keeps the message id {ticket.message_id!r}; got {message_id!r}")
@@ -302,16 +303,50 @@ class TimerClient:
             raise TimerwheelError(
                 f"reschedule: {new_time} is before the ticket's time {ticket.deliver_at_ms}; a reschedule only "
                 f"moves a message later (an earlier one is void): cancel {ticket} and schedule a new message")
+        record, spans = self._next_revision(ticket, new_time, original, "reschedule")
+        record = record._replace(headers=(*record.headers, (H_REPLACES, str(ticket.deliver_at_ms).encode())))
+        self.log.append([record])
+        for span in spans or ():
+            span.end()
+        return Ticket(ticket.partition, new_time, ticket.message_id, ticket.revision + 1)
+
+    def deliver_now(self, ticket: Ticket | str, *, original: Record | None = None) -> Ticket:
+        """Deliver the ticket's message now instead of at its time: a cancel of the ticket and a
+        copy of the message due now (the same id, the next revision, no ``tw-replaces``), appended
+        together to the ticket's timer partition, the copy first (a cancel written without its copy
+        would lose the message; a copy without its cancel costs a duplicate of the same id);
+        returns the copy's ticket. The cancel is the
+        ticket's first decision, so the old message never leaves. Refused (``TimerwheelError``,
+        nothing written) when its time passed or a cancel or reschedule of the ticket is in the
+        partition already (the client reads it back). What it cannot see: a reschedule of the same
+        ticket appended between that read and this append wins over the cancel, and both the
+        copy and the moved message are delivered, under the same ``tw-id`` and revision."""
+        ticket = Ticket.parse(ticket) if isinstance(ticket, str) else ticket
+        now = self.clock.now_ms()
+        if ticket.deliver_at_ms <= now:
+            raise TimerwheelError(f"deliver now: the delivery time of {ticket.message_id!r} passed "
+                                  f"{now - ticket.deliver_at_ms} ms ago; the message was most likely delivered")
+        record, spans = self._next_revision(ticket, now, original, "deliver now")
+        cancels, cancel_spans = self._cancel_records([ticket])
+        self.log.append([record, *cancels])
+        for span in [*cancel_spans, *(spans or ())]:
+            span.end()
+        return Ticket(ticket.partition, now, ticket.message_id, ticket.revision + 1)
+
+    def _next_revision(self, ticket: Ticket, new_time: int, original: Record | None,
+                       what: str) -> tuple[OutRecord, list[Span] | None]:
+        """The ticket's message as a timer record of the next revision due ``new_time``, to the
+        ticket's partition. Refused when the ticket was cancelled or rescheduled already."""
         deciders: list[Record] = []
         if original is None:
             original, deciders = self._find(ticket)
         if original is None:
-            raise TimerwheelError(f"reschedule: no timer record of {ticket.message_id!r} revision {ticket.revision} "
+            raise TimerwheelError(f"{what}: no timer record of {ticket.message_id!r} revision {ticket.revision} "
                                   f"in partition {ticket.partition} of {self.config.timer_topic!r}")
         if deciders:
             first = deciders[0]
-            what = "cancelled" if first.header(H_CANCEL) is not None else "rescheduled"
-            raise TimerwheelError(f"reschedule: {ticket} was {what} already (offset {first.offset} of partition "
+            done = "cancelled" if first.header(H_CANCEL) is not None else "rescheduled"
+            raise TimerwheelError(f"{what}: {ticket} was {done} already (offset {first.offset} of partition "
                                   f"{first.partition}); the first cancel or reschedule of a ticket decides")
         topic = (original.header(H_TOPIC) or b"").decode("utf-8", "replace")
         raw_partition = original.header(H_PARTITION)
@@ -319,14 +354,8 @@ class TimerClient:
                       deliver_at_ms=new_time, message_id=ticket.message_id,
                       partition=int(raw_partition) if raw_partition and raw_partition.isdigit() else None)
         records, _tickets, spans = self._timer_records([timer], timer_partition=ticket.partition)
-        revision = ticket.revision + 1
         record = records[0]
-        record = record._replace(headers=(*record.headers, (H_REVISION, str(revision).encode()),
-                                          (H_REPLACES, str(ticket.deliver_at_ms).encode())))
-        self.log.append([record])
-        for span in spans or ():
-            span.end()
-        return Ticket(ticket.partition, new_time, ticket.message_id, revision)
+        return record._replace(headers=(*record.headers, (H_REVISION, str(ticket.revision + 1).encode()))), spans
 
 
 def _revision(record: Record) -> int:

@@ -243,6 +243,23 @@ def test_a_reschedule_writes_one_record_that_replaces_the_ticket_keeping_the_id(
     assert rec.header("tw-replaces") == str(data.due["m250"]).encode()
 
 
+def test_deliver_now_writes_a_copy_due_now_then_the_cancel_and_is_refused_a_second_time(
+        inst: Installation, data: Data) -> None:
+    with TestClient(create_app(inst, action_token=TOKEN, start_sampler=False)) as c:
+        csrf = _form(c)
+        c.post("/unlock", data={"csrf": csrf, "token": TOKEN})
+        r = c.post("/pending/deliver-now", data={"csrf": csrf, "id": "m260"})
+        assert r.status_code == 200, _detail(r.text)
+        ticket = re.search(r'id="outcome-ticket">([^<]+)<', r.text)
+        assert ticket
+        copy = Ticket.parse(ticket.group(1))
+        assert (copy.message_id, copy.revision) == ("m260", 1) and copy.deliver_at_ms <= inst.now_ms()
+        cancel = _last_timer_record(data, copy.partition)
+        assert cancel.header(H_CANCEL) == b"m260" and cancel.header(H_DELIVER_AT) == str(data.due["m260"]).encode()
+        r2 = c.post("/pending/deliver-now", data={"csrf": csrf, "id": "m260"})
+        assert r2.status_code == 409 and "cancelled already" in _detail(r2.text), _detail(r2.text)
+
+
 def test_a_dead_letter_is_redriven_as_a_new_timer_record_and_one_the_service_refuses_is_not(
         inst: Installation, data: Data) -> None:
     log = inst.commit_log

@@ -13,7 +13,7 @@ What an operator of timerwheel looks at, built only from what the installation a
 
 Actions go through the public wire contract only (``actions``): a cancel is a ``tw-cancel``
 record, a reschedule one record that replaces the ticket (``TimerClient.reschedule``; later times
-only, so "deliver now" is refused),
+only), "deliver now" a copy due now and a cancel (``TimerClient.deliver_now``),
 a redrive a new timer record built from the dead letter. So the pipeline's guarantees (never early,
 at least once, a cancel acknowledged before the delivery time meets its message) stay its own.
 

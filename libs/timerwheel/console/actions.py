@@ -3,8 +3,9 @@ contract"), written through ``TimerClient`` as any producer would write it:
 
 - **cancel**: a ``tw-cancel`` record with the message's ``tw-deliver-at``, to its timer partition;
 - **reschedule**: ``TimerClient.reschedule`` (one record that replaces the ticket: the same id,
-  the next revision), to a later time only; **deliver now** is an earlier time and is refused
-  (issue 31: cancel and schedule a new message instead);
+  the next revision), to a later time only;
+- **deliver now**: ``TimerClient.deliver_now``: a copy of the message due now (the same id, the next
+  revision) and a cancel of the ticket, appended together;
 - **redrive** a dead letter: a new timer record built from it: its destination, key, value and
   user headers, its id (``tw-id``, else the id the service gave it), due at its old delivery time
   or now if that has passed. What the service would dead-letter again (a destination the
@@ -107,7 +108,22 @@ class Actions:
         return self._move(item, max(deliver_at_ms, now), "Rescheduled")
 
     def deliver_now(self, message_id: str) -> Outcome:
-        return self._move(self._pending(message_id), self.inst.now_ms(), "Delivered now")
+        item = self._pending(message_id)
+        assert item.deliver_at_ms is not None
+        ticket = Ticket(item.partition, item.deliver_at_ms, item.message_id)
+        try:  # the client finds the record and reads what decided the ticket since (nothing, or refused)
+            new = self.client.deliver_now(ticket)
+        except TimerwheelError as exc:
+            raise ActionRefused(str(exc)) from None
+        return Outcome("Delivered now", f"{item.message_id!r}: a copy due now (revision {new.revision}, the same id) "
+                                        f"and a cancel of its delivery at {item.deliver_at_ms} were written to "
+                                        f"partition {item.partition} of {self.inst.config.timer_topic!r}", str(new))
+
+    def _original(self, item: PendingItem) -> Record:
+        original = self.inst.commit_log.read(self.inst.config.timer_topic, [(item.partition, item.offset)])[0]
+        if original is None:
+            raise ActionRefused(f"the timer record of {item.message_id!r} is gone from the timer topic (retention)")
+        return original
 
     def _move(self, item: PendingItem, deliver_at_ms: int, title: str) -> Outcome:
         assert item.deliver_at_ms is not None
@@ -117,10 +133,9 @@ class Actions:
                                 f"{deliver_at_ms}: nothing to change")
         if deliver_at_ms < item.deliver_at_ms:
             raise ActionRefused(f"{item.message_id!r} is due at {item.deliver_at_ms}: a reschedule only moves a message "
-                                "later (issue 31; an earlier one would be void). Cancel it and schedule a new message")
-        original = self.inst.commit_log.read(self.inst.config.timer_topic, [(item.partition, item.offset)])[0]
-        if original is None:
-            raise ActionRefused(f"the timer record of {item.message_id!r} is gone from the timer topic (retention)")
+                                "later (issue 31; an earlier one would be void). Use deliver now, or cancel it and "
+                                "schedule a new message")
+        original = self._original(item)
         ticket = Ticket(item.partition, item.deliver_at_ms, item.message_id)
         new = self.client.reschedule(ticket, deliver_at_ms=deliver_at_ms, message_id=item.message_id,
                                      original=original)
