@@ -56,7 +56,7 @@ def test_run_in_exactly_once_killed_mid_delivery_and_restarted_delivers_each_mes
         deadline = time.monotonic() + 120
         while kills < 3:
             assert time.monotonic() < deadline, "the kills did not happen"
-            if 0 < sum(delivered(data).values()) and server.poll() is None:  # delivering: kill it
+            if sum(delivered(data).values()) > 0 and server.poll() is None:  # delivering: kill it
                 time.sleep(0.2 * kills)
                 server.send_signal(signal.SIGKILL)
                 assert server.wait(30) == -signal.SIGKILL
