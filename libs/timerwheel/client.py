@@ -15,9 +15,9 @@ and raises ``InvalidTimerMessage`` with the reason instead of writing a record t
 would only dead-letter; the ``timerwheel schedule`` command does.
 
 ``reschedule`` finds the message's timer record (reading its timer partition back from the end),
-then appends the cancel and the new record together: in one Kafka transaction when the commit log
-has ``append_atomic`` (``KafkaCommitLog``), else in one ``append`` (the local log: one partition,
-as the new record goes to the ticket's timer partition, under that partition's lock).
+then appends the cancel and the new record together with ``append_atomic``: one Kafka transaction
+(``KafkaCommitLog``), or on the local log its journal (both go to the ticket's timer partition,
+so one partition's lock would do as well); ``append`` on a log without it.
 
 The transaction's id is the client's own and stable: ``timerwheel-reschedule-<client id>``, the
 client id given to ``TimerClient`` or by default ``<host>-<user>-<timer topic>``
