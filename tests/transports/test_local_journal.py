@@ -151,3 +151,30 @@ def test_read_since_gives_the_records_from_the_first_at_a_timestamp_to_the_end(t
     log.delete_before("p", 1, 100)  # retention: the search starts at the new start
     assert [r.offset for r in log.read_since("p", 1, 0)][0] == log.start_offsets("p")[1]
     log.close()
+
+
+def test_dead_letters_are_written_once_across_restarts_and_a_crash(tmp_path: Path) -> None:
+    """enqueue-get's dead letters on the local log (``DeadLetterLog``): a restart that reads the
+    records again from an older checkpoint skips those written; a crash inside the write leaves
+    them all or none, and the next log finishes them once."""
+    letters = [(o, OutRecord("dlq", None, f"bad{o}".encode(), (), partition=0)) for o in (3, 5, 8)]
+    log = LocalCommitLog(tmp_path, fsync=False)
+    assert log.dead_letter_once("tw", "timer", 0, letters[:2]) == 2
+    assert log.dead_letter_once("tw", "timer", 0, letters) == 1  # 3 and 5 were written
+    assert log.dead_letter_once("tw", "timer", 1, [(3, letters[0][1])]) == 1  # another partition's own
+    log.close()
+    again = LocalCommitLog(tmp_path, fsync=False)  # a restart from an older checkpoint
+    assert again.dead_letter_once("tw", "timer", 0, letters) == 0
+    more = [(9, OutRecord("dlq", None, b"bad9", (), partition=0))]
+
+    def crash(where: str) -> None:
+        if where == "partition-written":
+            raise KeyboardInterrupt  # the process dies here: nothing catches it
+
+    again.journal_fault = crash
+    with pytest.raises(KeyboardInterrupt):
+        again.dead_letter_once("tw", "timer", 0, more)
+    third = LocalCommitLog(tmp_path, fsync=False)  # opening finishes the journal
+    assert third.dead_letter_once("tw", "timer", 0, [*letters, *more]) == 0
+    assert [r.value for r in third.read_since("dlq", 0, 0)] == [b"bad3", b"bad5", b"bad8", b"bad3", b"bad9"]
+    third.close()

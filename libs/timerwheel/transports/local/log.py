@@ -123,6 +123,9 @@ class LocalCommitLog:
         #: A test's crash point inside ``append_atomic``: called with "journaled", then
         #: "partition-written" after each partition, then "applied" (before the journal is emptied).
         self.journal_fault: Callable[[str], None] = lambda point: None
+        self._dead_letters_lock = threading.Lock()
+        #: (timer topic, partition) -> the offset below which its dead letters are written (``dead_letter_once``).
+        self._dead_letters_done: dict[tuple[str, int], int] = {}
         self.recover_journal()
 
     # -- topics -------------------------------------------------------------------------
@@ -342,6 +345,36 @@ class LocalCommitLog:
                         os.fdatasync(seg.idx_fd)
             self.journal.clear()
         return appended
+
+    def dead_letter_once(self, prefix: str, source_topic: str, partition: int,
+                         letters: Sequence[tuple[int, OutRecord]]) -> int:
+        """enqueue-get's dead letters of one timer partition, once each (``DeadLetterLog``): those
+        at or above the partition's done offset, with a record moving it past the last, in one
+        ``append_atomic``. The done offsets are the records of topic ``<prefix>-dlq-done``
+        (msgpack ``[source topic, partition, next offset]``; Kafka keeps them as group
+        ``<prefix>-dlq``'s offsets), read on first use. Returns how many were written."""
+        if not letters:
+            return 0
+        topic = f"{prefix}-dlq-done"
+        with self._dead_letters_lock:
+            key = (source_topic, partition)
+            if key not in self._dead_letters_done:
+                self.recover_journal()
+                self.ensure_topic(topic, 1)
+                done: dict[tuple[str, int], int] = {}
+                for r in self.read_since(topic, 0, 0):
+                    t, p, o = msgpack.unpackb(r.value or b"", raw=False)
+                    done[(t, p)] = max(done.get((t, p), 0), o)
+                self._dead_letters_done.update({k: v for k, v in done.items() if k not in self._dead_letters_done})
+                self._dead_letters_done.setdefault(key, 0)
+            todo = [r for o, r in letters if o >= self._dead_letters_done[key]]
+            if not todo:
+                return 0
+            upto = letters[-1][0] + 1
+            mark = OutRecord(topic, None, msgpack.packb([source_topic, partition, upto]), (), partition=0)
+            self.append_atomic([*todo, mark])
+            self._dead_letters_done[key] = upto
+            return len(todo)
 
     def shard_deliveries(self, prefix: str, progress_topic: str, shard: int, *,
                          timeout_ms: int = 0) -> LocalShardDeliveries:
