@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_exactly_once
 from test_dequeue_put_checks import record
 from test_exactly_once import SLOT, START, Crash, EoRig, deliver
 from timerwheel import SimulatedClock
@@ -47,22 +48,19 @@ def torn_journal(_journal: Journal, _entries: Any) -> None:
     raise Crash()  # killed while the journal was written: the next take finds it torn, or empty
 
 
+# test_exactly_once's tests that need no Kafka-only fault, run here on the local rig (pytest
+# collects them in this module, with this module's ``rig``).
+test_each_release_commits_with_its_progress_and_a_new_replica_reads_it_back = (
+    test_exactly_once.test_each_release_commits_with_its_progress_and_a_new_replica_reads_it_back)
+test_a_crash_after_the_commit_before_the_acknowledgement_delivers_once = (
+    test_exactly_once.test_a_crash_after_the_commit_before_the_acknowledgement_delivers_once)
+test_a_replica_paused_in_its_commit_after_another_delivered_its_records_and_r_moved_on_adds_no_copy = (
+    test_exactly_once.test_a_replica_paused_in_its_commit_after_another_delivered_its_records_and_r_moved_on_adds_no_copy)
+
+
 def test_wiring_gives_the_local_log_its_journal_deliveries(rig: EoRig) -> None:
     assert rig.deliveries is not None and isinstance(rig.deliveries(0), LocalShardDeliveries)
     assert rig.log.partitions(rig.config.effective_progress_topic) == rig.config.shards
-
-
-def test_each_release_commits_with_its_progress_and_a_new_replica_reads_it_back(rig: EoRig) -> None:
-    put = rig.stage("a")
-    rig.hand_over(deliver(1, SLOT + 10, rig.dest), deliver(2, SLOT + 20, rig.dest))
-    put.step(0)
-    assert rig.ids(rig.dest) == ["m1", "m2"] and rig.done() == 2
-    assert len(rig.committed(rig.config.effective_progress_topic)) == 1  # one batch, one progress record
-    rig.hand_over(deliver(1, SLOT + 10, rig.dest), deliver(2, SLOT + 20, rig.dest))  # dequeue-get read again
-    again = rig.stage("c")
-    again.step(0)
-    assert rig.ids(rig.dest) == ["m1", "m2"] and rig.done() == 2
-    assert again.ctx.metrics.counter("duplicates_dropped", shard=0) == 2
 
 
 @pytest.mark.parametrize("point", ["torn-journal", "journaled", "partition-written", "applied"])
@@ -84,24 +82,6 @@ def test_a_crash_inside_the_commit_delivers_once(rig: EoRig, monkeypatch: pytest
     assert len(rig.committed(rig.config.effective_progress_topic)) == 1
     dropped = second.ctx.metrics.counter("duplicates_dropped", shard=0)
     assert dropped == (0 if point == "torn-journal" else 2)
-
-
-def test_a_crash_after_the_commit_before_the_acknowledgement_delivers_once(
-        rig: EoRig, monkeypatch: pytest.MonkeyPatch) -> None:
-    put = rig.stage("a")
-    rig.hand_over(deliver(1, SLOT + 10, rig.dest), deliver(2, SLOT + 20, rig.dest))
-
-    def crash(*_args: Any) -> None:
-        raise Crash()
-
-    with monkeypatch.context() as m:
-        m.setattr(put, "_finish", crash)
-        with pytest.raises(Crash):
-            put.step(0)
-    assert rig.ids(rig.dest) == ["m1", "m2"] and rig.done() == 0
-    second = rig.take_over()
-    assert rig.ids(rig.dest) == ["m1", "m2"] and rig.done() == 2
-    assert second.ctx.metrics.counter("duplicates_dropped", shard=0) == 2
 
 
 @pytest.mark.parametrize("where", ["torn-journal", "partition-written", "before-ack"])

@@ -44,7 +44,11 @@ from timerwheel.transports.local.partitioner import kafka_partitions
 from timerwheel.transports.local.segments import DEFAULT_SEGMENT_BYTES, PartitionLog
 from timerwheel.transports.readcache import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, ReadCache
 
-__all__ = ["LocalCommitLog"]
+__all__ = ["LocalCommitLog", "StaleWriterError"]
+
+
+class StaleWriterError(TimerwheelError):
+    """``append_atomic``'s ``expect_end`` did not hold: another writer appended to the partition."""
 
 
 def _landed(part: PartitionLog, first: int, batch: Sequence[tuple[int, bytes]]) -> int:
@@ -277,13 +281,16 @@ class LocalCommitLog:
                     os.fdatasync(seg.idx_fd)
         return result
 
-    def append_atomic(self, records: Sequence[OutRecord], transactional_id: str = "") -> list[tuple[int, int]]:
+    def append_atomic(self, records: Sequence[OutRecord], transactional_id: str = "", *,
+                      expect_end: tuple[str, int, int] | None = None) -> list[tuple[int, int]]:
         """As ``append``, all or nothing across partitions, also through a crash: through the
         journal (``journal`` module header). ``transactional_id`` is Kafka's (``AtomicLog``); here
         the journal's lock orders every writer, and a crashed one's batch is finished (or dropped)
         by the next ``recover_journal``. Readers may see the batch partition by partition while it
         is written (there is no read_committed here): exactly-once needs all or nothing after a
-        crash, not at every instant."""
+        crash, not at every instant. ``expect_end`` (topic, partition, end offset): nothing is
+        written, ``StaleWriterError`` raised, unless that partition (one of the batch's) ends there
+        under the locks: a compare-and-append, the local log's fencing."""
         if not records:
             return []
         groups = self._placed(records)
@@ -300,6 +307,9 @@ class LocalCommitLog:
                 for (topic, p), part in zip(order, parts, strict=True):
                     idxs = sorted(groups[(topic, p)])
                     first = part.tail_offset()
+                    if expect_end is not None and expect_end[:2] == (topic, p) and first != expect_end[2]:
+                        raise StaleWriterError(f"{topic}/{p} ends at {first}, not at {expect_end[2]}: "
+                                               "another writer appended since")
                     entries.append((topic, p, first, [bodies[i] for i in idxs]))
                     for k, i in enumerate(idxs):
                         result[i] = (p, first + k)
