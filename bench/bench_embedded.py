@@ -18,7 +18,12 @@
   ``production.idle``), in % of one core; with ``TW_BENCH_BASELINE`` alternately with the
   baseline's.
 
-``TW_BENCH_EMBEDDED_ONLY`` (a comma list of throughput, burst, lateness, idle) runs some of them.
+* ``embedded.exactly_once``: ``embedded.throughput``'s pipeline (N messages due at once, simulated
+  clock, 2 shards) at least once and exactly once (the journal, issue 31) in alternate rounds, with
+  ``TW_BENCH_FSYNC`` (0 or 1, default 0) for the data directory: the medians and their ratio.
+
+``TW_BENCH_EMBEDDED_ONLY`` (a comma list of throughput, burst, lateness, idle, exactly-once) runs
+some of them; exactly-once runs only when named.
 """
 
 from __future__ import annotations
@@ -149,6 +154,26 @@ def throughput(n: int = 100_000, rounds: int = 3) -> None:
              ratio_min=round(min(ratios), 3), ratio_max=round(max(ratios), 3),
              passthrough_one_header_per_s=round(statistics.median(lights)),
              ratio_one_header=round(statistics.median(ratios_light), 3), seconds=round(statistics.median(seconds), 2))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def guarantees(n: int, rounds: int, fsync: bool) -> None:
+    """``embedded.exactly_once``: the pipeline's rate at least once and exactly once, alternately."""
+    tmp = Path(tempfile.mkdtemp(prefix="tw-bench-eo-"))
+    rates: dict[str, list[float]] = {"at-least-once": [], "exactly-once": []}
+    try:
+        for k in range(rounds):
+            for guarantee, got in rates.items():
+                config = TimerConfig(data_dir=str(tmp / f"{guarantee}-{k}"), tick_ms=100, roll_window_ms=86_400_000,
+                                     shards=2, fsync=fsync, delivery_guarantee=guarantee)
+                rate, elapsed = pipeline_rate(config, n)
+                got.append(rate)
+                say(f"round {k + 1}: {guarantee}, fsync {fsync}: {rate:,.0f} msg/s ({elapsed:.2f} s for {n:,})")
+                shutil.rmtree(tmp / f"{guarantee}-{k}", ignore_errors=True)
+        alo, eo = (statistics.median(rates[g]) for g in ("at-least-once", "exactly-once"))
+        emit("embedded.exactly_once", eo, "messages/s", messages=n, rounds=rounds, fsync=fsync,
+             at_least_once_per_s=round(alo), ratio=round(eo / alo, 3))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -284,6 +309,9 @@ def main() -> None:
         modes = [x.strip() for x in os.environ.get("TW_BENCH_DUE", "").split(",") if x.strip()] or list(DUE_MODES)
         lateness_runs(int(os.environ.get("TW_BENCH_EMBEDDED_RATE", "1000")),
                       int(os.environ.get("TW_BENCH_SECONDS", "60")), modes)
+    if "exactly-once" in only:
+        guarantees(int(os.environ.get("TW_BENCH_MESSAGES", "100000")), int(os.environ.get("TW_BENCH_ROUNDS", "3")),
+                   os.environ.get("TW_BENCH_FSYNC", "0") == "1")
     if "idle" in only:
         for code in codes():
             idle(float(os.environ.get("TW_BENCH_IDLE_SECONDS", "30")), code)

@@ -451,7 +451,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "TW_DELIVERY_GUARANTEE": ("delivery_guarantee", "str",
                               "at-least-once (the default) or exactly-once: each delivery, roll hop and dead "
                               "letter of dequeue-put committed with its progress record in one Kafka transaction "
-                              "per shard (consumers read read_committed)"),
+                              "per shard (consumers read read_committed); embedded: in one append through the "
+                              "local log's journal"),
     "TW_PROGRESS_TOPIC": ("progress_topic", "str",
                           "exactly-once's progress topic, one partition per shard; empty: <timer topic>_progress"),
     "TW_TRANSACTION_TIMEOUT_MS": ("transaction_timeout_ms", "duration",

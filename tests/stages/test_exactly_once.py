@@ -44,16 +44,18 @@ class Crash(BaseException):
 
 
 class EoRig:
-    """dequeue-put in exactly-once mode over in-process queues, its topics on Kafka."""
+    """dequeue-put in exactly-once mode over in-process queues, its topics on Kafka (or, given
+    one, on a local log: ``test_exactly_once_local``)."""
 
-    def __init__(self, tmp_path: Path, clock: SimulatedClock, bootstrap: str) -> None:
+    def __init__(self, tmp_path: Path, clock: SimulatedClock, bootstrap: str,
+                 log: KafkaCommitLog | LocalCommitLog | None = None) -> None:
         uid = uuid.uuid4().hex[:8]
         self.clock = clock
         self.dest = f"tw-eo-{uid}-dest"
         self.config = TimerConfig(data_dir=str(tmp_path), shards=1, fsync=False, lookahead_ms=1_000,
                                   timer_topic=f"tw-eo-{uid}", dlq_topic=f"tw-eo-{uid}-dlq",
                                   delivery_guarantee="exactly-once")
-        self.log = KafkaCommitLog(bootstrap)
+        self.log = KafkaCommitLog(bootstrap) if log is None else log
         for topic in (self.dest, self.config.timer_topic, self.config.dlq_topic):
             self.log.ensure_topic(topic, 1)
         self.deliveries = shard_deliveries(self.config, self.log)
@@ -217,11 +219,10 @@ def test_a_commit_of_unknown_outcome_is_decided_by_the_next_take(rig: EoRig, mon
     assert put.ctx.metrics.counter("delivery_takes", shard=0) == 2
 
 
-def test_the_local_log_refuses_exactly_once_in_one_line(tmp_path: Path) -> None:
-    """The embedded mode's local log has no transactions: refused before anything starts."""
+def test_a_log_without_transactions_or_a_journal_refuses_exactly_once_in_one_line(tmp_path: Path) -> None:
     config = TimerConfig(data_dir=str(tmp_path), delivery_guarantee="exactly-once")
-    with pytest.raises(ConfigError, match="^delivery_guarantee: exactly-once needs Kafka") as refused:
-        shard_deliveries(config, LocalCommitLog(tmp_path / "log", fsync=False))
+    with pytest.raises(ConfigError, match="^delivery_guarantee: exactly-once needs a log with transactions") as refused:
+        shard_deliveries(config, object())
     assert "\n" not in str(refused.value)
     assert shard_deliveries(TimerConfig(data_dir=str(tmp_path)), LocalCommitLog(tmp_path / "log2", fsync=False)) is None
 

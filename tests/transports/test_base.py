@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from timerwheel.transports.base import AtomicLog, ExpiringLog, FollowingLog, ReportsUndecodable
+from timerwheel.transports.base import AtomicLog, DeadLetterLog, ExpiringLog, FollowingLog, ReportsUndecodable
 from timerwheel.transports.kafka.consumers import KafkaConsumerAdapter
 from timerwheel.transports.kafka.log import KafkaCommitLog
 from timerwheel.transports.local.log import LocalCommitLog
@@ -24,11 +24,11 @@ class _Assignable:
         pass
 
 
-def test_the_local_log_follows_and_expires_but_writes_no_transactions(tmp_path: Path) -> None:
+def test_the_local_log_follows_expires_and_writes_all_or_nothing_through_its_journal(tmp_path: Path) -> None:
     log = LocalCommitLog(tmp_path, fsync=False)
     try:
         assert isinstance(log, FollowingLog) and isinstance(log, ExpiringLog)
-        assert not isinstance(log, AtomicLog)
+        assert isinstance(log, AtomicLog) and isinstance(log, DeadLetterLog)
         assert not isinstance(log.consumer("t", {0: 0}), ReportsUndecodable)
     finally:
         log.close()

@@ -113,7 +113,7 @@ class EmbeddedTimerwheel:
         transports = self._transports or local_transports(cfg, self.clock)
         self.commit_log, self.queues = transports.commit_log, transports.queues
         partitions = ensure_topics(cfg, self.commit_log)
-        shard_deliveries(cfg, self.commit_log)  # exactly-once refused on the local log before anything starts
+        shard_deliveries(cfg, self.commit_log)  # exactly-once: its progress topic made (or refused) before anything starts
         check_source(cfg, self.commit_log, adopt=True, production=self._transports is not None)
         self.client = TimerClient(self.commit_log, cfg, self.clock)
         owner = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -101,13 +101,14 @@ def ensure_topics(cfg: TimerConfig, commit_log: CommitLog) -> int:
 
 def shard_deliveries(cfg: TimerConfig, commit_log: Any) -> Callable[[int], Deliveries] | None:
     """Exactly-once (TW_DELIVERY_GUARANTEE): what makes a shard's transactional releases, its
-    progress topic made (one partition per shard) or checked; None at least once. Refused on a
-    log without transactions (the embedded local log)."""
+    progress topic made (one partition per shard) or checked; None at least once. Kafka's
+    transactions (``KafkaCommitLog``) or the local log's journal (``LocalCommitLog``, embedded);
+    refused on a log with neither."""
     if cfg.delivery_guarantee != "exactly-once":
         return None
     if not hasattr(commit_log, "shard_deliveries"):
-        raise ConfigError("delivery_guarantee", "exactly-once needs Kafka (TW_KAFKA_BOOTSTRAP): the embedded "
-                                                "local log has no transactions")
+        raise ConfigError("delivery_guarantee", f"exactly-once needs a log with transactions or a journal, "
+                                                f"not {type(commit_log).__name__}")
     topic = cfg.effective_progress_topic
     partitions = commit_log.ensure_topic(topic, cfg.shards)
     if partitions < cfg.shards:

@@ -21,8 +21,8 @@ restart reads records again from the checkpoint, and each timer partition's dead
 written in a transaction that also moves a consumer group's offset past them
 (``transports.kafka.transactions``), so those already written are skipped. A failed transaction
 is retried until it commits (the batch waits, as for any failed write): late, never twice, never
-lost. The local log writes them at least once (a crash between the dead letter and the
-checkpoint writes it again).
+lost. The local log does the same through its journal (``LocalCommitLog.dead_letter_once``:
+the dead letters and a done-offset record in one ``append_atomic``).
 
 A destination that does not exist when the message is scheduled is scheduled anyway
 (``TW_MISSING_TOPIC=hold``: it may be created before the message is due; dequeue-put holds it
@@ -80,7 +80,7 @@ class EnqueueGet:
         #: costs more than an idle poll of the local log (measured: ~30 of ~45 us).
         self._reports: ReportsUndecodable | None = (
             self.consumer if isinstance(self.consumer, ReportsUndecodable) else None)
-        #: The log writes dead letters once each (Kafka's); None: at least once through ``append``.
+        #: The log writes dead letters once each (Kafka's, the local log's); None: at least once through ``append``.
         self._once: DeadLetterLog | None = commit_log if isinstance(commit_log, DeadLetterLog) else None
         #: partition -> where the last entry sent for it ended (the next entry starts there).
         self._reported = dict(resume)

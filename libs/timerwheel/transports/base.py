@@ -14,11 +14,11 @@ that a caller asks for with ``isinstance``:
   (both commit logs, each its own way; dequeue-getmsg asks it for the timer topic);
 - ``ExpiringLog``: ``expire`` deletes what is older than the retention (the local log; Kafka
   keeps its own ``retention.ms``);
-- ``AtomicLog``: ``append_atomic`` writes records all or none (Kafka's transactions;
-  ``TimerClient.reschedule``);
+- ``AtomicLog``: ``append_atomic`` writes records all or none (Kafka's transactions; the local
+  log's journal, all or none after a crash; ``TimerClient.reschedule``, exactly-once releases);
 - ``DeadLetterLog``: ``dead_letter_once`` writes a timer partition's dead letters exactly once
-  across restarts, crashes and zombies (Kafka's transactions with a consumer group's offset;
-  enqueue-get);
+  across restarts, crashes and zombies (Kafka's transactions with a consumer group's offset; the
+  local log's journal with a done-offset record; enqueue-get);
 - ``ReportsUndecodable``: a consumer that sets aside a partition whose next batch cannot be
   decoded and says which in ``undecodable`` (Kafka's; enqueue-get reports them as metrics).
 
@@ -170,7 +170,8 @@ class AtomicLog(Protocol):
 
     def append_atomic(self, records: Sequence[OutRecord], transactional_id: str) -> list[tuple[int, int]]:
         """As ``CommitLog.append``, in one transaction: a reader sees every record or none; on
-        failure nothing was written. ``transactional_id`` is the writer's, the same across its
+        failure nothing was written. (The local log: all or none once a crash is recovered; a
+        reader may see part of a batch while it is written.) ``transactional_id`` is the writer's, the same across its
         restarts: a writer that starts again with it ends what its crashed predecessor left open
         at once (Kafka aborts it) and fences it."""
         ...

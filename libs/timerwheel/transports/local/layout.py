@@ -9,6 +9,10 @@ Layout on disk::
     <directory>/<topic>/<p>/                   partition p: its segments and lock (``segments``)
     <directory>/@groups/<group>.json           a consumer group's committed offsets (``consumers``)
     <directory>/@groups/<group>.lock           flock held by the group's one member
+    <directory>/@journal                       append_atomic's redo journal: empty, or one batch
+                                               (header magic "TWJ1", CRC-32, length; msgpack
+                                               [[topic, partition, first offset, [[crc, body], ...]], ...])
+    <directory>/@journal.lock                  flock held by the one writer or recoverer of the journal
 
 Topic and group names follow Kafka's rule (1..249 of ``[A-Za-z0-9._-]``), which also keeps a name
 from escaping the directory; ``@`` is in no such name, so no topic collides with ``@groups``.

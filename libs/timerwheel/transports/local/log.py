@@ -19,16 +19,20 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+
+import msgpack
 
 from timerwheel.clock import Clock, SystemClock
 from timerwheel.errors import TimerwheelError
 from timerwheel.files import FILE_MODE, atomic_write, fsync_dir
 from timerwheel.records import OutRecord, Record
 from timerwheel.transports.local.consumers import LocalConsumer, LocalGroupConsumer
+from timerwheel.transports.local.deliveries import LocalShardDeliveries
 from timerwheel.transports.local.frames import encode_bodies
+from timerwheel.transports.local.journal import Journal, JournalEntry
 from timerwheel.transports.local.layout import (
     FORMAT_VERSION,
     LOG_ID_FILE,
@@ -40,7 +44,35 @@ from timerwheel.transports.local.partitioner import kafka_partitions
 from timerwheel.transports.local.segments import DEFAULT_SEGMENT_BYTES, PartitionLog
 from timerwheel.transports.readcache import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, ReadCache
 
-__all__ = ["LocalCommitLog"]
+__all__ = ["LocalCommitLog", "StaleWriterError"]
+
+
+class StaleWriterError(TimerwheelError):
+    """``append_atomic``'s ``expect_end`` did not hold: another writer appended to the partition."""
+
+
+def _landed(part: PartitionLog, first: int, batch: Sequence[tuple[int, bytes]]) -> int:
+    """How many of a journal's ``batch`` are in ``part`` from ``first`` on already (a prefix:
+    one write put them there). An offset below the partition's start counts as landed: retention
+    deleted it after it was written. Partition lock held."""
+    end = part.tail_offset()
+    found = part.read_offsets(list(range(first, min(end, first + len(batch)))))
+    start = part.start()
+    landed = 0
+    for k, (_crc, body) in enumerate(batch):
+        offset = first + k
+        if offset >= end:
+            break
+        rec = found.get(offset)
+        if rec is None:
+            if offset < start:
+                landed += 1
+                continue
+            break
+        if (rec.timestamp_ms, rec.key, rec.value, rec.headers) != tuple(msgpack.unpackb(body, use_list=False)):
+            break  # another process's record, appended after the crash: the rest goes after it
+        landed += 1
+    return landed
 
 
 def _json_object(path: Path) -> dict[str, object] | None:
@@ -90,6 +122,15 @@ class LocalCommitLog:
         self.read_cache = ReadCache(read_cache_records, read_cache_bytes)
         #: The topics whose records the consumers keep in ``read_cache``.
         self.followed: set[str] = set()
+        #: ``append_atomic``'s redo journal; a batch a crashed writer left in it is finished now.
+        self.journal = Journal(self.directory, fsync=fsync)
+        #: A test's crash point inside ``append_atomic``: called with "journaled", then
+        #: "partition-written" after each partition, then "applied" (before the journal is emptied).
+        self.journal_fault: Callable[[str], None] = lambda point: None
+        self._dead_letters_lock = threading.Lock()
+        #: (timer topic, partition) -> the offset below which its dead letters are written (``dead_letter_once``).
+        self._dead_letters_done: dict[tuple[str, int], int] = {}
+        self.recover_journal()
 
     # -- topics -------------------------------------------------------------------------
 
@@ -195,9 +236,8 @@ class LocalCommitLog:
 
     # -- writing ------------------------------------------------------------------------
 
-    def append(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
-        if not records:
-            return []
+    def _placed(self, records: Sequence[OutRecord]) -> dict[tuple[str, int], list[int]]:
+        """The indexes of ``records`` by (topic, partition) they go to."""
         groups: dict[tuple[str, int], list[int]] = {}
         keyed: dict[str, list[int]] = {}
         for i, r in enumerate(records):
@@ -215,6 +255,12 @@ class LocalCommitLog:
             keys = [records[i].key or b"" for i in idxs]
             for i, p in zip(idxs, kafka_partitions(keys, self.partitions(topic)), strict=True):
                 groups.setdefault((topic, p), []).append(i)
+        return groups
+
+    def append(self, records: Sequence[OutRecord]) -> list[tuple[int, int]]:
+        if not records:
+            return []
+        groups = self._placed(records)
         bodies = encode_bodies(records, self._clock.now_ms())
         order = sorted(groups)  # one global lock order: no deadlock between processes
         parts = [self.partition_log(t, p) for t, p in order]
@@ -234,6 +280,117 @@ class LocalCommitLog:
                     os.fdatasync(seg.log_fd)
                     os.fdatasync(seg.idx_fd)
         return result
+
+    def append_atomic(self, records: Sequence[OutRecord], transactional_id: str = "", *,
+                      expect_end: tuple[str, int, int] | None = None) -> list[tuple[int, int]]:
+        """As ``append``, all or nothing across partitions, also through a crash: through the
+        journal (``journal`` module header). ``transactional_id`` is Kafka's (``AtomicLog``); here
+        the journal's lock orders every writer, and a crashed one's batch is finished (or dropped)
+        by the next ``recover_journal``. Readers may see the batch partition by partition while it
+        is written (there is no read_committed here): exactly-once needs all or nothing after a
+        crash, not at every instant. ``expect_end`` (topic, partition, end offset): nothing is
+        written, ``StaleWriterError`` raised, unless that partition (one of the batch's) ends there
+        under the locks: a compare-and-append, the local log's fencing."""
+        if not records:
+            return []
+        groups = self._placed(records)
+        bodies = encode_bodies(records, self._clock.now_ms())
+        order = sorted(groups)
+        parts = [self.partition_log(t, p) for t, p in order]
+        result: list[tuple[int, int]] = [(0, 0)] * len(records)
+        with self.journal.held():
+            self._recover_journal_held()
+            with ExitStack() as held:
+                for part in parts:
+                    held.enter_context(part.locked())
+                entries: list[JournalEntry] = []
+                for (topic, p), part in zip(order, parts, strict=True):
+                    idxs = sorted(groups[(topic, p)])
+                    first = part.tail_offset()
+                    if expect_end is not None and expect_end[:2] == (topic, p) and first != expect_end[2]:
+                        raise StaleWriterError(f"{topic}/{p} ends at {first}, not at {expect_end[2]}: "
+                                               "another writer appended since")
+                    entries.append((topic, p, first, [bodies[i] for i in idxs]))
+                    for k, i in enumerate(idxs):
+                        result[i] = (p, first + k)
+                self.journal.write(entries)
+                self.journal_fault("journaled")
+                for part, (_t, _p, _o, batch) in zip(parts, entries, strict=True):
+                    seg, _first = part.write(batch)
+                    if self.fsync:
+                        os.fdatasync(seg.log_fd)
+                        os.fdatasync(seg.idx_fd)
+                    self.journal_fault("partition-written")
+                self.journal_fault("applied")
+                self.journal.clear()
+        return result
+
+    def recover_journal(self) -> int:
+        """Finish the batch a crashed (or failed) ``append_atomic`` left in the journal, or drop
+        it if torn; returns the records appended now. Waits for a live writer's batch."""
+        if not self.journal.pending():
+            return 0
+        with self.journal.held():
+            return self._recover_journal_held()
+
+    def _recover_journal_held(self) -> int:
+        entries = self.journal.read()
+        if entries is None:
+            if self.journal.pending():
+                self.journal.clear()  # torn: its writer died before any partition was written
+            return 0
+        appended = 0
+        order = sorted(entries, key=lambda e: (e[0], e[1]))
+        parts = [self.partition_log(t, p) for t, p, _o, _b in order]
+        with ExitStack() as held:
+            for part in parts:
+                held.enter_context(part.locked())
+            for part, (_t, _p, first, batch) in zip(parts, order, strict=True):
+                landed = _landed(part, first, batch)
+                if landed < len(batch):
+                    seg, _ = part.write(batch[landed:])
+                    appended += len(batch) - landed
+                    if self.fsync:
+                        os.fdatasync(seg.log_fd)
+                        os.fdatasync(seg.idx_fd)
+            self.journal.clear()
+        return appended
+
+    def dead_letter_once(self, prefix: str, source_topic: str, partition: int,
+                         letters: Sequence[tuple[int, OutRecord]]) -> int:
+        """enqueue-get's dead letters of one timer partition, once each (``DeadLetterLog``): those
+        at or above the partition's done offset, with a record moving it past the last, in one
+        ``append_atomic``. The done offsets are the records of topic ``<prefix>-dlq-done``
+        (msgpack ``[source topic, partition, next offset]``; Kafka keeps them as group
+        ``<prefix>-dlq``'s offsets), read on first use. Returns how many were written."""
+        if not letters:
+            return 0
+        topic = f"{prefix}-dlq-done"
+        with self._dead_letters_lock:
+            key = (source_topic, partition)
+            if key not in self._dead_letters_done:
+                self.recover_journal()
+                self.ensure_topic(topic, 1)
+                done: dict[tuple[str, int], int] = {}
+                for r in self.read_since(topic, 0, 0):
+                    t, p, o = msgpack.unpackb(r.value or b"", raw=False)
+                    done[(t, p)] = max(done.get((t, p), 0), o)
+                self._dead_letters_done.update({k: v for k, v in done.items() if k not in self._dead_letters_done})
+                self._dead_letters_done.setdefault(key, 0)
+            todo = [r for o, r in letters if o >= self._dead_letters_done[key]]
+            if not todo:
+                return 0
+            upto = letters[-1][0] + 1
+            mark = OutRecord(topic, None, msgpack.packb([source_topic, partition, upto]), (), partition=0)
+            self.append_atomic([*todo, mark])
+            self._dead_letters_done[key] = upto
+            return len(todo)
+
+    def shard_deliveries(self, prefix: str, progress_topic: str, shard: int, *,
+                         timeout_ms: int = 0) -> LocalShardDeliveries:
+        """Exactly-once releases of ``shard``, their progress on ``progress_topic``
+        (``deliveries.LocalShardDeliveries``; ``prefix`` and ``timeout_ms`` are Kafka's)."""
+        return LocalShardDeliveries(self, progress_topic, shard)
 
     def delete_before(self, topic: str, partition: int, offset: int) -> int:
         """Retention: delete whole segments below ``offset``; return the new start offset.
@@ -277,6 +434,34 @@ class LocalCommitLog:
                     hits[(p, o)] = rec
         return list(map(hits.get, positions))
 
+    def read_since(self, topic: str, partition: int, since_ms: int) -> list[Record]:
+        """The records of ``topic``'s ``partition`` from the first whose timestamp is at least
+        ``since_ms`` to the partition's end as of the call (``KafkaCommitLog.read_since``'s
+        semantics). The first is found by a binary search on the records' timestamps (Kafka's
+        ``offsets_for_times``), which assumes them nondecreasing: true of a progress partition,
+        stamped by the one releasing process's clock; a clock stepped back is covered by the
+        read-back's margin (``progress.READ_BACK_MARGIN_MS``)."""
+        log = self.partition_log(topic, partition)
+        lo, hi = log.start(), log.end()
+        while lo < hi:
+            mid = (lo + hi) // 2
+            rec = log.read_offsets([mid]).get(mid)
+            if rec is None:  # below a start retention just moved: search above it
+                lo = max(mid + 1, log.start())
+            elif rec.timestamp_ms < since_ms:
+                lo = mid + 1
+            else:
+                hi = mid
+        end = log.end()
+        out: list[Record] = []
+        offset = lo
+        while offset < end:
+            got, offset, _ = log.read_from(offset, 10_000)
+            if not got:
+                break
+            out += [r for r in got if r.offset < end]
+        return out
+
     def consumer(self, topic: str, offsets: Mapping[int, int], *, keep: bool = True) -> LocalConsumer:
         return LocalConsumer(self, topic, offsets, keep=keep)
 
@@ -299,6 +484,7 @@ class LocalCommitLog:
         return {p: self.partition_log(topic, p).start() for p in range(self.partitions(topic))}
 
     def close(self) -> None:
+        self.journal.close()
         with self._lock:
             self._closed = True
             parts, self._partitions = list(self._partitions.values()), {}

@@ -345,6 +345,11 @@ class PartitionLog:
             count, end = 0, 0
         return seg, count, end
 
+    def tail_offset(self) -> int:
+        """The offset the next record takes (a torn tail cut first). Lock held."""
+        seg, count, _ = self._tail()
+        return seg.base + count
+
     def write(self, bodies: Sequence[tuple[int, bytes]]) -> tuple[SegmentFiles, int]:
         """Write pre-encoded frames (not synced); return the segment and the first offset. Lock held."""
         seg, count, end = self._tail()
