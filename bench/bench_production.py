@@ -42,6 +42,10 @@
   lateness rate for ``TW_BENCH_GUARANTEE_SECONDS`` (30), whole seconds (the receiver reads
   ``read_committed`` always); medians, the ratios exactly-once / at-least-once, lost and
   duplicated, and the failed delivery transactions the stage logs show.
+* ``production.brokers`` (issue 31): both guarantees on one broker and on a three-broker cluster
+  (``TW_KAFKA_INSTANCE=bench-cluster3 TW_KAFKA_BROKERS=3 scripts/kafka.sh``, started and stopped
+  here), throughput and lateness as ``production.guarantee``, ``TW_BENCH_BROKERS_ROUNDS`` (1)
+  rounds: the cost of replication 3 against one broker.
 * ``production.slot_reads``: dequeue-getmsg's read pattern alone: a producer at the lateness rate
   with delays 1-5 s, and every 100 ms a ``KafkaCommitLog.read`` of the positions due in the slot
   that just closed: read time p50 / p90 and how far behind the reader ends, with the cache of
@@ -50,8 +54,8 @@
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (500),
 ``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_DUE`` (comma list of
 whole_second, uniform). ``TW_BENCH_PROD_ONLY``: comma list of throughput, compressed, sasl_ssl,
-lateness, burst, large_burst, idle, slot_reads, shared_volume, guarantee, or ``all``; by default
-throughput, lateness, burst, idle and guarantee (``DEFAULT_ONLY``). ``TW_BENCH_BASELINE=<git
+lateness, burst, large_burst, idle, slot_reads, shared_volume, guarantee, brokers, or ``all``; by default
+throughput, lateness, burst, idle, guarantee and brokers (``DEFAULT_ONLY``). ``TW_BENCH_BASELINE=<git
 rev>``: throughput, lateness, burst and idle run that revision's stage processes too, alternately
 with the current code (``bench.baseline``), each row labelled ``code``. Kafka and Redis: ``TW_KAFKA_BOOTSTRAP`` /
 ``TW_REDIS_URL``, else the servers of ``scripts/kafka.sh up`` / ``scripts/redis.sh up``. Shards:
