@@ -31,6 +31,8 @@ from typing import Any, cast
 
 import msgpack
 
+from timerwheel.records import OutRecord
+
 PROGRESS_VERSION = 1
 #: How far before R the read-back starts, by record timestamp (a broker clock ahead of ours).
 READ_BACK_MARGIN_MS = 60_000
@@ -64,6 +66,11 @@ class Progress:
         body = [PROGRESS_VERSION, self.shard, self.epoch,
                 [[slot, list(positions)] for slot, positions in sorted(self.finished.items())]]
         return cast(bytes, msgpack.packb(body, use_bin_type=True))
+
+    def record(self, topic: str, now_ms: int) -> OutRecord:
+        """This progress record for partition ``shard`` of the progress ``topic``, stamped
+        ``now_ms`` (the release time: the read-back finds it by that timestamp)."""
+        return OutRecord(topic, None, self.encode(), (), partition=self.shard, timestamp_ms=now_ms)
 
     @classmethod
     def decode(cls, data: bytes) -> Progress:

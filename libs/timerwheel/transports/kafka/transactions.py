@@ -223,7 +223,7 @@ DELIVERY_TRANSACTION_TIMEOUT_MS = 10_000
 
 
 class ShardDeliveries:
-    """Exactly-once releases of one shard (design 7.1; not wired into dequeue-put yet).
+    """Exactly-once releases of one shard (design 7.1; dequeue-put's ``stages.exactly_once``).
 
     ``take`` makes the producer of ``<prefix>-deliver-<shard>`` and runs ``init_transactions``
     (fencing every older owner's producer and ending its open transaction), then reads the shard's
@@ -263,7 +263,7 @@ class ShardDeliveries:
         again before the next commit."""
         if not self.ready:
             raise KafkaLogError(f"deliveries of shard {self.shard}: take the shard (init, read back) first")
-        mark = OutRecord(self.progress_topic, None, progress.encode(), (), partition=self.shard, timestamp_ms=now_ms)
+        mark = progress.record(self.progress_topic, now_ms)
         try:
             return self.producer.run([*records, mark])[: len(records)]
         except KafkaLogError:

@@ -61,7 +61,7 @@ class LocalShardDeliveries:
         On any failure ``take`` again before the next commit: it decides what the journal holds."""
         if not self.ready:
             raise TimerwheelError(f"deliveries of shard {self.shard}: take the shard (read back) first")
-        mark = OutRecord(self.progress_topic, None, progress.encode(), (), partition=self.shard, timestamp_ms=now_ms)
+        mark = progress.record(self.progress_topic, now_ms)
         try:
             positions = self._log.append_atomic([*records, mark],
                                                 expect_end=(self.progress_topic, self.shard, self._end))
