@@ -175,11 +175,11 @@ def test_each_list_holds_its_ids_whether_one_or_several_are_written(spark: Any, 
     import pandas as pd
     from timerwheel.jobs.audit import _write_lists
 
-    schema = ("id string, topic string, deliver_ms long, cancelled boolean, copies long, first_delivered_at long,"
-              " lateness_ms long")
-    rows = {"lost": ("l", "t", 10, False, 0, None, None), "duplicated": ("d", "t", 10, False, 2, 15, 5),
-            "cancelled_delivered": ("c", "t", 10, True, 1, 12, 2)}
-    ok = [("ok", "t", 10, False, 1, 11, 1), ("pending", "t", 900, False, 0, None, None)]
+    schema = ("id string, revision long, topic string, deliver_ms long, cancelled boolean, copies long, "
+              "first_delivered_at long, lateness_ms long")
+    rows = {"lost": ("l", 0, "t", 10, False, 0, None, None), "duplicated": ("d", 0, "t", 10, False, 2, 15, 5),
+            "cancelled_delivered": ("c", 1, "t", 10, True, 1, 12, 2)}
+    ok = [("ok", 0, "t", 10, False, 1, 11, 1), ("pending", 0, "t", 900, False, 0, None, None)]
     joined = spark.createDataFrame([rows[name] for name in full] + ok, schema)
     _write_lists(joined, {name: int(name in full) for name in rows}, 100, tmp_path)
     for name, row in rows.items():
@@ -190,7 +190,9 @@ def test_matching_takes_each_ids_first_record_whether_its_place_is_a_long_or_a_d
     """``matched`` by hand: an id scheduled twice (its first record, lowest partition then offset,
     decides topic and time, even at an offset past 2^62), a roll hop and a cancel that schedule
     nothing, copies on the id's topic and on another, deliveries without ``tw-id`` and of an id
-    nobody scheduled. The same rows with the place as a long and as a decimal(38,0)."""
+    nobody scheduled; revisions (issue 31): a reschedule moves a message, a second one and a cancel
+    after it are void, a reschedule after a cancel is void, deliver now's copy. The same rows with
+    the place as a long and as a decimal(38,0)."""
     from timerwheel.jobs.audit import ANY_EXTENT
 
     # the place a long (partition 1, offsets of 10 bits), a decimal (any Kafka's), a decimal (63 bits of offset)
@@ -201,8 +203,8 @@ def test_matching_takes_each_ids_first_record_whether_its_place_is_a_long_or_a_d
 def _matched_by_hand(spark: Any, huge: int, extents: list[tuple[int, int]]) -> None:
     from timerwheel.jobs.audit import matched
 
-    reqs = spark.createDataFrame([
-        # partition, offset, error, cancel, id, topic, deliver_ms, roll
+    rows = [
+        # partition, offset, error, cancel, id, topic, deliver_ms, roll (revision 0, replaces none)
         (1, 5, None, False, "a", "x", 100, 0),
         (0, huge, None, False, "a", "y", 200, 0),   # a's first: partition 0
         (0, huge + 1, None, False, "a", "x", 300, 0),
@@ -212,25 +214,139 @@ def _matched_by_hand(spark: Any, huge: int, extents: list[tuple[int, int]]) -> N
         (0, 0, None, False, "c", "y", 50, 1),        # a roll hop of c, before it: not c's first
         (0, 4, "missing tw-topic", None, None, None, None, None),
         (0, 6, None, True, "ghost-cancel", None, None, 0),
-    ], "partition int, offset long, error string, cancel boolean, id string, topic string, deliver_ms long, roll long")
+    ]
+    revisions = [
+        # ..., revision, replaces: the first marker of a revision decides, later ones are void
+        (0, 10, None, False, "m", "x", 600, 0, 0, None),
+        (0, 11, None, False, "m", "x", 700, 0, 1, 600),   # m moved to revision 1, due 700
+        (0, 12, None, False, "m", "x", 800, 0, 1, 600),   # a second reschedule of m's revision 0: void
+        (0, 13, None, True, "m", None, 600, 0, 0, None),  # a cancel of the moved revision 0: void
+        (0, 14, None, False, "m", "x", 700, 1, 1, None),  # the move's hop back to the timer topic
+        (0, 20, None, False, "n", "x", 600, 0, 0, None),
+        (0, 21, None, True, "n", None, 600, 0, 0, None),  # n cancelled
+        (0, 22, None, False, "n", "x", 900, 0, 1, 600),   # then rescheduled: void
+        (0, 30, None, False, "d", "y", 600, 0, 0, None),
+        (0, 31, None, False, "d", "y", 550, 0, 1, None),  # deliver now: a copy as revision 1
+        (0, 32, None, True, "d", None, 600, 0, 0, None),  # and a cancel of revision 0
+    ]
+    reqs = spark.createDataFrame(
+        [(*r, 0, None) for r in rows] + revisions,
+        "partition int, offset long, error string, cancel boolean, id string, topic string, deliver_ms long, "
+        "roll long, revision long, replaces long")
     dest = spark.createDataFrame([
-        ("y", "a", 260), ("y", "a", 250), ("x", "a", 120),  # a: 2 copies on y, one on x (unknown)
-        ("x", "b", 390),                                     # b: cancelled and delivered, early
-        ("x", None, 1), ("y", None, 2), ("x", None, None),  # 3 without tw-id
-        ("y", "ghost", 7),                                   # nobody scheduled it
-    ], "topic string, id string, delivered_at long")
+        ("y", "a", 0, 260), ("y", "a", 0, 250), ("x", "a", 0, 120),  # a: 2 copies on y, one on x (unknown)
+        ("x", "b", 0, 390),                                           # b: cancelled and delivered, early
+        ("x", None, 0, 1), ("y", None, 0, 2), ("x", None, 0, None),  # 3 without tw-id
+        ("y", "ghost", 0, 7),                                         # nobody scheduled it
+        ("x", "m", 1, 710), ("x", "m", 0, 605),                       # m's revision 1, and its moved revision 0
+        ("y", "d", 1, 560),
+    ], "topic string, id string, revision long, delivered_at long")
     expected = {
-        "a": ("y", 200, False, 2, 250, 50, 1, 0),
-        "b": ("x", 400, True, 1, 390, -10, 0, 0),
-        "c": ("x", 500, False, 0, None, None, 0, 0),
-        "ghost": (None, None, False, 0, None, None, 1, 0),
-        "ghost-cancel": (None, None, True, 0, None, None, 0, 0),
-        None: (None, None, False, 0, None, None, 0, 3),
+        ("a", 0): ("y", 200, False, 2, 250, 50, 1, 0),
+        ("b", 0): ("x", 400, True, 1, 390, -10, 0, 0),
+        ("c", 0): ("x", 500, False, 0, None, None, 0, 0),
+        ("ghost", 0): (None, None, False, 0, None, None, 1, 0),
+        ("ghost-cancel", 0): (None, None, True, 0, None, None, 0, 0),
+        (None, 0): (None, None, False, 0, None, None, 0, 3),
+        ("m", 0): ("x", 600, True, 1, 605, 5, 0, 0),  # moved, yet delivered: cancelled_delivered
+        ("m", 1): ("x", 700, False, 1, 710, 10, 0, 0),
+        ("n", 0): ("x", 600, True, 0, None, None, 0, 0),
+        ("d", 0): ("y", 600, True, 0, None, None, 0, 0),
+        ("d", 1): ("y", 550, False, 1, 560, 10, 0, 0),
     }
     cols = ["topic", "deliver_ms", "cancelled", "copies", "first_delivered_at", "lateness_ms", "unknown", "without_id"]
     for extent in extents:
-        got = {r["id"]: tuple(r[c] for c in cols) for r in matched(reqs, dest, ["x", "y"], extent).collect()}
+        got = {(r["id"], r["revision"]): tuple(r[c] for c in cols)
+               for r in matched(reqs, dest, ["x", "y"], extent).collect()}
         assert got == expected, extent
+
+
+def test_audit_counts_a_rescheduled_message_once_at_its_new_time(spark: Any, kafka_bootstrap: str,
+                                                                 tmp_path: Path) -> None:
+    """Reschedules as the client writes them (the same ``tw-id``, ``tw-revision`` + 1,
+    ``tw-replaces``), through the service's parser: a message moved later is scheduled at its new
+    time and delivered once, not late by the move nor "cancelled and delivered"; the first decision
+    on a revision wins (a second reschedule and a cancel of the moved revision are void, a
+    reschedule of a cancelled one too); deliver now's copy; a move's hop schedules nothing."""
+    timer, a = unique("audit-resched"), unique("audit-ra")
+    w = Writer(kafka_bootstrap)
+    t0 = NOW - 3_000_000
+    sched: dict[tuple[str, int], tuple[str, int]] = {}
+    cancelled: set[tuple[str, int]] = set()
+
+    def message(mid: str, deliver: int, revision: int = 0, replaces: int | None = None, roll: int = 0) -> None:
+        hs = [("tw-topic", a.encode()), ("tw-deliver-at", str(deliver).encode()), ("tw-id", mid.encode())]
+        hs += [("tw-revision", str(revision).encode())] if revision else []
+        hs += [("tw-replaces", str(replaces).encode())] if replaces is not None else []
+        hs += [("tw-roll", str(roll).encode())] if roll else []
+        w.send(timer, hs, TS)
+
+    def cancel(mid: str, at: int, revision: int = 0) -> None:
+        w.send(timer, [("tw-cancel", mid.encode()), ("tw-deliver-at", str(at).encode()),
+                       ("tw-revision", str(revision).encode())], TS)
+
+    for i in range(6):
+        sched[(f"m{i}", 0)] = (a, t0 + i)
+        message(f"m{i}", t0 + i)
+    # m0 moved 10 min later, then once more from its new ticket; its hop back to the timer topic
+    message("m0", t0 + 600_000, 1, t0)
+    message("m0", t0 + 600_000, 1, roll=1)
+    message("m0", t0 + 900_000, 2, t0 + 600_000)
+    sched[("m0", 1)], sched[("m0", 2)] = (a, t0 + 600_000), (a, t0 + 900_000)
+    cancelled |= {("m0", 0), ("m0", 1)}
+    # m1 moved, then moved again from its old ticket (void), then its old ticket cancelled (void)
+    message("m1", t0 + 1 + 60_000, 1, t0 + 1)
+    message("m1", t0 + 1 + 120_000, 1, t0 + 1)
+    cancel("m1", t0 + 1, 0)
+    sched[("m1", 1)] = (a, t0 + 1 + 60_000)
+    cancelled.add(("m1", 0))
+    # m2 cancelled, then rescheduled (void)
+    cancel("m2", t0 + 2, 0)
+    message("m2", t0 + 2 + 60_000, 1, t0 + 2)
+    cancelled.add(("m2", 0))
+    # m3 moved, then its new ticket cancelled
+    message("m3", t0 + 3 + 60_000, 1, t0 + 3)
+    cancel("m3", t0 + 3 + 60_000, 1)
+    sched[("m3", 1)] = (a, t0 + 3 + 60_000)
+    cancelled |= {("m3", 0), ("m3", 1)}
+    # m4 delivered now: a copy as revision 1, then a cancel of revision 0
+    message("m4", t0 - 1000, 1)
+    cancel("m4", t0 + 4, 0)
+    sched[("m4", 1)] = (a, t0 - 1000)
+    cancelled.add(("m4", 0))
+    deliveries: dict[tuple[str, int], list[int]] = {}
+
+    def deliver(mid: str, revision: int, at: int) -> None:
+        hs = [("tw-id", mid.encode()), ("tw-delivered-at", str(at).encode())]
+        w.send(a, hs + ([("tw-revision", str(revision).encode())] if revision else []), at)
+        deliveries.setdefault((mid, revision), []).append(at)
+
+    deliver("m0", 2, t0 + 900_040)
+    deliver("m1", 1, t0 + 60_031)
+    deliver("m3", 0, t0 + 3 + 5)      # the moved revision delivered all the same: cancelled and delivered
+    deliver("m4", 1, t0 - 990)
+    deliver("m4", 1, t0 - 900)        # twice
+    deliver("m5", 0, t0 + 5 + 70)
+    w.close()
+
+    out = tmp_path / "audit"
+    assert main(["audit", "--kafka", kafka_bootstrap, "--out", str(out), "--timer-topic", timer,
+                 "--now-ms", str(NOW), "--grace-ms", str(GRACE), "--master", "local[2]"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    total, per_topic = audit_summary(sched, cancelled, deliveries, NOW, GRACE)  # type: ignore[arg-type]
+    assert summary["total"] == total and summary["topics"] == per_topic
+    assert (total["scheduled"], total["delivered"], total["duplicated"], total["cancelled_delivered"]) == (11, 5, 1, 1)
+    assert summary["bad_input"]["invalid_timer_records"] == 0
+    assert summary["bad_input"]["deliveries_of_unknown_ids"] == 0
+    import pandas as pd
+
+    def listed(name: str) -> set[tuple[str, int]]:
+        df = pd.read_parquet(out / name)
+        return set(zip(df["id"], df["revision"], strict=True))
+
+    assert listed("cancelled_delivered") == {("m3", 0)}
+    assert listed("duplicated") == {("m4", 1)}
+    assert listed("lost") == set()
 
 
 def test_audit_of_an_unreachable_kafka_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],

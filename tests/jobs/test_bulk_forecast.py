@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka_util import unique
 from timerwheel.cli import main
 from timerwheel.config import TimerConfig
@@ -108,10 +108,28 @@ def test_bulk_schedule_writes_valid_rows_once_and_forecast_counts_them(
     assert second == {"read": ROWS, "scheduled": 0, "already_scheduled": ROWS - len(bad), "rejected": len(bad)}
     assert len(_read_all(kafka_bootstrap, timer)) == ROWS - len(bad)
 
-    # forecast: due per minute, topic and shard (partition % 3) in the next 2 hours
+    # forecast: due per minute, topic and shard (partition % 3) in the next 2 hours; two messages
+    # rescheduled (one of them twice: the second reschedule of its first ticket is void) count at
+    # their new time, a cancelled one not at all
     hours, shards = 2, 3
-    truth = Counter((req.topic, rec.partition % shards, req.deliver_ms // 60_000 * 60_000)
-                    for req, rec in by_id.values() if now < req.deliver_ms <= now + hours * 3_600_000)
+    due = {mid: (req.topic, rec.partition, req.deliver_ms) for mid, (req, rec) in by_id.items()}
+    ahead = sorted(mid for mid, (_, _, d) in due.items() if now < d <= now + 3_600_000)[:3]
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    for mid, later in [(ahead[0], 1_800_000), (ahead[1], 600_000), (ahead[1], 1_200_000), (ahead[2], None)]:
+        topic, partition, at = due[mid]
+        original = by_id[mid][0].deliver_ms
+        hs = ([("tw-cancel", mid.encode())] if later is None else
+              [("tw-topic", topic.encode()), ("tw-id", mid.encode()), ("tw-revision", b"1"),
+               ("tw-replaces", str(original).encode())])
+        producer.send(timer, value=b"v", headers=[*hs, ("tw-deliver-at", str(original + (later or 0)).encode())],
+                      partition=partition).get(timeout=60)
+        if later is None:
+            del due[mid]
+        elif at == original:  # the first decision on the ticket: the message moves
+            due[mid] = (topic, partition, original + later)
+    producer.close()
+    truth = Counter((topic, partition % shards, d // 60_000 * 60_000)
+                    for topic, partition, d in due.values() if now < d <= now + hours * 3_600_000)
     out = tmp_path / "forecast"
     assert main(["forecast", "--kafka", kafka_bootstrap, "--timer-topic", timer, "--out", str(out),
                  "--hours", str(hours), "--shards", str(shards), "--now-ms", str(now)]) == 0

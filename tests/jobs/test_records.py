@@ -9,7 +9,7 @@ from typing import Any
 
 from timerwheel.config import TimerConfig
 from timerwheel.errors import InvalidTimerMessage
-from timerwheel.jobs.records import digits_as_long, narrow, requests
+from timerwheel.jobs.records import RESULTS, digits_as_long, narrow, requests
 from timerwheel.records import Record
 from timerwheel.wire import MAX_EPOCH_MS, TimerRules
 
@@ -72,6 +72,17 @@ def _edge_headers() -> list[list[tuple[str, bytes]]]:
         [t, ("tw-deliver-at", at), ("tw-partition", b"-3")],
         [t, ("tw-deliver-at", at), ("user", b"u" * 1900)],
         [t, ("tw-deliver-at", at), ("user", b"u" * 1960)],
+        # revisions (issue 31): a reschedule, a cancel of a revision, a marker's hop, and the invalid ones
+        [t, ("tw-deliver-at", at), ("tw-id", b"m"), ("tw-revision", b"1"), ("tw-replaces", b"1000")],
+        [t, ("tw-deliver-at", at), ("tw-id", b"m"), ("tw-revision", b"2")],
+        [("tw-cancel", b"m"), ("tw-revision", b"3"), ("tw-deliver-at", at)],
+        [t, ("tw-deliver-at", at), ("tw-id", b"m"), ("tw-revision", b"1"), ("tw-replaces", b"1000"),
+         ("tw-roll", b"1"), ("tw-first-offset", b"7")],
+        [t, ("tw-deliver-at", at), ("tw-revision", b"1"), ("tw-replaces", b"1000")],
+        [t, ("tw-deliver-at", at), ("tw-id", b"m"), ("tw-replaces", b"1000")],
+        [("tw-cancel", b"m"), ("tw-replaces", b"1000"), ("tw-deliver-at", at)],
+        [t, ("tw-deliver-at", at), ("tw-revision", b"x")],
+        [t, ("tw-deliver-at", at), ("tw-first-offset", b"-1")],
     ]
 
 
@@ -94,6 +105,10 @@ def _generated(n: int, seed: int) -> list[Record]:
             hs.append(("tw-id", f"id-{i}".encode()))
         if rnd.random() < 0.1:
             hs.append(("tw-roll", str(rnd.randint(0, 3)).encode()))
+        if rnd.random() < 0.1:
+            hs.append(("tw-revision", str(rnd.randint(0, 3)).encode()))
+            if rnd.random() < 0.5:
+                hs.append(("tw-replaces", str(NOW + rnd.randint(0, 10_000)).encode()))
         value = b"v" * rnd.choice([0, 10, 1990])
         out.append(Record("__timer", rnd.randint(0, 3), i, NOW - rnd.randint(0, 5000), None, value, tuple(hs)))
     return out
@@ -103,8 +118,9 @@ def _expected(rules: TimerRules, r: Record) -> tuple[Any, ...]:
     try:
         req = rules.parse(r, r.timestamp_ms)
     except InvalidTimerMessage as exc:
-        return (r.partition, r.offset, exc.reason, None, None, None, None, None)
-    return (r.partition, r.offset, None, req.cancel, req.message_id, req.topic or None, req.deliver_ms, req.roll)
+        return (r.partition, r.offset, exc.reason, None, None, None, None, None, None, None)
+    return (r.partition, r.offset, None, req.cancel, req.message_id, req.topic or None, req.deliver_ms, req.roll,
+            req.revision, req.replaces)
 
 
 def test_spark_reads_timer_records_as_timer_rules_parse_does(spark: Any) -> None:
@@ -114,7 +130,7 @@ def test_spark_reads_timer_records_as_timer_rules_parse_does(spark: Any) -> None
                                       "headers array<struct<key: string, value: binary>>")
     got = {(r.partition, r.offset): tuple(r) for r in
            requests(narrow(raw).cache(), CONFIG)
-           .select("partition", "offset", "error", "cancel", "id", "topic", "deliver_ms", "roll").collect()}
+           .select("partition", "offset", *RESULTS).collect()}
     rules = TimerRules(CONFIG)
     expected = {(r.partition, r.offset): _expected(rules, r) for r in records}
     assert len(got) == len(records)
@@ -147,8 +163,7 @@ def test_records_that_are_all_common_need_no_python_udf(spark: Any) -> None:
     assert "EvalPython" in _plan(full)  # the check above can fail
     assert sorted(map(tuple, short.collect())) == sorted(map(tuple, full.collect()))
     rules = TimerRules(CONFIG)
-    assert {(r.partition, r.offset, r.error, r.cancel, r.id, r.topic, r.deliver_ms, r.roll)
-            for r in short.collect()} == {_expected(rules, r) for r in common}
+    assert {(r.partition, r.offset, *(r[c] for c in RESULTS)) for r in short.collect()} == {_expected(rules, r) for r in common}
     # one record of another kind brings the UDF back
     odd = Record("__timer", 0, 99, NOW, None, None, (("tw-topic", b"orders"), ("tw-delay-ms", b"5")))
     assert "EvalPython" in _plan(requests(narrow(_raw(spark, [*common, odd])), CONFIG))
@@ -159,7 +174,7 @@ def test_records_that_are_all_common_need_no_python_udf(spark: Any) -> None:
     refused.append(Record("__timer", 0, 100, NOW, None, None, (("tw-deliver-at", at),)))
     mixed = requests(narrow(_raw(spark, [*common, *refused])), CONFIG)
     assert "EvalPython" not in _plan(mixed)
-    got = {(r.partition, r.offset, r.error, r.cancel, r.id, r.topic, r.deliver_ms, r.roll) for r in mixed.collect()}
+    got = {(r.partition, r.offset, *(r[c] for c in RESULTS)) for r in mixed.collect()}
     assert got == {_expected(rules, r) for r in [*common, *refused]}
     assert sum(1 for g in got if g[2] is not None) == len(refused)
 

@@ -1,13 +1,13 @@
 """The delivery audit: what was scheduled (the timer topic) matched with what was delivered (the
 destination topics), as the README's "Spark jobs" defines each figure.
 
-- ``scheduled(requests)``: one row per distinct id of a valid, non-cancel, non-roll-hop timer
-  record (its first record: lowest partition, offset), and ``cancelled`` ids from the cancels
-  (the forecast's input).
-- ``destination_rows(raw)``: topic, id, ``tw-delivered-at`` of each destination record.
-- ``matched(requests, destination_rows, topics)``: the two side by side, one row per id: its
-  first scheduled record, whether it was cancelled, its copies on its topic, and the deliveries
-  nobody scheduled or without ``tw-id``.
+- ``scheduled(requests)``: one row per message ``(id, revision)`` scheduled (its first record:
+  lowest partition, offset), and the messages a cancel withdrew or a reschedule moved (the
+  forecast's input): ``_messages_and_decided`` decides as the service does.
+- ``destination_rows(raw)``: topic, id, revision, ``tw-delivered-at`` of each destination record.
+- ``matched(requests, destination_rows, topics)``: the two side by side, one row per message: its
+  first scheduled record, whether it was cancelled (or moved), its copies on its topic, and the
+  deliveries nobody scheduled or without ``tw-id``.
 - ``figures(matched, now_ms, grace_ms)``: the counts and nearest-rank lateness percentiles per
   topic and hour, per topic and in total, with the destinations' bad-input counts.
 
@@ -36,7 +36,7 @@ from timerwheel.jobs import spark as sp
 from timerwheel.jobs.plot import line_chart
 from timerwheel.jobs.records import Judged, digits_as_long, header_map, judged_requests, last_header, narrow
 from timerwheel.log import stage_logger
-from timerwheel.wire import H_DELIVERED_AT, H_ID
+from timerwheel.wire import H_DELIVERED_AT, H_ID, H_REVISION
 
 HOUR_MS = 3_600_000
 FIGURES = ("scheduled", "cancelled", "delivered", "duplicated", "lost", "pending", "cancelled_delivered", "early")
@@ -49,35 +49,59 @@ HOURLY_SCHEMA = ", ".join(f"`{c}` {'string' if c == 'topic' else 'double' if c i
 log = stage_logger("audit")
 
 
-def _schedules_and_cancels(reqs: Any) -> tuple[Any, Any]:
-    """(the valid records that schedule: neither cancels nor roll hops; the valid cancels) of
-    ``requests`` rows, as the README defines *scheduled* and *cancelled*."""
+def _messages_and_decided(reqs: Any, order: Any) -> tuple[Any, Any]:
+    """(the messages scheduled: id, revision, topic, deliver_ms, partition, o (their record's
+    place, ``order``), one row per record; the revisions decided: id, revision, cancelled (true:
+    a cancel, false: moved by a reschedule)) of ``requests`` rows, as the service decides (design
+    6.1-6.2, README "Cancel and reschedule").
+
+    A message is ``(id, revision)``. Revision 0 and the copies ``deliver_now`` appends are valid
+    records that are neither cancels, reschedules nor roll hops. Of a revision's markers (cancels of
+    it, reschedules of it: ``tw-replaces``, revision + 1) the first in its timer partition decides:
+    a cancel withdraws it, a reschedule moves it, and the reschedule's revision is then scheduled at
+    its new time; a later marker of the same revision is void. Markers are few (none when no record
+    needed the service's parser): their aggregation is a small one beside the audit's shuffle."""
     from pyspark.sql import functions as F
 
-    valid = reqs.filter(F.col("error").isNull())
-    return valid.filter(~F.col("cancel") & (F.col("roll") == 0)), valid.filter(F.col("cancel"))
+    valid = reqs.filter(F.col("error").isNull() & (F.col("roll") == 0))
+    cancel, moves = F.col("cancel"), F.col("replaces").isNotNull()
+    plain = valid.filter(~cancel & ~moves).select("id", "revision", "topic", "deliver_ms", "partition",
+                                                  order.alias("o"))
+    markers = valid.filter(cancel | moves).select(
+        "id", F.when(cancel, F.col("revision")).otherwise(F.col("revision") - 1).alias("revision"),
+        F.struct(order.alias("o"), cancel.alias("cancelled"), F.col("revision").alias("next"), "topic", "deliver_ms",
+                 "partition").alias("m"), order.alias("at"))
+    first = markers.groupBy("id", "revision").agg(F.min_by("m", "at").alias("m"))
+    moved_to = first.filter(~F.col("m.cancelled")).select("id", F.col("m.next").alias("revision"), "m.topic",
+                                                            "m.deliver_ms", "m.partition", "m.o")
+    return plain.unionByName(moved_to), first.select("id", "revision", F.col("m.cancelled").alias("cancelled"))
 
 
 def scheduled(reqs: Any) -> tuple[Any, Any]:
-    """(scheduled: id, topic, deliver_ms, partition (the timer partition); cancels: distinct
-    cancelled ids) of ``requests`` rows."""
+    """(scheduled: id, revision, topic, deliver_ms, partition (the timer partition), one row per
+    message; decided: id, revision of the messages a cancel withdrew or a reschedule moved) of
+    ``requests`` rows (``_messages_and_decided``)."""
     from pyspark.sql import functions as F
 
-    schedules, cancels = _schedules_and_cancels(reqs)
-    first = F.min(F.struct("partition", "offset", "topic", "deliver_ms"))
-    sched = schedules.groupBy("id").agg(first.alias("f")).select("id", "f.topic", "f.deliver_ms", "f.partition")
-    return sched, cancels.select("id").distinct()
+    messages, decided = _messages_and_decided(reqs, _order(ANY_EXTENT)[0])
+    first = F.min(F.struct("o", "topic", "deliver_ms", "partition"))
+    sched = (messages.groupBy("id", "revision").agg(first.alias("f"))
+             .select("id", "revision", "f.topic", "f.deliver_ms", "f.partition"))
+    return sched, decided.select("id", "revision")
 
 
 def destination_rows(raw: Any) -> Any:
-    """topic, id (null: no ``tw-id``), delivered_at (null: no parsable ``tw-delivered-at``) of each
-    destination record: the headers read once, the key and value dropped."""
+    """topic, id (null: no ``tw-id``), revision (``tw-revision``, else 0), delivered_at (null: no
+    parsable ``tw-delivered-at``) of each destination record: the headers read once, the key and
+    value dropped."""
     from pyspark.sql import functions as F
 
     m = F.col("m")
     at = last_header(H_DELIVERED_AT, m).cast("string")
+    revision = digits_as_long(last_header(H_REVISION, m).cast("string"), 18)
     return (raw.select("topic", header_map().alias("m"))
             .select("topic", last_header(H_ID, m).cast("string").alias("id"),
+                    F.coalesce(revision, F.lit(0).cast("long")).alias("revision"),
                     digits_as_long(at, 18).alias("delivered_at")))
 
 
@@ -107,19 +131,20 @@ def _order(extent: tuple[int, int]) -> tuple[Any, str]:
 
 
 def matched(reqs: Any, dest: Any, topics: list[str], extent: tuple[int, int] = ANY_EXTENT) -> Any:
-    """What was scheduled side by side with what was delivered, by id, in one shuffle: one row
-    per id, with id, topic, deliver_ms, hour_ms, cancelled, copies (0: none), first_delivered_at,
-    lateness_ms, unknown (the (topic, id) pairs delivered that nobody scheduled: another topic
-    than the id's, or an id never scheduled), without_id (copies without ``tw-id``: one row, id
-    null). deliver_ms is null for an id nobody scheduled; its topic then is null too.
+    """What was scheduled side by side with what was delivered, by message ``(id, revision)``, in
+    one shuffle: one row per message, with id, revision, topic, deliver_ms, hour_ms, cancelled (a
+    cancel withdrew it or a reschedule moved it), copies (0: none), first_delivered_at,
+    lateness_ms, unknown (the (topic, message) pairs delivered that nobody scheduled: another topic
+    than the message's, or a message never scheduled), without_id (copies without ``tw-id``: one
+    row, id null). deliver_ms is null for a message nobody scheduled; its topic then is null too.
 
     ``reqs``: ``requests`` rows; ``dest``: ``destination_rows``; ``topics``: every topic of
     either (the scheduled records' destinations and the topics read); ``extent``: the largest
     partition and offset of ``reqs`` (``Judged.extent``).
 
-    Scheduled records (valid, not cancels, not roll hops), cancels and deliveries are one union,
-    shuffled once by id and counted per id (per topic in columns when there are at most
-    ``ONE_LEVEL_TOPICS``, else per (id, topic) first): the id's first scheduled record (lowest
+    Scheduled messages and the decisions on them (``_messages_and_decided``) and deliveries are one
+    union, shuffled once by id and counted per message (per topic in columns when there are at
+    most ``ONE_LEVEL_TOPICS``, else per (message, topic) first): its first scheduled record (lowest
     partition, offset) gives its topic and delivery time, the deliveries on that topic are its
     copies. Topics are numbered on the way (a broadcast of ``topics``) so that every
     aggregation keeps numbers only and hashes (a join of the two sides and a ``min`` of a struct
@@ -128,18 +153,18 @@ def matched(reqs: Any, dest: Any, topics: list[str], extent: tuple[int, int] = A
 
     spark = reqs.sparkSession
     numbers = F.broadcast(spark.createDataFrame(list(enumerate(topics)), "t int, topic string"))
-    schedules, cancels = _schedules_and_cancels(reqs)
     order, order_type = _order(extent)
+    messages, decided = _messages_and_decided(reqs, order)
 
     def rows(df: Any, t: Any, o: Any, v: Any, k: int) -> Any:
-        # k: 0 a scheduled record (o its place, v its delivery time), 1 a cancel, 2 a delivery (v
-        # its tw-delivered-at); one narrow row each, for the one shuffle
-        return df.select("id", t.cast("int").alias("t"), o.cast(order_type).alias("o"), v.cast("long").alias("v"),
-                         F.lit(k).cast("byte").alias("k"))
+        # k: 0 a scheduled message (o its place, v its delivery time), 1 a cancel or a move of it,
+        # 2 a delivery (v its tw-delivered-at); one narrow row each, for the one shuffle
+        return df.select("id", F.col("revision").cast("long").alias("revision"), t.cast("int").alias("t"),
+                         o.cast(order_type).alias("o"), v.cast("long").alias("v"), F.lit(k).cast("byte").alias("k"))
 
     none = F.lit(None)
-    union = (rows(schedules.join(numbers, "topic"), F.col("t"), order, F.col("deliver_ms"), 0)
-             .unionByName(rows(cancels, none, none, none, 1))
+    union = (rows(messages.join(numbers, "topic"), F.col("t"), F.col("o"), F.col("deliver_ms"), 0)
+             .unionByName(rows(decided, none, none, none, 1))
              .unionByName(rows(dest.join(numbers, "topic"), F.col("t"), none, F.col("delivered_at"), 2)))
     k, t, v = F.col("k"), F.col("t"), F.col("v")
     if len(topics) <= ONE_LEVEL_TOPICS:
@@ -147,19 +172,19 @@ def matched(reqs: Any, dest: Any, topics: list[str], extent: tuple[int, int] = A
         # id's topic (its first scheduled record's) picks its pair after
         counts = [F.count(F.when((k == 2) & (t == i), 1)) for i in range(len(topics))]
         firsts = [F.min(F.when((k == 2) & (t == i), v)) for i in range(len(topics))]
-        agg = (union.repartition("id").groupBy("id")
+        agg = (union.repartition("id").groupBy("id", "revision")
                .agg(F.min("o").alias("o"), F.min_by("t", "o").alias("t"), F.min_by("v", "o").alias("deliver_ms"),
                     F.count(F.when(k == 1, 1)).alias("cancels"), F.count(F.when(k == 2, 1)).alias("all_copies"),
                     F.array(*counts).alias("cs"), F.array(*firsts).alias("fs")))
-        per_id = agg.select("id", "o", "t", "deliver_ms", "cancels", "all_copies",
+        per_id = agg.select("id", "revision", "o", "t", "deliver_ms", "cancels", "all_copies",
                             F.element_at("cs", t + 1).alias("copies"), F.element_at("fs", t + 1).alias("first_delivered_at"),
                             F.size(F.array_remove("cs", 0)).alias("pairs"))
     else:  # per (id, topic), then per id
-        per_topic = (union.repartition("id").groupBy("id", "t")
+        per_topic = (union.repartition("id").groupBy("id", "revision", "t")
                      .agg(F.min("o").alias("o"), F.min_by(F.when(k == 0, v), "o").alias("deliver_ms"),
                           F.count(F.when(k == 1, 1)).alias("cancels"), F.count(F.when(k == 2, 1)).alias("copies"),
                           F.min(F.when(k == 2, v)).alias("at")))
-        per_id = per_topic.groupBy("id").agg(  # the same partitioning by id: no second shuffle
+        per_id = per_topic.groupBy("id", "revision").agg(  # the same partitioning by id: no second shuffle
             F.min("o").alias("o"), F.min_by("t", "o").alias("t"), F.min_by("deliver_ms", "o").alias("deliver_ms"),
             F.min_by("copies", "o").alias("copies"), F.min_by("at", "o").alias("first_delivered_at"),
             F.sum("cancels").alias("cancels"), F.count(F.when(F.col("copies") > 0, 1)).alias("pairs"),
@@ -173,7 +198,7 @@ def matched(reqs: Any, dest: Any, topics: list[str], extent: tuple[int, int] = A
     copies = F.coalesce(of_first(F.col("copies")), F.lit(0)).cast("long")
     first_at = of_first(F.col("first_delivered_at"))
     return per_id.select(
-        "id", of_first(F.element_at(F.array(*[F.lit(t) for t in topics]), F.col("t") + 1)).alias("topic"),
+        "id", "revision", of_first(F.element_at(F.array(*[F.lit(t) for t in topics]), F.col("t") + 1)).alias("topic"),
         of_first(F.col("deliver_ms")).alias("deliver_ms"),
         (F.floor(of_first(F.col("deliver_ms")) / HOUR_MS) * HOUR_MS).cast("long").alias("hour_ms"),
         (F.col("cancels") > 0).alias("cancelled"), copies.alias("copies"), first_at.alias("first_delivered_at"),
@@ -316,7 +341,7 @@ def _write_lists(joined: Any, total: dict[str, Any], due_ms: int, outdir: Path) 
     records' compact cache is still there), once for all the lists that are not empty."""
     from pyspark.sql import functions as F
 
-    cols = ["id", "topic", "deliver_ms", "cancelled", "copies", "first_delivered_at", "lateness_ms"]
+    cols = ["id", "revision", "topic", "deliver_ms", "cancelled", "copies", "first_delivered_at", "lateness_ms"]
     open_due = ~F.col("cancelled") & (F.col("copies") == 0) & (F.col("deliver_ms") <= F.lit(due_ms))
     lists = {"lost": open_due, "duplicated": F.col("copies") > 1,
              "cancelled_delivered": F.col("cancelled") & (F.col("copies") > 0)}

@@ -28,7 +28,7 @@ def due_per_minute(sched: Any, cancels: Any, now_ms: int, hours: int, shards: in
     """topic, shard, minute_ms, due of ``scheduled``'s rows."""
     from pyspark.sql import functions as F
 
-    ahead = sched.join(cancels, "id", "left_anti").filter(
+    ahead = sched.join(cancels, ["id", "revision"], "left_anti").filter(
         (F.col("deliver_ms") > F.lit(now_ms)) & (F.col("deliver_ms") <= F.lit(now_ms + hours * 3_600_000)))
     return (ahead.select("topic", (F.col("partition") % F.lit(shards)).alias("shard"),
                          (F.floor(F.col("deliver_ms") / MINUTE_MS) * MINUTE_MS).cast("long").alias("minute_ms"))

@@ -35,8 +35,11 @@ from timerwheel.wire import (
     H_DELAY_MS,
     H_DELIVER_AT,
     H_ENQUEUED_AT,
+    H_FIRST_OFFSET,
     H_ID,
     H_PARTITION,
+    H_REPLACES,
+    H_REVISION,
     H_ROLL,
     H_TOPIC,
     MAX_EPOCH_MS,
@@ -44,9 +47,11 @@ from timerwheel.wire import (
 )
 
 #: The control headers ``parse`` reads, as the fields of the ``h`` struct column (``-`` -> ``_``).
-CONTROL = (H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ID, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT)
+CONTROL = (H_TOPIC, H_DELIVER_AT, H_DELAY_MS, H_DELAY_LEVEL, H_ID, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT,
+           H_REVISION, H_REPLACES, H_FIRST_OFFSET)
 #: Those that take ``parse`` off its short path (wire._FULL_PARSE).
-_OFF_COMMON = (H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT)
+_OFF_COMMON = (H_DELAY_MS, H_DELAY_LEVEL, H_CANCEL, H_PARTITION, H_ROLL, H_ENQUEUED_AT, H_REVISION, H_REPLACES,
+               H_FIRST_OFFSET)
 
 
 def field(header: str) -> str:
@@ -116,7 +121,10 @@ def narrow(raw: Any) -> Any:
                     F.struct(*[last_header(h, F.col("m")).alias(field(h)) for h in CONTROL]).alias("h")))
 
 
-RESULT_FIELDS = "error string, cancel boolean, id string, topic string, deliver_ms long, roll long"
+RESULT_FIELDS = ("error string, cancel boolean, id string, topic string, deliver_ms long, roll long, revision long, "
+                 "replaces long")
+#: ``requests``' columns after partition, offset, timestamp_ms.
+RESULTS = ("error", "cancel", "id", "topic", "deliver_ms", "roll", "revision", "replaces")
 
 
 class Judged(NamedTuple):
@@ -187,17 +195,20 @@ def _parse_udf(config: TimerConfig) -> Any:
             try:
                 req = rules.parse(record, int(t), hdr, int(s))
             except InvalidTimerMessage as exc:
-                out.append((exc.reason, None, None, None, None, None))
+                out.append((exc.reason, None, None, None, None, None, None, None))
                 continue
-            out.append((None, req.cancel, req.message_id, req.topic or None, req.deliver_ms, req.roll))
-        return pd.DataFrame(out, columns=["error", "cancel", "id", "topic", "deliver_ms", "roll"])
+            out.append((None, req.cancel, req.message_id, req.topic or None, req.deliver_ms, req.roll, req.revision,
+                        req.replaces))
+        return pd.DataFrame(out, columns=list(RESULTS))
 
     return parse
 
 
 def requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = True) -> Any:
     """partition, offset, timestamp_ms, error (null when valid), cancel, id (the message id, or
-    the cancelled one's), topic (null for a cancel), deliver_ms, roll: ``TimerRules.parse`` of
+    the cancelled one's), topic (null for a cancel), deliver_ms, roll, revision (a message's; a
+    cancel's: the one it cancels), replaces (a reschedule's ``tw-replaces``, else null):
+    ``TimerRules.parse`` of
     every record of ``narrowed`` (``narrow``'s columns, read once: ``judged_requests`` caches what
     it needs). When no record needs the parser there is no UDF branch (``short_cut=False`` sends
     every record to it: the tests' reference)."""
@@ -252,6 +263,8 @@ def judged_requests(narrowed: Any, config: TimerConfig, *, short_cut: bool = Tru
         F.when(ok, F.col("topic_name")).alias("topic"),
         F.when(ok, F.col("fdeliver")).alias("deliver_ms"),
         F.when(ok, F.lit(0).cast("long")).alias("roll"),
+        F.when(ok, F.lit(0).cast("long")).alias("revision"),
+        F.lit(None).cast("long").alias("replaces"),
     ))
     if odd == 0:
         # No record for the UDF: its branch would still start a Python worker per partition and
