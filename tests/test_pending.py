@@ -21,8 +21,10 @@ def test_pending_matches_a_model_through_rolls_cancels_and_deliveries(tmp_path: 
     clock = SimulatedClock(start_ms=START)
     #: id -> (topic, delivery time) of every message scheduled and not cancelled
     model: dict[str, tuple[str, int]] = {}
+    #: id -> its live ticket (its revision: what a reschedule moved it to)
+    tickets: dict[str, Ticket] = {}
     delivered: set[str] = set()
-    rolled_seen = False
+    rolled_seen = moved_seen = False
     with EmbeddedTimerwheel(tmp_path, clock=clock, tick_ms=100, roll_window_ms=10_000, shards=2, fsync=False) as tw:
         for step in range(12):
             for _ in range(40):
@@ -32,6 +34,26 @@ def test_pending_matches_a_model_through_rolls_cancels_and_deliveries(tmp_path: 
                     tw.cancel(ticket)
                 else:
                     model[ticket.message_id] = (topic, ticket.deliver_at_ms)
+                    tickets[ticket.message_id] = ticket
+            # reschedules (issue 31): moved later, some moved again from their new ticket, some
+            # again from the old one (void), some cancelled on their new ticket
+            now = clock.now_ms()
+            movable = sorted(m for m in model if m not in delivered and tickets[m].deliver_at_ms > now + 200)
+            for mid in rng.sample(movable, min(8, len(movable))):
+                old = tickets[mid]
+                original = tw.client.find(old)
+                # by more than a step of the clock: the new revision is written back before its
+                # time (one written after it goes to the current slot, listed until that ends)
+                new = tw.reschedule(old, deliver_at_ms=old.deliver_at_ms + rng.randrange(5_000, 30_000))
+                tickets[mid] = new
+                model[mid] = (model[mid][0], new.deliver_at_ms)
+                kind = rng.random()
+                if kind < 0.25:
+                    # past the client's check, as a client that raced writes it
+                    tw.client.reschedule(old, deliver_at_ms=old.deliver_at_ms + 50_000, original=original)
+                elif kind < 0.4:
+                    tw.cancel(new)
+                    del model[mid]
             tw.wait_idle()  # written before the clock moves: a cancel written after its time is too late
             # To a tick's start: pending reads the wheel from R, which never passes the slot W is
             # in, so a message read ahead and delivered within the current tick is listed until
@@ -56,17 +78,22 @@ def test_pending_matches_a_model_through_rolls_cancels_and_deliveries(tmp_path: 
                 assert {t.message_id for t in got.timers} == want
                 for t in got.timers:
                     assert (t.topic, t.deliver_at_ms) == model[t.message_id]
+                    assert t.revision == tickets[t.message_id].revision
                     rolled_seen |= t.roll > 0
+                    moved_seen |= t.revision > 0
             everything = tw.pending()
             assert everything.count == len(pending)
             first = tw.pending(limit=5)
             assert first.count == len(pending)
             assert [t.deliver_at_ms for t in first.timers] == sorted(at for _t, at in pending.values())[:5]
             if pending:
-                mid = next(iter(pending))
-                assert [t.message_id for t in tw.pending(message_id=mid).timers] == [mid]
+                for mid in [next(iter(pending)), *[m for m in pending if tickets[m].revision][:3]]:
+                    found = tw.pending(message_id=mid).timers
+                    assert [(t.message_id, t.revision, t.deliver_at_ms) for t in found] == [
+                        (mid, tickets[mid].revision, tickets[mid].deliver_at_ms)]
         assert rolled_seen, "no pending message was seen after a roll: the roll count is untested"
-        clock.advance(60_000)
+        assert moved_seen, "no rescheduled message was listed: revisions are untested"
+        clock.advance(max(at for _t, at in model.values()) - clock.now_ms() + 1_000)
         tw.wait_idle()
         assert tw.pending().count == 0
 

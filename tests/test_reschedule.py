@@ -87,6 +87,36 @@ def test_rescheduling_the_same_ticket_twice_moves_the_message_once(tmp_path: Pat
         assert tw.metrics.counter("reschedules_void") == 1
 
 
+@pytest.mark.parametrize("then", ["cancel", "reschedule"])
+def test_a_close_move_written_back_late_still_meets_what_its_new_ticket_decided(tmp_path: Path, then: str) -> None:
+    """A message moved 300 ms later, its new ticket then cancelled (or moved again), all written
+    long before its time; the clock then jumps past both times at once (a pipeline that lags): the
+    new revision is written back after its own time, into the slot of W, and its cancel or second
+    move, in the slot of its time, must still decide it (enqueue-put copies a late message's
+    markers along: ``late_marker_copies``)."""
+    clock = SimulatedClock(start_ms=START)
+    with _tw(tmp_path, clock) as tw:
+        old, _original = _scheduled(tw)
+        new = tw.reschedule(old, deliver_at_ms=old.deliver_at_ms + 300)
+        if then == "cancel":
+            tw.cancel(new)
+        else:
+            again = tw.reschedule(new, deliver_at_ms=old.deliver_at_ms + 4_000)
+        tw.wait_idle()
+        clock.advance(old.deliver_at_ms + 2_000 - clock.now_ms())  # one jump: past both times
+        tw.wait_idle()
+        if then == "cancel":
+            _run_to(tw, clock, START + 15_000)
+            assert _delivered(tw) == [], "delivered: the cancel of its new ticket missed"
+        else:
+            assert _delivered(tw) == [], "the first move was delivered: its second move missed"
+            _run_to(tw, clock, START + 15_000)
+            (got,) = tw.read("orders")
+            assert got.header("tw-revision") == b"2" and got.header("tw-id") == old.message_id.encode()
+            assert int(got.header("tw-delivered-at") or b"0") >= again.deliver_at_ms
+        assert tw.metrics.counter("late_marker_copies", shard=old.partition % 2) >= 1
+
+
 def test_a_cancelled_ticket_is_not_revived_by_a_reschedule(tmp_path: Path) -> None:
     clock = SimulatedClock(start_ms=START)
     with _tw(tmp_path, clock) as tw:

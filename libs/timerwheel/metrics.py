@@ -64,6 +64,7 @@ COUNTERS: dict[str, str] = {
     "queue_full_waits": "waits of a work-queue producer on a full queue (back-pressure)",
     "stage_errors": "failed stage steps, retried, per stage",
     "timerlog_records": "TimerLog records written, per shard",
+    "late_marker_copies": "Cancel markers copied into the slot of W with a message written after its delivery time (a close reschedule written back late: issue 31), per shard",
     "resends": "stalled slots re-sent by dequeue-get",
     "read_ahead_carried": "open slots a dequeue-get owner took over from the one that let the shard go",
     "rewinds": "timer partitions enqueue-get re-read after entries were lost in transit",

@@ -25,7 +25,7 @@ import hashlib
 import re
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -371,6 +371,39 @@ def marker_target(marker: Record) -> tuple[str, int] | None:
     if H_REPLACES in hdr:
         return message_id_of(marker, hdr), revision_of(hdr) - 1
     return None
+
+
+#: Revisions a search by id looks for (``revision_hashes``): a message rescheduled more often is
+#: listed by a search of its time range, not by its id.
+SEARCHED_REVISIONS = 256
+
+
+def revision_hashes(message_id: str) -> list[int]:
+    """The TimerLog hashes of revisions 0 to ``SEARCHED_REVISIONS`` - 1 of a message: what a search
+    of the shards by id compares (0.2 ms)."""
+    return [revision_id_hash(message_id, r) for r in range(SEARCHED_REVISIONS)]
+
+
+def deciders(markers: Iterable[Record]) -> dict[tuple[str, int], Record]:
+    """Of marker records (cancels and reschedules), the one that decides each ``(id, revision)``
+    they stand against: the first in its timer partition (``first_offset``; design 6.1)."""
+    first: dict[tuple[str, int], Record] = {}
+    for m in markers:
+        target = marker_target(m)
+        if target is not None and (target not in first or first_offset(m) < first_offset(first[target])):
+            first[target] = m
+    return first
+
+
+def moved_messages(markers: Iterable[Record]) -> list[tuple[tuple[str, int], Record]]:
+    """The messages reschedules moved and nothing here decides again: ``((id, new revision),
+    the reschedule record)`` for each reschedule that decides its ticket (``deciders``) while no
+    marker among ``markers`` stands against its new revision. Until the old ticket's time, when
+    dequeue-getmsg writes the new revision back to the timer topic, the message is this record
+    (due at its ``tw-deliver-at``) and the shards hold only its old revision and the marker."""
+    first = deciders(markers)
+    return [((mid, rev + 1), m) for (mid, rev), m in first.items()
+            if m.header(H_CANCEL) is None and (mid, rev + 1) not in first]
 
 
 def first_offset(marker: Record) -> int:

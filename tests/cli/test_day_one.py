@@ -250,9 +250,15 @@ def test_reschedule_of_a_spent_ticket_is_refused_and_writes_nothing(
     code, out, err = run(capsys, "reschedule", "--data-dir", data, first, "--delay", "3h")  # the same ticket again
     assert code == 1 and out == "" and "o-3 is not pending" in errors(err)[0] and "ticket is spent" in errors(err)[0]
     assert service.commit_log.end_offsets("__timer") == ends, "a refused reschedule wrote to the timer topic"
-    assert run(capsys, "cancel", "--data-dir", data, second)[0] == 0
+    # listed at its new time with its new ticket while the shards hold only the old revision and the marker
+    _wait(lambda: main(["pending", "--data-dir", data, "--id", "o-3"]) == 0
+          and [t["ticket"] for t in json.loads(capsys.readouterr().out)["timers"]] == [second])
+    [shown] = json.loads(run(capsys, "pending", "--data-dir", data, "--id", "o-3")[1])["timers"]
+    assert shown["revision"] == 1 and shown["deliver_at_ms"] == Ticket.parse(second).deliver_at_ms
+    code, out, _err = run(capsys, "cancel", "--data-dir", data, second)
+    assert code == 0 and out.startswith("cancel sent for o-3: it was pending"), out
     code, _out, err = run(capsys, "reschedule", "--data-dir", data, second, "--delay", "3h")  # a cancelled one
-    assert code == 1 and any("was cancelled already" in e for e in errors(err)), err
+    assert code == 1 and "o-3 is not pending" in errors(err)[0], err
     pending = json.loads(run(capsys, "pending", "--data-dir", data, "--topic", "orders")[1])
     assert pending["count"] == 0, "a cancelled or rescheduled message came back"
 

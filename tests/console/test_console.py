@@ -41,6 +41,8 @@ class Data:
     due: dict[str, int]
     topic: dict[str, str]
     rolled: set[str]
+    #: id -> the time a reschedule moved it to (listed by id only until its old time: not in ``due``)
+    moved: dict[str, int]
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +66,13 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
             rolled.add(mid)
         for mid in CANCELLED:
             tw.cancel(tickets[mid])
+        moved = {"v0": START + 900_000}
+        old = tw.schedule("a", b"moved", deliver_at_ms=START + 50_000, message_id="v0")
+        tw.wait_idle()
+        tw.reschedule(old, deliver_at_ms=moved["v0"])
         tw.wait_idle()
         config = tw.config
-    return Data(path, clock, config, due, topic, rolled)
+    return Data(path, clock, config, due, topic, rolled, moved)
 
 
 @pytest.fixture
@@ -241,6 +247,27 @@ def test_a_reschedule_writes_one_record_that_replaces_the_ticket_keeping_the_id(
     assert rec.header(H_ID) == b"m250" and rec.header(H_TOPIC) == b"b" and rec.value == b"value 250"
     assert rec.header(H_DELIVER_AT) == str(START + 600_000).encode() and rec.header("tw-revision") == b"1"
     assert rec.header("tw-replaces") == str(data.due["m250"]).encode()
+
+
+def test_a_moved_message_is_found_by_id_at_its_new_time_and_cancelled_as_its_new_revision(
+        inst: Installation, data: Data) -> None:
+    """Rescheduled (issue 31) and its old time not come yet: the shards hold its old revision and
+    the reschedule's marker only. Found by id as the reschedule record, its new time and revision;
+    a cancel from the console names that revision (a cancel of revision 0 would be void)."""
+    from timerwheel.console.browse import find_pending
+
+    with inst.shards() as shards:
+        item = find_pending(shards, inst.commit_log, data.config, "v0")
+    assert item is not None and (item.revision, item.deliver_at_ms, item.topic) == (1, data.moved["v0"], "a")
+    assert item.ticket == f"tw2.{item.partition}.{data.moved['v0']}.1.v0"
+    with TestClient(create_app(inst, action_token=TOKEN, start_sampler=False)) as c:
+        csrf = _form(c)
+        c.post("/unlock", data={"csrf": csrf, "token": TOKEN})
+        r = c.post("/pending/cancel", data={"csrf": csrf, "id": "v0"})
+        assert r.status_code == 200 and "Cancelled" in r.text, _detail(r.text)
+    rec = _last_timer_record(data, item.partition)
+    assert rec.header(H_CANCEL) == b"v0" and rec.header("tw-revision") == b"1"
+    assert rec.header(H_DELIVER_AT) == str(data.moved["v0"]).encode()
 
 
 def test_deliver_now_writes_a_copy_due_now_then_the_cancel_and_is_refused_a_second_time(

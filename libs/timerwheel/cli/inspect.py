@@ -108,8 +108,9 @@ def cmd_pending(args: argparse.Namespace) -> int:
             shard.close()
     when = "deliver_at" if args.iso else "deliver_at_ms"
     print(json.dumps({"count": found.count, "shown": len(found.timers), "timers": [
-        {"id": t.message_id, "ticket": str(Ticket(t.partition, t.deliver_at_ms, t.message_id)), "topic": t.topic,
-         when: iso(t.deliver_at_ms) if args.iso else t.deliver_at_ms, "roll": t.roll, "shard": t.shard}
+        {"id": t.message_id, "ticket": str(Ticket(t.partition, t.deliver_at_ms, t.message_id, t.revision)),
+         "topic": t.topic, when: iso(t.deliver_at_ms) if args.iso else t.deliver_at_ms, "roll": t.roll,
+         "revision": t.revision, "shard": t.shard}
         for t in found.timers]}, indent=2))
     return 0
 

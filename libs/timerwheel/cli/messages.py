@@ -338,12 +338,8 @@ class _PendingIndex:
 
     def pending(self, ticket: Ticket) -> bool | None:
         """Whether the ticket's message is pending; None if that cannot be told (``unknown``)."""
-        if ticket.revision:
-            # A rescheduled message is written where its old revision leaves: not in the shards yet.
-            self.unknown = self.unknown or f"a rescheduled message (revision {ticket.revision}) is not listed"
-            return None
         found = self._find(ticket.message_id, ticket.deliver_at_ms, ticket.deliver_at_ms + 1, ticket.partition)
-        return None if self.unknown else found is not None
+        return None if self.unknown else found is not None and found.revision == ticket.revision
 
     def find(self, message_id: str) -> PendingTimer | None:
         """The pending message with this id, whenever it is due; None if none (or ``unknown``)."""

@@ -93,7 +93,7 @@ class Actions:
 
     def cancel(self, message_id: str) -> Outcome:
         item = self._pending(message_id)
-        ticket = Ticket(item.partition, item.deliver_at_ms or 0, item.message_id)
+        ticket = Ticket(item.partition, item.deliver_at_ms or 0, item.message_id, item.revision)
         self.client.cancel(ticket)
         return Outcome("Cancelled", f"a cancel record for {item.message_id!r} (due {item.deliver_at_ms}) was "
                                     f"written to partition {item.partition} of {self.inst.config.timer_topic!r}: "
@@ -110,7 +110,7 @@ class Actions:
     def deliver_now(self, message_id: str) -> Outcome:
         item = self._pending(message_id)
         assert item.deliver_at_ms is not None
-        ticket = Ticket(item.partition, item.deliver_at_ms, item.message_id)
+        ticket = Ticket(item.partition, item.deliver_at_ms, item.message_id, item.revision)
         try:  # the client finds the record and reads what decided the ticket since (nothing, or refused)
             new = self.client.deliver_now(ticket)
         except TimerwheelError as exc:
@@ -136,7 +136,7 @@ class Actions:
                                 "later (issue 31; an earlier one would be void). Use deliver now, or cancel it and "
                                 "schedule a new message")
         original = self._original(item)
-        ticket = Ticket(item.partition, item.deliver_at_ms, item.message_id)
+        ticket = Ticket(item.partition, item.deliver_at_ms, item.message_id, item.revision)
         new = self.client.reschedule(ticket, deliver_at_ms=deliver_at_ms, message_id=item.message_id,
                                      original=original)
         return Outcome(title, f"{item.message_id!r}: a reschedule record moving its delivery at {item.deliver_at_ms} "

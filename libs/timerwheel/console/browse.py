@@ -47,13 +47,15 @@ from timerwheel.store.wheel import SLOT_MAGIC
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_ERROR,
+    H_REVISION,
     H_ROLL,
     H_SOURCE,
     H_TOPIC,
     Ticket,
     TimerRules,
-    id_hash,
     message_id_of,
+    moved_messages,
+    revision_hashes,
     topic_hash,
 )
 
@@ -97,6 +99,8 @@ class PendingItem:
     topic: str = ""
     deliver_at_ms: int | None = None
     roll: int = 0
+    #: Its revision (``tw-revision``: 0 unless rescheduled), what its ticket names.
+    revision: int = 0
     key: bytes | None = None
     value: bytes | None = None
     headers: list[tuple[str, bytes]] = field(default_factory=list)
@@ -107,7 +111,7 @@ class PendingItem:
     def ticket(self) -> str | None:
         if self.missing or self.deliver_at_ms is None:
             return None
-        return str(Ticket(self.partition, self.deliver_at_ms, self.message_id))
+        return str(Ticket(self.partition, self.deliver_at_ms, self.message_id, self.revision))
 
 
 @dataclass(slots=True)
@@ -130,8 +134,8 @@ Hit = tuple[Key, int, int, bool]  # (key, src partition, src offset, rolled)
 class _Want:
     """What a page asks of each record: the range, R, the filters and the cursor."""
 
-    def __init__(self, from_ms: int, to_ms: int, topic: int | None, message_id: int | None, after: Key | None,
-                 tick_ms: int) -> None:
+    def __init__(self, from_ms: int, to_ms: int, topic: int | None, message_id: npt.NDArray[np.uint64] | None,
+                 after: Key | None, tick_ms: int) -> None:
         self.from_ms, self.to_ms, self.topic, self.message_id, self.after = from_ms, to_ms, topic, message_id, after
         self.tick_ms = tick_ms
 
@@ -147,7 +151,7 @@ class _Want:
         if self.topic is not None:
             m &= arr["topic_hash"] == np.uint32(self.topic)
         if self.message_id is not None:
-            m &= arr["id_hash"] == np.uint64(self.message_id)
+            m &= np.isin(arr["id_hash"], self.message_id)
         if self.after is not None:
             d0, s0, p0 = self.after
             m &= (deliver > d0) | ((deliver == d0) & ((shard_id > s0) | ((shard_id == s0) & (positions > p0))))
@@ -275,7 +279,7 @@ class Columns:
             if marked.size:
                 marks.append(ident[marked] ^ (slot_of[marked].astype(np.uint64) * _SLOT_MIX))
             if want.message_id is not None:
-                idx = np.flatnonzero(ident == np.uint64(want.message_id))
+                idx = np.flatnonzero(np.isin(ident, want.message_id))
             else:
                 idx = np.flatnonzero(topic == np.uint32(want.topic or 0))
             if not idx.size:
@@ -299,6 +303,19 @@ class Columns:
             live = ~np.isin(key_all, np.concatenate(marks))
             fire_all, pos_all = fire_all[live], pos_all[live]
         return fire_all, pos_all
+
+    def marker_positions(self, hashes: npt.NDArray[np.uint64], r_slot: int, start_pos: int,
+                         tick: int) -> npt.NDArray[np.int64]:
+        """The TimerLog positions of the cancel markers (cancels and reschedules) with one of these
+        id hashes, in slots from R on."""
+        out = []
+        for first, _topic, ident, fire, flags in self.chunks:
+            idx = np.flatnonzero(((flags & (_DELETE | _ROLL)) == _DELETE) & np.isin(ident, hashes))
+            if idx.size:
+                pos = first + RECORD_SIZE * idx.astype(np.int64)
+                slot = fire[idx] - fire[idx] % tick
+                out.append(pos[(slot >= r_slot) & (pos >= start_pos)])
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 def _scan_shard(shard_id: int, shard: Shard, want: _Want, count: int, columns: Columns) -> tuple[list[Hit], int]:
@@ -338,8 +355,8 @@ def browse_pending(shards: Mapping[int, Shard], log: CommitLog, config: TimerCon
         raise ValueError(f"limit must be >= 1, got {limit}")
     cursor = parse_cursor(after)
     tick = next(iter(shards.values())).tick_ms if shards else config.tick_ms
-    want = _Want(from_ms, to_ms, topic_hash(topic) if topic else None, id_hash(message_id) if message_id else None,
-                 cursor, tick)
+    want = _Want(from_ms, to_ms, topic_hash(topic) if topic else None,
+                 np.array(revision_hashes(message_id), dtype=np.uint64) if message_id else None, cursor, tick)
     hits: list[Hit] = []
     scanned = 0
     bound: Key = (_BIG, _BIG, _BIG)
@@ -392,6 +409,8 @@ def _fill(items: list[PendingItem], log: CommitLog, config: TimerConfig, topic: 
             item.deliver_at_ms = None
         raw_roll = rec.header(H_ROLL)
         item.roll = int(raw_roll) if raw_roll and raw_roll.isdigit() else 0
+        raw_rev = rec.header(H_REVISION)
+        item.revision = int(raw_rev) if raw_rev and raw_rev.isdigit() else 0
         item.key, item.value, item.headers = rec.key, rec.value, list(rec.headers)
     return [i for i in items if i.missing or ((not topic or i.topic == topic)
                                               and (not message_id or i.message_id == message_id))]
@@ -399,10 +418,42 @@ def _fill(items: list[PendingItem], log: CommitLog, config: TimerConfig, topic: 
 
 def find_pending(shards: Mapping[int, Shard], log: CommitLog, config: TimerConfig, message_id: str,
                  columns: MutableMapping[int, Columns] | None = None) -> PendingItem | None:
-    """The pending message with this id (its newest timer record), or None."""
-    page = browse_pending(shards, log, config, 0, 1 << 62, message_id=message_id, limit=10, columns=columns)
+    """The pending message with this id (its newest revision and timer record), or None. A message
+    a reschedule moved is found before dequeue-getmsg writes its new revision back (at the old
+    time): as the reschedule record, due at its new time (``wire.moved_messages``)."""
+    kept = columns if columns is not None else {}
+    page = browse_pending(shards, log, config, 0, 1 << 62, message_id=message_id, limit=10, columns=kept)
     found = [i for i in page.items if i.message_id == message_id and not i.missing]
-    return max(found, key=lambda i: (i.roll, i.offset), default=None)
+    found += _moved_items(shards, log, config, message_id, kept)
+    return max(found, key=lambda i: (i.revision, i.roll, i.offset), default=None)
+
+
+def _moved_items(shards: Mapping[int, Shard], log: CommitLog, config: TimerConfig, message_id: str,
+                 columns: MutableMapping[int, Columns]) -> list[PendingItem]:
+    """The moved messages of this id that no marker decides again (their reschedule records), from
+    the markers of its revisions in each shard's slots from R on (``Columns``, caught up by
+    ``browse_pending`` just before)."""
+    hashes = np.array(revision_hashes(message_id), dtype=np.uint64)
+    out: list[PendingItem] = []
+    for shard_id, shard in sorted(shards.items()):
+        bounds, cols = _bounds(shard), columns.get(shard_id)
+        if bounds is None or cols is None:
+            continue
+        places = []
+        for pos in cols.marker_positions(hashes, bounds[1], shard.log.start_pos, shard.tick_ms).tolist():
+            try:
+                r = shard.log.read(pos)
+            except CorruptRecordError:
+                continue
+            places.append((r.src_partition, r.src_offset))
+        records = [r for r in log.read(config.timer_topic, places) if r is not None] if places else []
+        for (mid, _revision), rec in moved_messages(records):
+            if mid == message_id:
+                item = PendingItem(shard_id, -1, 0, False, rec.partition, rec.offset)
+                out += _fill([item], log, config, None, message_id)
+    for item in out:
+        item.fire_ms = item.deliver_at_ms or 0
+    return out
 
 
 # -- dead letters ----------------------------------------------------------------------------------

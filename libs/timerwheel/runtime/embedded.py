@@ -267,7 +267,7 @@ class EmbeddedTimerwheel:
 
     def reschedule(self, ticket: Ticket | str, *, delay_ms: int | None = None, deliver_at_ms: int | None = None,
                    delay_level: int | None = None, message_id: str | None = None) -> Ticket:
-        """``TimerClient.reschedule``: cancel and schedule again; returns the new ticket."""
+        """``TimerClient.reschedule``: one record that moves the ticket's message later; returns the new ticket."""
         new = self.client.reschedule(ticket, delay_ms=delay_ms, deliver_at_ms=deliver_at_ms,
                                      delay_level=delay_level, message_id=message_id)
         self.ctx.wake("enqueue-get")

@@ -153,6 +153,45 @@ def timerlog_records(partition: npt.NDArray[np.uint64], rows: list[PutRow], writ
                          topic_hash=thash, id_hash=ihash)
 
 
+def late_marker_copies(shard: Shard, records: RecordArray, rows: list[PutRow], write_ms: int) -> RecordArray | None:
+    """Copies, into the slot of W, of the cancel markers a late message's own slot holds.
+
+    A message written after its delivery time goes to the slot of W (``roll_targets``), not to its
+    own, where the cancels acknowledged before that time are (W passed it only once they were in
+    the TimerLog). Only the service writes a message late that a cancel acknowledged before its
+    time must still meet: a reschedule's new revision, which dequeue-put writes back to the timer
+    topic where the old one leaves (issue 31), after its new time when that is close and the
+    pipeline lags, and whose ticket may be cancelled or rescheduled again. So each late message
+    takes its slot's markers of its id hash along (DELETE records naming the same source records),
+    and dequeue-getmsg confirms them on the full id and revision as any other. ``records``: the
+    batch's TimerLog records (``timerlog_records`` of ``rows`` at ``write_ms``); cost: one read
+    of each distinct late slot, only for a batch with late messages."""
+    maybe = np.flatnonzero((records["deliver_ms"] == write_ms) & ((records["magic"] & 0xFF) == _NORMAL))
+    if not maybe.size:
+        return None
+    tick = shard.tick_ms
+    deliver = np.array([rows[i][3] for i in maybe.tolist()], dtype=np.int64)  # PutRow.deliver_ms
+    own = deliver - deliver % tick
+    late = own < write_ms - write_ms % tick
+    if not late.any():
+        return None
+    idx, own = maybe[late], own[late]
+    found = []
+    for slot in np.unique(own).tolist():
+        hashes = records["id_hash"][idx[own == slot]]
+        for _positions, arr in shard.read_slot(slot):
+            m = ((arr["magic"] & (_DELETE | _ROLL)) == _DELETE) & np.isin(arr["id_hash"], hashes)
+            if m.any():
+                found.append(arr[m])
+    if not found:
+        return None
+    marks = np.concatenate(found)
+    return records_array(flags=np.full(len(marks), _DELETE), enqueue_ms=marks["enqueue_ms"],
+                         deliver_ms=np.full(len(marks), write_ms), src_partition=marks["src_partition"],
+                         src_offset=marks["src_offset"], src_size=marks["src_size"], topic_hash=marks["topic_hash"],
+                         id_hash=marks["id_hash"])
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     """Where the timer topic ended (``ends``: partition -> high watermark) when our clock read
@@ -568,6 +607,10 @@ class EnqueuePut:
         records = timerlog_records(np.repeat(np.array(partitions, dtype=np.uint64), counts), rows, st.write_ms,
                                    self._roll_base(st), self.ctx.config.roll_window_ms) if rows else None
         if records is not None:
+            copies = late_marker_copies(st.shard, records, rows, st.write_ms)
+            if copies is not None:
+                records = np.concatenate((copies, records))
+                self.ctx.metrics.inc("late_marker_copies", len(copies), shard=st.shard_id)
             st.shard.append_array(records)
         st.next_offsets = offsets  # only once the records are in the TimerLog
         self._advance_w(st)
