@@ -60,6 +60,7 @@ from timerwheel.wire import (
     Ticket,
     TimerRules,
     marker_target,
+    record_revision,
     user_headers,
 )
 
@@ -258,7 +259,7 @@ class TimerClient:
                             continue
                         if marker_target(r) == target:
                             deciders.append(r)
-                        elif r.header(H_ID) == want and r.header(H_CANCEL) is None and _revision(r) == ticket.revision:
+                        elif r.header(H_ID) == want and r.header(H_CANCEL) is None and record_revision(r) == ticket.revision:
                             found = r
             finally:
                 consumer.close()
@@ -356,8 +357,3 @@ class TimerClient:
         records, _tickets, spans = self._timer_records([timer], timer_partition=ticket.partition)
         record = records[0]
         return record._replace(headers=(*record.headers, (H_REVISION, str(ticket.revision + 1).encode()))), spans
-
-
-def _revision(record: Record) -> int:
-    raw = record.header(H_REVISION)
-    return int(raw) if raw and raw.isdigit() else 0

@@ -34,12 +34,12 @@ from timerwheel.records import Record
 from timerwheel.store import Flag, Shard
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
-    H_REVISION,
     H_ROLL,
     H_TOPIC,
     TimerRules,
     message_id_of,
     moved_messages,
+    record_revision,
     revision_hashes,
     revision_id_hash,
     topic_hash,
@@ -196,6 +196,4 @@ def _pending(rec: Record | None, rules: TimerRules, shard_id: int, from_ms: int,
         return None
     raw_roll = rec.header(H_ROLL)
     roll = int(raw_roll) if raw_roll and raw_roll.isdigit() else 0
-    raw_rev = rec.header(H_REVISION)
-    revision = int(raw_rev) if raw_rev and raw_rev.isdigit() else 0
-    return PendingTimer(mid, dest, deliver, roll, shard_id, rec.partition, rec.offset, revision)
+    return PendingTimer(mid, dest, deliver, roll, shard_id, rec.partition, rec.offset, record_revision(rec))

@@ -361,6 +361,12 @@ def revision_of(headers: dict[str, bytes]) -> int:
     return int(raw) if raw else 0
 
 
+def record_revision(record: Record) -> int:
+    """``tw-revision`` of a timer record read back (absent, or not a run of digits: 0)."""
+    raw = record.header(H_REVISION)
+    return int(raw) if raw and raw.isdigit() else 0
+
+
 def marker_target(marker: Record) -> tuple[str, int] | None:
     """The ``(id, revision)`` a marker record stands against: a cancel's ``tw-cancel`` and
     ``tw-revision``; a reschedule's ``tw-id`` and ``tw-revision - 1``. None for a message."""

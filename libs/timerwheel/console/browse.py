@@ -47,7 +47,6 @@ from timerwheel.store.wheel import SLOT_MAGIC
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_ERROR,
-    H_REVISION,
     H_ROLL,
     H_SOURCE,
     H_TOPIC,
@@ -55,6 +54,7 @@ from timerwheel.wire import (
     TimerRules,
     message_id_of,
     moved_messages,
+    record_revision,
     revision_hashes,
     topic_hash,
 )
@@ -400,20 +400,24 @@ def _fill(items: list[PendingItem], log: CommitLog, config: TimerConfig, topic: 
     for item, rec in zip(items, records, strict=True):
         if rec is None:
             item.missing = True
-            continue
-        item.message_id = message_id_of(rec)
-        item.topic = (rec.header(H_TOPIC) or b"").decode("utf-8", "replace")
-        try:
-            item.deliver_at_ms = rules.delivery_time(rec, 0, check_max=False)
-        except InvalidTimerMessage:
-            item.deliver_at_ms = None
-        raw_roll = rec.header(H_ROLL)
-        item.roll = int(raw_roll) if raw_roll and raw_roll.isdigit() else 0
-        raw_rev = rec.header(H_REVISION)
-        item.revision = int(raw_rev) if raw_rev and raw_rev.isdigit() else 0
-        item.key, item.value, item.headers = rec.key, rec.value, list(rec.headers)
+        else:
+            _describe(item, rec, rules)
     return [i for i in items if i.missing or ((not topic or i.topic == topic)
                                               and (not message_id or i.message_id == message_id))]
+
+
+def _describe(item: PendingItem, rec: Record, rules: TimerRules) -> None:
+    """``item``'s fields from its timer record."""
+    item.message_id = message_id_of(rec)
+    item.topic = (rec.header(H_TOPIC) or b"").decode("utf-8", "replace")
+    try:
+        item.deliver_at_ms = rules.delivery_time(rec, 0, check_max=False)
+    except InvalidTimerMessage:
+        item.deliver_at_ms = None
+    raw_roll = rec.header(H_ROLL)
+    item.roll = int(raw_roll) if raw_roll and raw_roll.isdigit() else 0
+    item.revision = record_revision(rec)
+    item.key, item.value, item.headers = rec.key, rec.value, list(rec.headers)
 
 
 def find_pending(shards: Mapping[int, Shard], log: CommitLog, config: TimerConfig, message_id: str,
@@ -434,6 +438,7 @@ def _moved_items(shards: Mapping[int, Shard], log: CommitLog, config: TimerConfi
     the markers of its revisions in each shard's slots from R on (``Columns``, caught up by
     ``browse_pending`` just before)."""
     hashes = np.array(revision_hashes(message_id), dtype=np.uint64)
+    rules = TimerRules(config)
     out: list[PendingItem] = []
     for shard_id, shard in sorted(shards.items()):
         bounds, cols = _bounds(shard), columns.get(shard_id)
@@ -450,9 +455,9 @@ def _moved_items(shards: Mapping[int, Shard], log: CommitLog, config: TimerConfi
         for (mid, _revision), rec in moved_messages(records):
             if mid == message_id:
                 item = PendingItem(shard_id, -1, 0, False, rec.partition, rec.offset)
-                out += _fill([item], log, config, None, message_id)
-    for item in out:
-        item.fire_ms = item.deliver_at_ms or 0
+                _describe(item, rec, rules)
+                item.fire_ms = item.deliver_at_ms or 0
+                out.append(item)
     return out
 
 
