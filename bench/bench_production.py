@@ -8,7 +8,7 @@
   100 ms, delays 2-10 s, due on whole seconds (a burst each second) and then uniform
   (``TW_BENCH_DUE``): lateness three ways (``bench.lateness``: ``tw-delivered-at``, the
   destination record's Kafka timestamp, the receive time of a consumer in a process of its own),
-  p50 / p99 / max and early of each, lost and duplicated; ``sustained`` says whether it kept up.
+  p50 / p99 / max and early of each, lost and duplicated; ``sustained`` says whether it kept up; each stage process's CPU.
   With ``TW_BENCH_BASELINE`` the baseline revision's run follows the current code's for each
   due mode. Then the current code with ``TW_CANCEL_LEAD_MS=500`` (``TW_BENCH_PROD_LEAD_MS``; 0
   skips it), whole seconds (``production.lateness.lead``).
@@ -394,7 +394,7 @@ def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float, mounts:
                   settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """A fresh pipeline of ``code``, ``rate`` msg/s for ``seconds`` through it (``bench.steady``,
     whose consumer reads ``read_committed``); ``settings``: more of the stages' own. The result
-    has ``exactly_once_counts`` too."""
+    has ``exactly_once_counts`` too, and ``cpu``: each stage process's CPU over the run, in % of a core."""
     pipe = new_pipeline(kafka, redis_url, mounts, code=code, tick_ms=100, batch_size=200, max_in_flight=5_000,
                         cancel_lead_ms=lead_ms, **(settings or {}))
     dest = pipe.dest("late")
@@ -402,9 +402,14 @@ def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float, mounts:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
         pipe.start_all(120)
+        procs = {name: psutil.Process(pipe.procs[name].pid) for name in STAGES}
+        before = {name: _cpu_s(p) for name, p in procs.items()}
+        started = time.monotonic()
         result = steady(kafka, TimerwheelWire(pipe.timer_topic, dest, PARTITIONS), dest, rate, seconds, due_mode,
                         options=pipe.kafka_options)
-        return {**result, **exactly_once_counts(pipe)}
+        elapsed = time.monotonic() - started
+        cpu = {name: round(100 * (_cpu_s(p) - before[name]) / elapsed, 1) for name, p in procs.items()}
+        return {**result, **exactly_once_counts(pipe), "cpu": cpu}
     finally:
         close(pipe)
 
@@ -431,8 +436,8 @@ def lateness(kafka: str, redis_url: str, rate: int, seconds: float, modes: list[
         for code in codes():
             result = _lateness_run(kafka, redis_url, rate, seconds, due_mode=mode, code=code)
             say(f"lateness, {code.name}, due {mode}, {rate} msg/s for {seconds:.0f} s: {result['summary']}; "
-                f"lost {result['lost']}, duplicated {result['duplicated']}")
-            emit_lateness("production.lateness.p99", result, code=code.name)
+                f"lost {result['lost']}, duplicated {result['duplicated']}; CPU, % of a core: {result['cpu']}")
+            emit_lateness("production.lateness.p99", result, code=code.name, cpu=result["cpu"])
     if lead_ms:
         lead = _lateness_run(kafka, redis_url, rate, seconds, lead_ms=lead_ms)
         say(f"lateness with TW_CANCEL_LEAD_MS={lead_ms}: {lead['summary']}")

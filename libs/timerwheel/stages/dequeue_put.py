@@ -239,8 +239,10 @@ class DequeuePut(QueueStage):
         #: step, so no finished entry is left held and touched for good.
         self._unreported: dict[tuple[int, int], list[HeldEntry]] = {}
         self._unacked: dict[int, list[HeldEntry]] = {}
-        #: The timer partitions read beside W's gate (``stages.watch``).
+        #: The timer partitions read beside W's gate (``stages.watch``), and the shards whose
+        #: records the last gate left waiting for it (``_wait_s``).
         self._watch = Watch(ctx, commit_log)
+        self._watching: set[int] = set()
         #: Shard -> (its dequeue.ckpt's epoch and R, when read): ``_dequeue_ckpt``.
         self._dequeue_ckpts: dict[int, tuple[int, int, float]] = {}
         self._eo = (ExactlyOnce(ctx, self.logger, deliveries, lambda s: self._dequeue_ckpt(s)[1])
@@ -333,12 +335,17 @@ class DequeuePut(QueueStage):
 
     def _wait_s(self) -> float:
         """How long a step may wait for new entries: until just past the first held record's time
-        by this clock (the watch needs an observation after it); CKPT_POLL_S while one is due and
-        waits for its gate."""
+        by this clock (the watch needs an observation after it); while one is due and waits for
+        its gate, until the watch may grant more (``Watch.next_look_s``) if the last gate left
+        records waiting for it, at most CKPT_POLL_S (``W`` may pass them meanwhile)."""
         if not self._heap:
             return float("inf")
         ahead = self._heap[0][0] + 1 - self.ctx.clock.now_ms()
-        return ahead / 1000 if ahead > 0 else CKPT_POLL_S
+        if ahead > 0:
+            return ahead / 1000
+        if not self._watching:
+            return CKPT_POLL_S
+        return min(CKPT_POLL_S, *(self._watch.next_look_s(s) for s in self._watching))
 
     def holding(self, partition: int) -> int:
         """Entries of ``partition`` taken and not finished (held)."""
@@ -535,6 +542,7 @@ class DequeuePut(QueueStage):
         into the heap before the step's error is raised: taken off it and lost, they were never
         released and their entries never finished (seen in a chaos run)."""
         by_shard: dict[int, list[Held]] = {}
+        self._watching.clear()
         for h in due:
             if not h.held.lost:
                 by_shard.setdefault(h.held.entry.shard, []).append(h)
@@ -589,6 +597,8 @@ class DequeuePut(QueueStage):
         # Decided: nothing below raises.
         for h in waiting:
             heapq.heappush(self._heap, (h.due, next(self._seq), h))
+            if h.item.kind == DELIVER:
+                self._watching.add(shard_id)
         if not stale and not ready:
             return
         rnd = self._new_round()

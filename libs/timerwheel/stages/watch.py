@@ -47,6 +47,8 @@ from timerwheel.wire import H_CANCEL, H_REPLACES, marker_target
 
 #: How often a shard's timer partitions' ends are asked while records wait for the gate.
 OBSERVE_S = 0.01
+#: How soon a look that did not reach the pursued observation's ends reads on (``next_look_s``).
+READ_AGAIN_S = 0.001
 #: How long one look waits for the consumer to reach the observed ends.
 CATCH_UP_S = 0.02
 #: Records read per poll.
@@ -118,6 +120,19 @@ class Watch:
             sw.seen = self._observe(sw, shard)
             self._settle(sw, consumer, cap, patient)
         return sw.grant
+
+    def next_look_s(self, shard_id: int) -> float:
+        """How long until ``granted`` of ``shard_id`` may grant more than it did: READ_AGAIN_S while
+        an observation is pursued (its consumer reads on), else until a new one may be asked
+        (OBSERVE_S after the last). A caller whose records wait for this watch sleeps that long
+        instead of a fixed poll: a record due just after an observation then leaves with the next
+        one, not a poll later (issue 30)."""
+        sw = self._shards.get(shard_id)
+        if sw is None or sw.consumer is None:
+            return OBSERVE_S
+        if sw.seen is not None:
+            return READ_AGAIN_S
+        return max(0.0, OBSERVE_S - (time.monotonic() - sw.asked_at))
 
     def markers(self, shard_id: int, message_id: str, revision: int) -> list[Record]:
         """The cancels and reschedules of ``(message_id, revision)`` read on the shard's timer
