@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import SimpleNamespace
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,6 +101,31 @@ def test_a_record_leaves_just_after_its_time_while_w_lags(rig: WatchRig, clock: 
     assert _step_until(rig, SLOT + 60) == {"m1": SLOT + 11, "m2": SLOT + 41}
     assert rig.done() == 2 and rig.deliver_q.depth(0) == 0
     assert put.ctx.metrics.counter("released_by_watch", shard=0) == 2
+
+
+def test_a_record_waiting_for_the_watch_is_looked_at_again_as_soon_as_the_watch_may_grant_it(
+        rig: WatchRig, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record due just after an observation waits for the next one (``OBSERVE_S`` after it), not
+    for a fixed poll of the checkpoint (``CKPT_POLL_S``): the step's wait for new entries ends then."""
+    monkeypatch.setattr(watch, "OBSERVE_S", 0.004)  # below CKPT_POLL_S (10 ms)
+    mono = [100.0]
+    monkeypatch.setattr(watch, "time", SimpleNamespace(monotonic=lambda: mono[0]))  # the watch's own pace
+    put = rig.stage("a")
+    end = rig.timer_records(3)
+    rig.publish_input(START, end - 1)  # W far behind
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 12))
+    put.step(0)
+    clock.set(SLOT + 11)
+    put.step(0)  # m1 leaves by an observation at SLOT + 11
+    clock.set(SLOT + 13)
+    mono[0] += 0.001
+    put.step(0)  # m2 is due; the last observation is too recent to ask another
+    assert rig.sent() == {"m1": SLOT + 11}
+    assert put._wait_s() == pytest.approx(0.003)
+    mono[0] += 0.003
+    assert put._wait_s() == 0
+    put.step(0)
+    assert rig.sent() == {"m1": SLOT + 11, "m2": SLOT + 13}
 
 
 def test_a_cancel_above_the_checkpointed_input_drops_the_held_record(rig: WatchRig, clock: SimulatedClock) -> None:
