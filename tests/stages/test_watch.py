@@ -23,10 +23,12 @@ from timerwheel.stages import watch
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem
 from timerwheel.stages.dequeue_put import DequeuePut
+from timerwheel.stages.watch import Watch
 from timerwheel.stages.enqueue_put import w_cap_ms
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, TimerRecord
 from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.kafka.log import KafkaCommitLog
+from timerwheel.transports.local.log import LocalCommitLog
 from timerwheel.transports.memory import MemoryWorkQueue
 from timerwheel.wire import id_hash
 
@@ -249,3 +251,50 @@ def test_a_cancel_cut_from_the_timerlog_after_its_checkpoint_still_wins(rig: Wat
     rig.publish_input(START, cancel_at, epoch=2)
     assert _step_until(rig, SLOT + 60) == {"m2": SLOT + 41}
     assert rig.done() == 2  # m1 finished as cancelled
+
+
+class CountingLog(LocalCommitLog):
+    """The local log, counting the high-watermark requests made of it."""
+
+    asked = 0
+
+    def high_watermarks(self, topic: str) -> dict[int, int]:
+        self.asked += 1
+        return super().high_watermarks(topic)
+
+
+def test_one_request_for_the_ends_serves_every_shard_whose_records_wait(tmp_path: Path, clock: SimulatedClock) -> None:
+    """Records of two shards due at once: the first shard's look asks the ends of every timer
+    partition for both (each shard's R read before), the second's reaches them without asking."""
+    cfg = TimerConfig(data_dir=str(tmp_path / "data"), shards=2, fsync=False, lookahead_ms=1_000)
+    log = CountingLog(tmp_path / "log", fsync=False, clock=clock)
+    log.ensure_topic(cfg.timer_topic, 2)
+    writers = [open_shard(cfg, s, writer=True) for s in (0, 1)]
+    seen = Watch(StageContext(cfg, clock, consumer="a"), log)
+    try:
+        ckpts = []
+        for s, writer in enumerate(writers):
+            log.append([OutRecord(cfg.timer_topic, b"k", b"v", (("tw-topic", b"dest"), ("tw-delay-ms", b"3600000")),
+                                  partition=s)] * 3)
+            writer.save_dequeue_checkpoint(DequeueCheckpoint(read_ms=START, epoch=0))
+            ckpts.append(EnqueueCheckpoint(flushed_pos=writer.flush(), write_ms=START, next_offsets={s: 1}, epoch=1))
+        for s in (0, 1):  # each shard's first look makes its consumer
+            seen.want({s})
+            assert seen.granted(s, writers[s], ckpts[s], SLOT) == clock.now_ms()
+        asked = log.asked
+        clock.set(SLOT + 11)
+        time.sleep(watch.OBSERVE_S)
+        seen.want({0, 1})
+        assert seen.granted(0, writers[0], ckpts[0], SLOT + 10) == SLOT + 11
+        assert seen.granted(1, writers[1], ckpts[1], SLOT + 10) == SLOT + 11
+        assert log.asked == asked + 1
+        seen.want({1})  # shard 1 alone next: its own request
+        clock.set(SLOT + 20)
+        time.sleep(watch.OBSERVE_S)
+        assert seen.granted(1, writers[1], ckpts[1], SLOT + 19) == SLOT + 20
+        assert log.asked == asked + 2
+    finally:
+        seen.close()
+        for writer in writers:
+            writer.close()
+        log.close()

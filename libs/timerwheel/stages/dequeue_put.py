@@ -547,6 +547,7 @@ class DequeuePut(QueueStage):
             if not h.held.lost:
                 by_shard.setdefault(h.held.entry.shard, []).append(h)
         undecided = list(by_shard.items())
+        self._watch.want(set(by_shard))
         try:
             while undecided:
                 shard_id, held = undecided[0]

@@ -26,7 +26,8 @@ record waits (late, never wrong). ROLL items still wait for ``W``; so does every
 watch cannot tell (no observation yet, the broker restarting, a checkpoint whose ``O`` went back
 after a lossy recovery: the consumer is moved back and the watch covers again once it reads on).
 
-Cost, only while records wait for their gate: one ListOffsets per shard every OBSERVE_S and the
+Cost, only while records wait for their gate: one ListOffsets for every shard whose records wait
+at most every OBSERVE_S (``want``: one request serves them all), and the
 consumer's fetches of ``[O, E)`` (what enqueue-put has not checkpointed yet: a few hundred ms of
 input). An idle watch is not polled; its consumer is moved up to ``O`` when it is needed again, so
 it never reads what the TimerLog holds already.
@@ -84,6 +85,8 @@ class ShardWatch:
     grant: int | None = None
     #: The checkpoint whose input offsets the consumer was last moved to (``Watch._follow_from``).
     floor: EnqueueCheckpoint | None = None
+    #: The shard's store, as the last ``granted`` passed it (``Watch._observe`` reads its R).
+    shard: Shard | None = None
 
 
 class Watch:
@@ -96,6 +99,7 @@ class Watch:
         self.logger = stage_logger("dequeue-put")
         self._shards: dict[int, ShardWatch] = {}
         self._partitions: int | None = None
+        self._wanted: set[int] = set()
 
     def granted(self, shard_id: int, shard: Shard, ckpt: EnqueueCheckpoint, wanted_ms: int,
                 patient: bool = True) -> int | None:
@@ -109,17 +113,21 @@ class Watch:
         sw = self._shard(shard_id)
         if sw is None:
             return None
+        sw.shard = shard
         consumer = self._follow_from(sw, ckpt)
         if consumer is None:
             return None
         cap = w_cap_ms(self.ctx.config, shard)
         self._settle(sw, consumer, cap, patient)
-        mono = time.monotonic()
-        if sw.seen is None and (sw.grant or 0) <= wanted_ms and mono - sw.asked_at >= OBSERVE_S:
-            sw.asked_at = mono
-            sw.seen = self._observe(sw, shard)
+        if sw.seen is None and (sw.grant or 0) <= wanted_ms and self._may_ask(sw, time.monotonic()):
+            self._observe(sw)
             self._settle(sw, consumer, cap, patient)
         return sw.grant
+
+    def want(self, shard_ids: set[int]) -> None:
+        """The shards whose records are about to ask ``granted`` (one release): the first of them
+        to ask a new observation asks it for all of them, one ListOffsets for every shard."""
+        self._wanted = shard_ids
 
     def next_look_s(self, shard_id: int) -> float:
         """How long until ``granted`` of ``shard_id`` may grant more than it did: READ_AGAIN_S while
@@ -207,21 +215,39 @@ class Watch:
         sw.floor = ckpt
         return consumer
 
-    def _observe(self, sw: ShardWatch, shard: Shard) -> Observation | None:
-        """R, then ``t0``, then the ends (the order the grant needs); None if either read fails."""
-        try:
-            dq = shard.load_dequeue_checkpoint()
-        except CorruptCheckpointError:
-            return None
-        if dq is None:
-            return None
+    @staticmethod
+    def _may_ask(sw: ShardWatch, mono: float) -> bool:
+        return mono - sw.asked_at >= OBSERVE_S
+
+    def _observe(self, sw: ShardWatch) -> None:
+        """A new observation for ``sw``, and for each other wanted shard that may ask one and
+        pursues none: each shard's R, then ``t0``, then the ends of every partition in one
+        request (the order the grant needs). A shard whose R cannot be read, or all of them if
+        the ends cannot, get none this time."""
+        mono = time.monotonic()
+        asking = [sw, *(other for i in sorted(self._wanted) if (other := self._shards.get(i)) is not None
+                        and other is not sw and other.seen is None and other.consumer is not None
+                        and other.shard is not None and self._may_ask(other, mono))]
+        read_ms: dict[int, int] = {}
+        for one in asking:
+            one.asked_at = mono
+            try:
+                dq = one.shard.load_dequeue_checkpoint() if one.shard is not None else None
+            except CorruptCheckpointError:
+                dq = None
+            if dq is not None:
+                read_ms[one.shard_id] = dq.read_ms
+        if not read_ms:
+            return
         t0 = self.ctx.clock.now_ms()
         try:
             ends = self.commit_log.high_watermarks(self.topic)
         except Exception as exc:  # noqa: BLE001 - a broker restarting: the W gate holds meanwhile
             self._failed(sw, "observation", exc)
-            return None
-        return Observation(t0, {p: ends.get(p, 0) for p in sw.partitions}, dq.read_ms)
+            return
+        for one in asking:
+            if one.shard_id in read_ms:
+                one.seen = Observation(t0, {p: ends.get(p, 0) for p in one.partitions}, read_ms[one.shard_id])
 
     def _reach(self, sw: ShardWatch, consumer: Consumer, ends: dict[int, int], patient: bool) -> bool:
         """Read the shard's partitions up to ``ends`` (at most CATCH_UP_S if ``patient``, else what
