@@ -19,7 +19,7 @@ from test_dequeue_put_checks import record
 from test_release import SLOT, START, PutRig
 from timerwheel import SimulatedClock, TimerConfig
 from timerwheel.records import OutRecord, Record
-from timerwheel.stages import watch
+from timerwheel.stages import dequeue_put, watch
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem
 from timerwheel.stages.dequeue_put import DequeuePut
@@ -128,6 +128,30 @@ def test_a_record_waiting_for_the_watch_is_looked_at_again_as_soon_as_the_watch_
     assert put._wait_s() == 0
     put.step(0)
     assert rig.sent() == {"m1": SLOT + 11, "m2": SLOT + 13}
+
+
+def test_the_watch_reads_on_shortly_before_a_record_is_due(rig: WatchRig, clock: SimulatedClock,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """READ_ON_MS before the first held record's time the watch reads what arrived (a cancel here),
+    so that the look at its time has only the last moments to read; not earlier, and only for a
+    consumer idle that long."""
+    mono = [100.0]
+    monkeypatch.setattr(watch, "time", SimpleNamespace(monotonic=lambda: mono[0]))
+    put = rig.stage("a")
+    rig.publish_input(START, rig.timer_records(1))
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 50))
+    clock.set(SLOT + 11)
+    put.step(0)  # m1 leaves by the watch: its consumer reads from here on
+    assert rig.sent() == {"m1": SLOT + 11}
+    rig.cancel("m9", SLOT + 60)
+    mono[0] += 1.0
+    clock.set(SLOT + 50 - dequeue_put.READ_ON_MS - 1)
+    put.step(0)
+    assert not put._watch.cancelled(0, "m9")  # not yet
+    clock.set(SLOT + 50 - dequeue_put.READ_ON_MS)
+    put.step(0)
+    assert put._watch.cancelled(0, "m9")  # read on, before m2's time
+    assert rig.sent() == {"m1": SLOT + 11}
 
 
 def test_a_cancel_above_the_checkpointed_input_drops_the_held_record(rig: WatchRig, clock: SimulatedClock) -> None:

@@ -52,6 +52,8 @@ OBSERVE_S = 0.01
 READ_AGAIN_S = 0.001
 #: How long one look waits for the consumer to reach the observed ends.
 CATCH_UP_S = 0.02
+#: How long ``read_on`` waits for what has arrived.
+READ_ON_WAIT_S = 0.002
 #: Records read per poll.
 POLL_RECORDS = 2_000
 
@@ -87,6 +89,8 @@ class ShardWatch:
     floor: EnqueueCheckpoint | None = None
     #: The shard's store, as the last ``granted`` passed it (``Watch._observe`` reads its R).
     shard: Shard | None = None
+    #: When its consumer was last polled (monotonic).
+    polled_at: float = 0.0
 
 
 class Watch:
@@ -141,6 +145,15 @@ class Watch:
         if sw.seen is not None:
             return READ_AGAIN_S
         return max(0.0, OBSERVE_S - (time.monotonic() - sw.asked_at))
+
+    def read_on(self, idle_s: float) -> None:
+        """Read what has arrived on the timer partitions of each shard whose consumer was not
+        polled for ``idle_s``, keeping the cancels met: called shortly before records are due, so
+        that the look at their time reads only the last moments' input, not all since the last."""
+        mono = time.monotonic()
+        for sw in self._shards.values():
+            if sw.consumer is not None and mono - sw.polled_at >= idle_s:
+                self._poll(sw, sw.consumer, READ_ON_WAIT_S)
 
     def markers(self, shard_id: int, message_id: str, revision: int) -> list[Record]:
         """The cancels and reschedules of ``(message_id, revision)`` read on the shard's timer
@@ -262,17 +275,24 @@ class Watch:
             if left <= 0 and polled:
                 return False
             polled = True
-            try:
-                # Always a positive wait: a poll without one makes a Kafka consumer fetch in batches.
-                records = consumer.poll(POLL_RECORDS, min(max(left, 0.0005), 0.002))
-            except Exception as exc:  # noqa: BLE001 - as _observe
-                self._failed(sw, "read", exc)
+            if not self._poll(sw, consumer, min(max(left, 0.0005), 0.002)):
                 return False
-            for r in records:
-                if r.header(H_CANCEL) is not None or r.header(H_REPLACES) is not None:
-                    key = marker_target(r)
-                    if key is not None:
-                        sw.cancels.setdefault(key, []).append(r)
+
+    def _poll(self, sw: ShardWatch, consumer: Consumer, wait_s: float) -> bool:
+        """One poll of the shard's consumer (always a positive wait: a poll without one makes a
+        Kafka consumer fetch in batches), keeping the cancels and reschedules met; False if it failed."""
+        sw.polled_at = time.monotonic()
+        try:
+            records = consumer.poll(POLL_RECORDS, wait_s)
+        except Exception as exc:  # noqa: BLE001 - as _observe
+            self._failed(sw, "read", exc)
+            return False
+        for r in records:
+            if r.header(H_CANCEL) is not None or r.header(H_REPLACES) is not None:
+                key = marker_target(r)
+                if key is not None:
+                    sw.cancels.setdefault(key, []).append(r)
+        return True
 
     def _failed(self, sw: ShardWatch, what: str, exc: Exception) -> None:
         """Count a failed Kafka call of the watch; its records wait for ``W`` meanwhile."""
