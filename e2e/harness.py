@@ -665,6 +665,8 @@ class Delivery:
     #: When the collector's poll returned it, by this process's clock: an independent clock, not
     #: the service's own ``tw-delivered-at``.
     received_at_ms: int = 0
+    #: The destination record's Kafka timestamp (dequeue-put's producer stamps it at the send).
+    timestamp_ms: int = 0
 
 
 class Collector:
@@ -717,7 +719,7 @@ class Collector:
                     headers = {k: bytes(v) for k, v in (r.headers or ())}
                     at = int(headers.get("tw-delivered-at", b"0") or 0)
                     got.append(Delivery(r.topic, r.partition, r.offset, r.key,
-                                        r.value if self.keep_values else None, headers, at, received))
+                                        r.value if self.keep_values else None, headers, at, received, r.timestamp))
             if got:
                 with self._lock:
                     for d in got:
@@ -766,7 +768,8 @@ class Collector:
                         if headers.get("tw-id", b"").decode() in wanted:
                             at = int(headers.get("tw-delivered-at", b"0") or 0)
                             found.append(Delivery(r.topic, r.partition, r.offset, r.key,
-                                                  r.value if self.keep_values else None, headers, at, received))
+                                                  r.value if self.keep_values else None, headers, at, received,
+                                                  r.timestamp))
         finally:
             consumer.close(autocommit=False)
         with self._lock:
@@ -918,13 +921,16 @@ class Report:
     #: Early and lateness again by the collector's receive time (its own clock), not tw-delivered-at.
     early_received: list[str] = field(default_factory=list)
     received_lateness_ms: dict[str, float] = field(default_factory=dict)
+    #: Lateness by the destination record's Kafka timestamp (the first copy's).
+    timestamp_lateness_ms: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> str:
         return (f"[{self.name}] scheduled={self.scheduled} delivered={self.delivered} lost={len(self.lost)} "
                 f"duplicated={self.duplicated} late>1s={self.late} early={len(self.early)} "
                 f"early_by_receive={len(self.early_received)} "
                 f"cancelled_but_delivered={len(self.cancelled_delivered)} unexpected={len(self.unexpected)} "
-                f"lateness_ms={self.lateness_ms} lateness_by_receive_ms={self.received_lateness_ms}")
+                f"lateness_ms={self.lateness_ms} lateness_by_timestamp_ms={self.timestamp_lateness_ms} "
+                f"lateness_by_receive_ms={self.received_lateness_ms}")
 
 
 def make_report(name: str, producer: TimerProducer, collector: Collector) -> Report:
@@ -943,6 +949,7 @@ def make_report(name: str, producer: TimerProducer, collector: Collector) -> Rep
     # that does not trust the service's stamp).
     received = sorted(min(d.received_at_ms for d in by_id[m]) - max(expected[m].deliver_at_ms, expected[m].sent_ms)
                       for m in delivered)
+    stamped = sorted(by_id[m][0].timestamp_ms - max(expected[m].deliver_at_ms, expected[m].sent_ms) for m in delivered)
     early_received = sorted(m for m in delivered
                             if min(d.received_at_ms for d in by_id[m]) < expected[m].deliver_at_ms)
     cancelled = sorted(m for m in producer.cancels_in_time() if m in by_id)
@@ -955,6 +962,6 @@ def make_report(name: str, producer: TimerProducer, collector: Collector) -> Rep
         return {"p50": pct(0.5), "p99": pct(0.99), "max": float(values[-1]) if values else float("nan")}
 
     rep = Report(name, len(expected), len(delivered), lost, duplicated, late, early, cancelled, unexpected,
-                 pcts(lateness), early_received, pcts(received))
+                 pcts(lateness), early_received, pcts(received), pcts(stamped))
     print(rep.line(), flush=True)
     return rep
