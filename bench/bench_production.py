@@ -52,7 +52,8 @@
   records read in passing and without it (``read_cache_records=0``), side by side.
 
 Sizes: ``TW_BENCH_PROD_N`` (throughput, default 20,000), ``TW_BENCH_PROD_RATE`` (500),
-``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_DUE`` (comma list of
+``TW_BENCH_PROD_SECONDS`` (60), ``TW_BENCH_DELAYS_MS`` (lateness, ``2000,10000``: the shortest and
+longest delay), ``TW_BENCH_PROD_BURST`` (200,000), ``TW_BENCH_DUE`` (comma list of
 whole_second, uniform). ``TW_BENCH_PROD_ONLY``: comma list of throughput, compressed, sasl_ssl,
 lateness, burst, large_burst, idle, slot_reads, shared_volume, guarantee, brokers, or ``all``; by default
 throughput, lateness, burst, idle, guarantee and brokers (``DEFAULT_ONLY``). ``TW_BENCH_BASELINE=<git
@@ -85,7 +86,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from bench.baseline import CURRENT, Code, codes
 from bench.common import emit, percentile, say
-from bench.lateness import DUE_MODES
+from bench.lateness import DELAYS_MS, DUE_MODES
 from bench.load import TimerwheelWire
 from bench.steady import keeps_up, steady
 
@@ -391,7 +392,7 @@ def sasl_ssl(redis_url: str, n: int) -> None:
 
 def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float, mounts: TwoMounts | None = None,
                   lead_ms: int = 0, due_mode: str = "whole_second", code: Code = CURRENT,
-                  settings: dict[str, Any] | None = None) -> dict[str, Any]:
+                  settings: dict[str, Any] | None = None, delays_ms: tuple[int, int] = DELAYS_MS) -> dict[str, Any]:
     """A fresh pipeline of ``code``, ``rate`` msg/s for ``seconds`` through it (``bench.steady``,
     whose consumer reads ``read_committed``); ``settings``: more of the stages' own. The result
     has ``exactly_once_counts`` too, and ``cpu``: each stage process's CPU over the run, in % of a core."""
@@ -406,7 +407,7 @@ def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float, mounts:
         before = {name: _cpu_s(p) for name, p in procs.items()}
         started = time.monotonic()
         result = steady(kafka, TimerwheelWire(pipe.timer_topic, dest, PARTITIONS), dest, rate, seconds, due_mode,
-                        options=pipe.kafka_options)
+                        delays_ms=delays_ms, options=pipe.kafka_options)
         elapsed = time.monotonic() - started
         cpu = {name: round(100 * (_cpu_s(p) - before[name]) / elapsed, 1) for name, p in procs.items()}
         return {**result, **exactly_once_counts(pipe), "cpu": cpu}
@@ -429,13 +430,15 @@ def emit_lateness(bench_name: str, result: dict[str, Any], **extra: Any) -> None
 LEAD_MS = 500
 
 
-def lateness(kafka: str, redis_url: str, rate: int, seconds: float, modes: list[str], lead_ms: int) -> None:
+def lateness(kafka: str, redis_url: str, rate: int, seconds: float, modes: list[str], lead_ms: int,
+             delays_ms: tuple[int, int] = DELAYS_MS) -> None:
     """Each due mode, each code (the current one, then the baseline: alternately), then the
     current code with ``TW_CANCEL_LEAD_MS=lead_ms`` (0: not run), whole-second due times."""
     for mode in modes:
         for code in codes():
-            result = _lateness_run(kafka, redis_url, rate, seconds, due_mode=mode, code=code)
-            say(f"lateness, {code.name}, due {mode}, {rate} msg/s for {seconds:.0f} s: {result['summary']}; "
+            result = _lateness_run(kafka, redis_url, rate, seconds, due_mode=mode, code=code, delays_ms=delays_ms)
+            say(f"lateness, {code.name}, due {mode}, {rate} msg/s for {seconds:.0f} s, delays {delays_ms[0]}-"
+                f"{delays_ms[1]} ms: {result['summary']}; "
                 f"lost {result['lost']}, duplicated {result['duplicated']}; CPU, % of a core: {result['cpu']}")
             emit_lateness("production.lateness.p99", result, code=code.name, cpu=result["cpu"])
     if lead_ms:
@@ -803,6 +806,19 @@ def selected(value: str) -> set[str]:
     return names
 
 
+def bench_delays(raw: str) -> tuple[int, int]:
+    """``TW_BENCH_DELAYS_MS``: ``min,max`` in ms (empty: ``DELAYS_MS``)."""
+    if not raw.strip():
+        return DELAYS_MS
+    try:
+        low, high = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise SystemExit(f"TW_BENCH_DELAYS_MS: {raw!r} is not two whole numbers of ms, min,max") from None
+    if not 0 < low <= high:
+        raise SystemExit(f"TW_BENCH_DELAYS_MS: {raw!r} needs 0 < min <= max")
+    return low, high
+
+
 def due_modes(value: str) -> list[str]:
     modes = [x.strip() for x in value.split(",") if x.strip()] or list(DUE_MODES)
     unknown = [m for m in modes if m not in DUE_MODES]
@@ -823,7 +839,8 @@ def main() -> None:
         sasl_ssl(redis_url, _env_int("TW_BENCH_PROD_N", 20_000))
     if "lateness" in only:
         lateness(kafka, redis_url, _env_int("TW_BENCH_PROD_RATE", 500), float(_env_int("TW_BENCH_PROD_SECONDS", 60)),
-                 due_modes(os.environ.get("TW_BENCH_DUE", "")), int(os.environ.get("TW_BENCH_PROD_LEAD_MS", LEAD_MS)))
+                 due_modes(os.environ.get("TW_BENCH_DUE", "")), int(os.environ.get("TW_BENCH_PROD_LEAD_MS", LEAD_MS)),
+                 bench_delays(os.environ.get("TW_BENCH_DELAYS_MS", "")))
     if "burst" in only:
         for code in codes():
             burst(kafka, redis_url, _env_int("TW_BENCH_PROD_BURST", 200_000), code=code)
