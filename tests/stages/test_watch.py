@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from types import SimpleNamespace
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_dequeue_put_checks import record
@@ -23,8 +23,8 @@ from timerwheel.stages import dequeue_put, watch
 from timerwheel.stages.base import StageContext
 from timerwheel.stages.codec import DELIVER, DeliverEntry, DeliverItem
 from timerwheel.stages.dequeue_put import DequeuePut
-from timerwheel.stages.watch import Watch
 from timerwheel.stages.enqueue_put import w_cap_ms
+from timerwheel.stages.watch import Watch
 from timerwheel.store import DequeueCheckpoint, EnqueueCheckpoint, Flag, TimerRecord
 from timerwheel.store.layout import open_reader_if_exists, open_shard
 from timerwheel.transports.kafka.log import KafkaCommitLog
