@@ -132,26 +132,6 @@ def test_a_record_at_the_start_of_a_slot_leaves_once_w_passes_it(rig: PutRig, cl
     assert rig.done() == 1
 
 
-def test_a_burst_due_at_once_goes_out_in_rounds_without_waiting_between_them(
-        rig: PutRig, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More records due at once than RELEASE_RECORDS: each round sends that many, and the step
-    after it does not wait; records due but held back by their gate do not make it spin."""
-    monkeypatch.setattr(dequeue_put, "RELEASE_RECORDS", 2)
-    put = rig.stage("a")
-    rig.hand_over(*(record(i, "dest", SLOT + 10) for i in range(1, 6)))
-    clock.set(SLOT + 20)
-    put.step(0)
-    assert put._wait_s() > 0  # due, but W has not passed them: they wait, and the step waits
-    rig.publish(SLOT + 11)
-    sent = []
-    for _ in range(3):
-        put.step(0)
-        sent.append(len(rig.sent()))
-        assert put._wait_s() == (0.0 if sent[-1] < 5 else float("inf"))
-    assert sent == [2, 4, 5]
-    assert rig.done() == 5 and rig.deliver_q.depth(0) == 0
-
-
 def test_a_crash_while_records_are_held_loses_none(rig: PutRig, clock: SimulatedClock,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(base, "CLAIM_EVERY_S", 0.0)

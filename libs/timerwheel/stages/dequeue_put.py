@@ -132,10 +132,6 @@ HOLD_RETRY_MAX_MS = 60_000
 #: A record due more than TW_LOOKAHEAD_MS + this past this process's clock is not held: its clock
 #: and dequeue-get's disagree by that much, and it goes back to the timer topic with its own time.
 EARLY_WAIT_MAX_S = 5.0
-#: Records looked at in one release round at most: a burst due at once goes out in rounds of
-#: this many, the first while the rest are still being looked at and built (20,000 due in one
-#: second: each record was sent only once all of them were decided and built, ~200 ms for the first).
-RELEASE_RECORDS = 2_000
 #: How long before the first held record's time the watch reads on (``DequeuePut._read_on``).
 READ_ON_MS = 20
 #: How often the release gate reads a shard's dequeue.ckpt for its owner's epoch (``_owner_epoch``).
@@ -251,8 +247,6 @@ class DequeuePut(QueueStage):
         self._watching: set[int] = set()
         #: The delivery time the watch last read on for (``_read_on``).
         self._read_on_for = 0
-        #: The last release left records due in the heap unlooked at (RELEASE_RECORDS).
-        self._more_due = False
         #: Shard -> (its dequeue.ckpt's epoch and R, when read): ``_dequeue_ckpt``.
         self._dequeue_ckpts: dict[int, tuple[int, int, float]] = {}
         self._eo = (ExactlyOnce(ctx, self.logger, deliveries, lambda s: self._dequeue_ckpt(s)[1])
@@ -364,8 +358,6 @@ class DequeuePut(QueueStage):
         records waiting for it, at most CKPT_POLL_S (``W`` may pass them meanwhile)."""
         if not self._heap:
             return float("inf")
-        if self._more_due:
-            return 0.0
         due = self._heap[0][0]
         ahead = due + 1 - self.ctx.clock.now_ms()
         if ahead > 0:
@@ -546,21 +538,14 @@ class DequeuePut(QueueStage):
 
     def _release(self) -> int:
         """Release every held record whose time has come and whose shard's ``W`` passed it (after a
-        look for cancel markers in its slot's tail), at most RELEASE_RECORDS of them, then write the
-        round. Returns items finished."""
+        look for cancel markers in its slot's tail), then write the round. Returns items finished."""
         now = self.ctx.clock.now_ms()
         due: list[Held] = []
         heap = self._heap
-        while heap and heap[0][0] <= now and len(due) < RELEASE_RECORDS:
+        while heap and heap[0][0] <= now:
             due.append(heapq.heappop(heap)[2])
-        capped = bool(heap) and heap[0][0] <= now
-        self._more_due = False
         if due:
-            left = len(heap)
             self._gate(due, now)
-            # More were due than looked at, and these moved on: the next step does not wait
-            # (``_wait_s``); if all of these wait for their gate, so do the ones after them.
-            self._more_due = capped and len(heap) - left < len(due)
         rnd = self._round
         if rnd is None:
             return 0
