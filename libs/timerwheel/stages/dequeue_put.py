@@ -267,16 +267,15 @@ class DequeuePut(QueueStage):
         taken = self._own()
         if not self.partitions:  # owning no shard yet (exactly-once): what is held still goes out
             self.ctx.idle_wait(self.stage, min(timeout_s, self._wait_s(), 0.2))
-            self._read_on()
-            return taken + self._release()
-        taken += super().step(min(timeout_s, self._wait_s()))
+        else:
+            taken += super().step(min(timeout_s, self._wait_s()))
         self._read_on()
         return taken + self._release()
 
     def _read_on(self) -> None:
         """Once the first held record is due within READ_ON_MS, the watch reads what has arrived
         on the timer partitions (``Watch.read_on``), once per such time: the look at its time
-        then has only the last moments to read (a second's burst due at once: 2-3 ms less a shard)."""
+        then has only the last moments to read, not all the input since the watch last looked."""
         if not self._heap:
             return
         due = self._heap[0][0]
