@@ -403,14 +403,10 @@ def _lateness_run(kafka: str, redis_url: str, rate: int, seconds: float, mounts:
         pipe.create_timer_topic()
         pipe.create_topic(dest, PARTITIONS)
         pipe.start_all(120)
-        procs = {name: psutil.Process(pipe.procs[name].pid) for name in STAGES}
-        before = {name: _cpu_s(p) for name, p in procs.items()}
-        started = time.monotonic()
+        meter = CpuMeter({name: psutil.Process(pipe.procs[name].pid) for name in STAGES})
         result = steady(kafka, TimerwheelWire(pipe.timer_topic, dest, PARTITIONS), dest, rate, seconds, due_mode,
                         delays_ms=delays_ms, options=pipe.kafka_options)
-        elapsed = time.monotonic() - started
-        cpu = {name: round(100 * (_cpu_s(p) - before[name]) / elapsed, 1) for name, p in procs.items()}
-        return {**result, **exactly_once_counts(pipe), "cpu": cpu}
+        return {**result, **exactly_once_counts(pipe), "cpu": meter.percent(1)}
     finally:
         close(pipe)
 
@@ -462,6 +458,22 @@ def _cpu_s(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
+class CpuMeter:
+    """The CPU of some processes from its making on, in % of one core (psutil cpu_times deltas)."""
+
+    def __init__(self, procs: dict[str, psutil.Process]) -> None:
+        self.procs = procs
+        self.before = {name: _cpu_s(p) for name, p in procs.items()}
+        self.started = time.monotonic()
+        self.elapsed = 0.0
+
+    def percent(self, digits: int) -> dict[str, float]:
+        """Each process's CPU since, rounded to ``digits``; ``elapsed`` is then the seconds measured."""
+        self.elapsed = time.monotonic() - self.started
+        return {name: round(100 * (_cpu_s(p) - self.before[name]) / self.elapsed, digits)
+                for name, p in self.procs.items()}
+
+
 def idle(kafka: str, redis_url: str, seconds: float, rate: int, code: Code = CURRENT) -> None:
     """CPU of an idle installation, per stage process and Redis, then lateness on the same pipeline."""
     pipe = new_pipeline(kafka, redis_url, code=code, tick_ms=100, batch_size=200, max_in_flight=5_000)
@@ -475,11 +487,10 @@ def idle(kafka: str, redis_url: str, seconds: float, rate: int, code: Code = CUR
         if server is not None:
             procs["redis"] = server
         time.sleep(5)  # settle: the stages' first steps, the leases, the groups
-        before = {name: _cpu_s(p) for name, p in procs.items()}
-        started = time.monotonic()
+        meter = CpuMeter(procs)
         time.sleep(seconds)  # the measured window: nothing is sent
-        elapsed = time.monotonic() - started
-        cpu = {name: round(100 * (_cpu_s(p) - before[name]) / elapsed, 2) for name, p in procs.items()}
+        cpu = meter.percent(2)
+        elapsed = meter.elapsed
         total = round(sum(cpu.values()), 2)
         say(f"idle CPU over {elapsed:.0f} s, % of a core: {cpu}, total {total}")
         emit("production.idle.cpu", total, "% of a core", per_process=cpu, seconds=round(elapsed),
