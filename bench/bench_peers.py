@@ -121,7 +121,7 @@ class Timerwheel:
     def __init__(self, kafka: str, redis_url: str, code: Code) -> None:
         self.name = "timerwheel" if code == CURRENT else f"timerwheel ({code.name})"
         self.kafka = kafka
-        self.pipe = new_pipeline(kafka, redis_url, code=code, tick_ms=100, batch_size=200, max_in_flight=5_000)
+        self.pipe = new_pipeline(kafka, redis_url, code=code, tick_ms=100, batch_size=200)  # max_in_flight: 20,000
         self.dest = self.pipe.dest("peers")
         try:
             self.pipe.create_timer_topic()

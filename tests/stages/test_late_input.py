@@ -334,7 +334,7 @@ def test_a_lagging_dequeue_get_never_lets_a_rolled_message_miss_its_cancel(tmp_p
     try:
         kept, _doomed = _rolled_with_a_cancel(s)
         st = s.put.owned[0]
-        cap = WINDOW_MS // 3 - s.config.effective_lookahead_ms - 2 * TICK_MS  # c - tick
+        cap = WINDOW_MS // 3 - s.config.lookahead_max_ms - 2 * TICK_MS  # c - tick
         assert st.w_cap_ms == cap
         s.clock.set(START + 6_000)
         _enqueue_only(s)

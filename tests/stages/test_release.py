@@ -17,6 +17,7 @@ import pytest
 from test_dequeue_put_checks import record
 from test_late_input import START, Stages
 from timerwheel import SimulatedClock, TimerConfig
+from timerwheel.config import LOOKAHEAD_RECORDS_PER_S
 from timerwheel.records import OutRecord, Record
 from timerwheel.stages import base, dequeue_put, enqueue_get, enqueue_put
 from timerwheel.stages.base import StageContext
@@ -524,3 +525,33 @@ def test_a_cancel_written_after_a_recovery_that_lost_checkpointed_records_still_
     again = open_shard(cfg, 0, writer=True)  # the positions left unused are never checked again
     assert again.recovery is not None and (again.recovery.corrupt_count, again.recovery.truncated_bytes) == (0, 0)
     again.close()
+
+
+def test_a_burst_is_read_ahead_early_enough_to_be_held_before_its_time(stages: Stages) -> None:
+    """A slot of many records is read earlier than TW_LOOKAHEAD_MS: as long ahead as they take to
+    move at LOOKAHEAD_RECORDS_PER_S (6,000 records: 1.2 s), so that dequeue-put holds them all
+    before they are due rather than from a second before on. A lone record is read a second
+    ahead, as before. (Read a second ahead, a burst of 20,000 reached dequeue-put after its time.)"""
+    n = 6_000
+    burst = [stages.client.schedule("dest", b"b", deliver_at_ms=START + 3_000) for _ in range(n)]
+    lone = stages.client.schedule("dest", b"lone", deliver_at_ms=START + 9_000)
+    stages.run()
+    st = stages.dget.owned[0]
+    assert stages.config.effective_lookahead_ms == 1_000
+    assert n * 1_000 // LOOKAHEAD_RECORDS_PER_S == 1_200
+    advance(stages, START + 1_750)  # 1.25 s before the burst: not yet
+    assert st.messages_in_flight() == 0
+    advance(stages, START + 1_850)  # 1.15 s before it: all read, fetched and held
+    assert st.messages_in_flight() == n
+    assert stages.dput.holding(0) > 0
+    assert stages.delivered() == []
+    advance(stages, START + 3_100)
+    assert sorted(stages.delivered()) == sorted(t.message_id for t in burst)
+    for r in stages.log.consumer("dest", {0: 0}).poll(10_000, 0):
+        assert int(r.header("tw-delivered-at") or 0) >= START + 3_000  # never early
+    advance(stages, START + 7_900)  # the lone record: read a second ahead, as before
+    assert st.messages_in_flight() == 0
+    advance(stages, START + 8_100)
+    assert st.messages_in_flight() == 1
+    advance(stages, START + 9_100)
+    assert stages.delivered()[-1] == lone.message_id

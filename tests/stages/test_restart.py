@@ -53,7 +53,7 @@ def rereadable(data: Path, shard_of: dict[str, int], window: collections.Counter
     """Count in ``window`` each message that, at this stop, has a TimerLog record in a slot that
     dequeue-get may have read and ``R`` has not passed: read again after the restart, it may be
     delivered — or, for a roll hop, rolled — again. dequeue-get reads slots up to
-    TW_LOOKAHEAD_MS + a tick past ``W`` (read ahead), and dequeue-put's watch may deliver what it
+    ``lookahead_max_ms`` + a tick past ``W`` (read ahead), and dequeue-put's watch may deliver what it
     read before ``W`` passes it: the window is ``[R, W + lookahead + tick)``. (A record's slot is
     its fire time: a roll slot, or the slot of W for a message written when already due.)"""
     config = TimerConfig(data_dir=str(data), shards=SHARDS, tick_ms=TICK, roll_window_ms=roll_window_ms, fsync=False)
@@ -64,7 +64,7 @@ def rereadable(data: Path, shard_of: dict[str, int], window: collections.Counter
         try:
             dq, eq = shard.load_dequeue_checkpoint(), shard.load_enqueue_checkpoint()
             read_ms = dq.read_ms if dq else 0
-            horizon = (eq.write_ms if eq else 0) + config.effective_lookahead_ms + TICK
+            horizon = (eq.write_ms if eq else 0) + config.lookahead_max_ms + TICK
             unread: set[int] = set()  # id hashes with a record in a slot of [R, W + lookahead + tick)
             for _first, arr in shard.log.iter_chunks(shard.log.start_pos, shard.flush()):
                 slot = arr["deliver_ms"].astype("int64")

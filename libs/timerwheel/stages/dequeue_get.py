@@ -5,7 +5,8 @@ thing a reader trusts. From its cursor on, each non-empty slot ``s`` is read at 
 checkpoint (``Shard.read_slot``: its records below ``P``, column-wise, a bounded piece at a time)
 once ``s + tick <= W`` (*final*: every record of it is written and flushed, invariant 2), and with
 TW_LOOKAHEAD_MS ``L`` > 0 already once ``s <= min(now, W) + L`` (issue 30): dequeue-put then holds
-its messages and releases each at its own time. A slot read before ``W`` passed its end is *open*:
+its messages and releases each at its own time. A burst is read further ahead than ``L``, by the
+time its records take to move (``_lead_ms``, at most ``lookahead_max_ms``), so it is held in time. A slot read before ``W`` passed its end is *open*:
 at each newer checkpoint ``P'`` its *tail* (its records in ``[P, P')``: the TimerLog only appends)
 is read and its new messages sent; empty slots passed by the cursor are open too. It is final,
 and forgotten, once read up to the flushed position of a checkpoint whose ``W`` passed its end
@@ -60,6 +61,7 @@ import numpy as np
 import numpy.typing as npt
 
 from timerwheel import telemetry
+from timerwheel.config import LOOKAHEAD_RECORDS_PER_S
 from timerwheel.errors import FencedError, QueueFullError, TimerLogDamagedError
 from timerwheel.log import StageLogger, stage_logger
 from timerwheel.stages.base import StageContext, decoded, get_by
@@ -445,7 +447,7 @@ class DequeueGet:
                 return BUSY_WAIT_S
             tick = st.shard.tick_ms
             wait = min(wait, tick / 1000)
-            lookahead = self.ctx.config.effective_lookahead_ms
+            lookahead = self._lead_ms(st, now)
             due = st.shard.next_nonempty(st.cursor, now + lookahead + tick)
             # Read once W passes the slot's end (read ahead: once its start is L ahead of now);
             # however late we are, unless W stood still for seconds (enqueue-put down or held back
@@ -503,11 +505,25 @@ class DequeueGet:
         """The end (exclusive) of the slots that may be read at ``ckpt``: those before ``W``'s slot
         (final: ``W`` passed their end), and with TW_LOOKAHEAD_MS ``L`` > 0 every slot that starts
         at or before ``min(now, W) + L`` (read ahead, open until ``W`` passes their end)."""
-        lookahead = self.ctx.config.effective_lookahead_ms
-        if lookahead <= 0:
+        if self.ctx.config.effective_lookahead_ms <= 0:
             return st.shard.slot_time(ckpt.write_ms)
-        ahead = min(self.ctx.clock.now_ms(), ckpt.write_ms) + lookahead
+        base = min(self.ctx.clock.now_ms(), ckpt.write_ms)
+        ahead = base + self._lead_ms(st, base)
         return max(st.shard.slot_time(ckpt.write_ms), st.shard.slot_time(ahead) + st.shard.tick_ms)
+
+    def _lead_ms(self, st: GetShard, at_ms: int) -> int:
+        """How far ahead of ``at_ms`` slots are read: TW_LOOKAHEAD_MS ``L``, or, when longer, the
+        time the records not read yet and due from ``at_ms + L`` to ``at_ms + lookahead_max_ms``
+        take to move at LOOKAHEAD_RECORDS_PER_S (at most ``lookahead_max_ms``): a burst due at once
+        is read, fetched and held before its time. A steady load moves in ``L`` (500 msg/s a shard:
+        2,000 records in that stretch, 0.4 s), so only a burst reads further. In flight, the read
+        is bounded by ``max_in_flight`` as any."""
+        cfg = self.ctx.config
+        base, most = cfg.effective_lookahead_ms, cfg.lookahead_max_ms
+        if most <= base:
+            return base
+        ahead = st.shard.count_range(max(st.cursor, at_ms + base), at_ms + most + st.shard.tick_ms)
+        return min(most, max(base, ahead * 1000 // LOOKAHEAD_RECORDS_PER_S))
 
     def _next_reader(self, st: GetShard, ckpt: EnqueueCheckpoint, tails_only: bool = False) -> SlotReader | None:
         """What to read next at ``ckpt`` (flushed position P): the tail of an open slot read at an

@@ -34,8 +34,9 @@ with the control headers removed and ``tw-id``, ``tw-roll``, ``tw-enqueued-at`` 
 are not held go out in the round they arrive: a CANCELLED one (dequeue-getmsg confirmed a marker)
 and a DUPLICATE (another copy of the message in its slot carries it) are dropped and counted; a
 MISSING one and a destination the allow-list refuses (tightened since, or a forged entry) are
-dead-lettered. A DELIVER item due more than TW_LOOKAHEAD_MS + EARLY_WAIT_MAX_S
-past this clock (a clock far off) goes back to the timer topic with its own time, like a roll.
+dead-lettered. A DELIVER item due more than the most a slot is read ahead (``lookahead_max_ms``)
++ EARLY_WAIT_MAX_S past this clock (a clock far off) goes back to the timer topic with its own
+time, like a roll.
 A ROLL item (a roll hop) is held too, until ``W`` passes its slot's time (so that a crash, which
 reads the slots from ``R`` on again, never hops a message twice from a slot ``W`` had not passed),
 then goes back to the timer topic's same partition (so it stays in its shard, where its cancel
@@ -129,7 +130,7 @@ STAGE = "dequeue-put"
 #: A held record (missing destination) is due again after half the time it has been held, within these.
 HOLD_RETRY_MIN_MS = 1_000
 HOLD_RETRY_MAX_MS = 60_000
-#: A record due more than TW_LOOKAHEAD_MS + this past this process's clock is not held: its clock
+#: A record due more than ``lookahead_max_ms`` + this past this process's clock is not held: its clock
 #: and dequeue-get's disagree by that much, and it goes back to the timer topic with its own time.
 EARLY_WAIT_MAX_S = 5.0
 #: How long before the first held record's time the watch reads on (``DequeuePut._read_on``).
@@ -417,7 +418,7 @@ class DequeuePut(QueueStage):
         now = rnd.now
         rules = ctx.rules
         topics = rules.known_topics
-        late_limit = now + cfg.effective_lookahead_ms + int(EARLY_WAIT_MAX_S * 1000)
+        late_limit = now + cfg.lookahead_max_ms + int(EARLY_WAIT_MAX_S * 1000)
         early = 0
         to_hold: list[Held] = []
         for p, part in batches.items():
@@ -441,13 +442,13 @@ class DequeuePut(QueueStage):
                 if due > late_limit:
                     self._roll_back(rnd, h, due)
                     continue
-                if due > now + cfg.effective_lookahead_ms + cfg.tick_ms:
+                if due > now + cfg.lookahead_max_ms + cfg.tick_ms:
                     early += 1
                 heapq.heappush(self._heap, (due, next(self._seq), h))
         if early:
             # More ahead than reading ahead explains: this clock is behind dequeue-get's.
             ctx.metrics.inc("early_records", early)
-            self.logger.warning("records handed over further ahead of their time than TW_LOOKAHEAD_MS, held",
+            self.logger.warning("records handed over further ahead of their time than the look-ahead, held",
                                 records=early)
 
     def _intake(self, rnd: Round, held: HeldEntry, item: DeliverItem, topics: dict[bytes, str],

@@ -103,15 +103,16 @@ INPUT_WAIT_LOG_S = 10.0
 
 
 def r_lead_ms(cfg: TimerConfig) -> int:
-    """``c``: W stays below R + c - tick (module header). ``TW_LOOKAHEAD_MS`` is checked at
-    most roll window / 6 - 2 ticks, so c - tick is at least a sixth of the window and W always
-    moves once R does.
+    """``c``: W stays below R + c - tick (module header), with the most a slot is read ahead
+    (``lookahead_max_ms``: a burst is read earlier than ``TW_LOOKAHEAD_MS``) as the design's ``L``.
+    That is at most roll window / 6 - 2 ticks, so c - tick is at least a sixth of the window and W
+    always moves once R does.
 
     Not capped at 60 s as the design's ``c`` is (precision-and-exactly-once.md 3.1): that ceiling
     serves what is not built yet (retention down to ``W - c``, reschedule's checks of lattice
     points), and it would make W catch up after an outage in steps of 60 s, one round trip through
     dequeue-get each (1,440 for a day; a simulated clock jumping a year, half a million)."""
-    return cfg.roll_window_ms // 3 - cfg.effective_lookahead_ms - cfg.tick_ms
+    return cfg.roll_window_ms // 3 - cfg.lookahead_max_ms - cfg.tick_ms
 
 
 def wheel_headroom_ms(cfg: TimerConfig, shard: Shard) -> int:
