@@ -161,6 +161,11 @@ class Watch:
         sw = self._shards.get(shard_id)
         return list(sw.cancels.get((message_id, revision), ())) if sw is not None else []
 
+    def has_markers(self, shard_id: int) -> bool:
+        """Any cancel or reschedule kept for the shard: ``markers`` finds none for any message else."""
+        sw = self._shards.get(shard_id)
+        return sw is not None and bool(sw.cancels)
+
     def cancelled(self, shard_id: int, message_id: str, revision: int = 0) -> bool:
         """A cancel or reschedule of ``(message_id, revision)`` was read on the shard's timer partitions."""
         return bool(self.markers(shard_id, message_id, revision))
