@@ -76,8 +76,9 @@ COUNTERS: dict[str, str] = {
                      "invalid (records lost after publication): its records wait for the writer's recovery, per shard",
     "undecodable_batches": "timer-topic batches that could not be decoded, per partition",
     "dead_entries": "work-queue entries that could not be decoded, moved to the dead-entry stream",
-    "early_records": "deliveries handed to dequeue-put further ahead of their time than TW_LOOKAHEAD_MS "
-                     "explains (its clock behind the others'), held until due",
+    "early_records": "deliveries handed to dequeue-put further ahead of their time than the look-ahead "
+                     "explains (TW_LOOKAHEAD_MS, a burst's up to max_in_flight's worth more: its clock behind "
+                     "the others'), held until due",
     "handovers": "shards handed over to the replica that ranks first for them, per shard and stage",
     "input_end_failures": "requests for the timer topic's end offsets that failed (W waits meanwhile)",
     "released_by_watch": "held records that passed dequeue-put's gate by its watch of the timer partitions, before W "
