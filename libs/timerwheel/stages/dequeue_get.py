@@ -6,8 +6,8 @@ checkpoint (``Shard.read_slot``: its records below ``P``, column-wise, a bounded
 once ``s + tick <= W`` (*final*: every record of it is written and flushed, invariant 2), and with
 TW_LOOKAHEAD_MS ``L`` > 0 already once ``s <= min(now, W) + L`` (issue 30): dequeue-put then holds
 its messages and releases each at its own time. A burst is read further ahead than ``L``, by the
-time its records take to move (``_lead_ms``, at most ``lookahead_max_ms``), so it is held in time. A slot read before ``W`` passed its end is *open*:
-at each newer checkpoint ``P'`` its *tail* (its records in ``[P, P')``: the TimerLog only appends)
+time its records take to move (``_lead_ms``, at most ``lookahead_max_ms``), so it is held in time.
+A slot read before ``W`` passed its end is *open*: at each newer checkpoint ``P'`` its *tail* (its records in ``[P, P')``: the TimerLog only appends)
 is read and its new messages sent; empty slots passed by the cursor are open too. It is final,
 and forgotten, once read up to the flushed position of a checkpoint whose ``W`` passed its end
 (enqueue-put writes nothing into it after that, invariant 1). Each fetch entry carries the
@@ -510,7 +510,8 @@ class DequeueGet:
     def _horizon(self, st: GetShard, ckpt: EnqueueCheckpoint) -> int:
         """The end (exclusive) of the slots that may be read at ``ckpt``: those before ``W``'s slot
         (final: ``W`` passed their end), and with TW_LOOKAHEAD_MS ``L`` > 0 every slot that starts
-        at or before ``min(now, W) + L`` (read ahead, open until ``W`` passes their end)."""
+        at or before ``min(now, W) + L`` (read ahead, open until ``W`` passes their end; further
+        ahead for a burst: ``_lead_ms``)."""
         if self.ctx.config.effective_lookahead_ms <= 0:
             return st.shard.slot_time(ckpt.write_ms)
         base = min(self.ctx.clock.now_ms(), ckpt.write_ms)
