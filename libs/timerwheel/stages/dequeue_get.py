@@ -7,8 +7,9 @@ once ``s + tick <= W`` (*final*: every record of it is written and flushed, inva
 TW_LOOKAHEAD_MS ``L`` > 0 already once ``s <= min(now, W) + L`` (issue 30): dequeue-put then holds
 its messages and releases each at its own time. A burst is read further ahead than ``L``, by the
 time its records take to move (``_lead_ms``, at most ``lookahead_max_ms``), so it is held in time.
-A slot read before ``W`` passed its end is *open*: at each newer checkpoint ``P'`` its *tail* (its records in ``[P, P')``: the TimerLog only appends)
-is read and its new messages sent; empty slots passed by the cursor are open too. It is final,
+A slot read before ``W`` passed its end is *open*: at each newer checkpoint ``P'`` its *tail*
+(its records in ``[P, P')``: the TimerLog only appends) is read and its new messages sent; empty
+slots passed by the cursor are open too. It is final,
 and forgotten, once read up to the flushed position of a checkpoint whose ``W`` passed its end
 (enqueue-put writes nothing into it after that, invariant 1). Each fetch entry carries the
 position its slot was read at, so dequeue-put knows which markers it must look for itself.
