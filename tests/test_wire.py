@@ -14,6 +14,8 @@ from timerwheel.wire import (
     delivered_headers,
     id_hash,
     marker_target,
+    record_revision,
+    record_roll,
     revision_id_hash,
     rolled_headers,
 )
@@ -207,3 +209,11 @@ def test_the_short_path_of_parse_agrees_with_the_full_checks() -> None:
     for r, reason in refused:
         with pytest.raises(InvalidTimerMessage, match=reason):
             rules.parse(r, NOW)
+
+
+def test_roll_and_revision_read_back_from_a_timer_record_default_to_zero() -> None:
+    """What the console and ``pending`` show of a record they read back: ``tw-roll`` and
+    ``tw-revision`` as numbers, 0 when absent or not a run of digits (a producer's own header)."""
+    assert (record_roll(rec(("tw-roll", "3"))), record_revision(rec(("tw-revision", "2")))) == (3, 2)
+    assert (record_roll(rec()), record_revision(rec())) == (0, 0)
+    assert (record_roll(rec(("tw-roll", "-1"))), record_revision(rec(("tw-revision", "x")))) == (0, 0)

@@ -34,12 +34,12 @@ from timerwheel.records import Record
 from timerwheel.store import Flag, Shard
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
-    H_ROLL,
     H_TOPIC,
     TimerRules,
     message_id_of,
     moved_messages,
     record_revision,
+    record_roll,
     revision_hashes,
     revision_id_hash,
     topic_hash,
@@ -194,6 +194,5 @@ def _pending(rec: Record | None, rules: TimerRules, shard_id: int, from_ms: int,
     mid = message_id_of(rec)
     if (topic is not None and dest != topic) or (message_id is not None and mid != message_id):
         return None
-    raw_roll = rec.header(H_ROLL)
-    roll = int(raw_roll) if raw_roll and raw_roll.isdigit() else 0
-    return PendingTimer(mid, dest, deliver, roll, shard_id, rec.partition, rec.offset, record_revision(rec))
+    return PendingTimer(mid, dest, deliver, record_roll(rec), shard_id, rec.partition, rec.offset,
+                        record_revision(rec))

@@ -361,6 +361,13 @@ def revision_of(headers: dict[str, bytes]) -> int:
     return int(raw) if raw else 0
 
 
+def record_roll(record: Record) -> int:
+    """``tw-roll`` of a timer record read back: how many times it was rolled (absent, or not a run
+    of digits: 0)."""
+    raw = record.header(H_ROLL)
+    return int(raw) if raw and raw.isdigit() else 0
+
+
 def record_revision(record: Record) -> int:
     """``tw-revision`` of a timer record read back (absent, or not a run of digits: 0)."""
     raw = record.header(H_REVISION)

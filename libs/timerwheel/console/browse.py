@@ -47,7 +47,6 @@ from timerwheel.store.wheel import SLOT_MAGIC
 from timerwheel.transports.base import CommitLog
 from timerwheel.wire import (
     H_ERROR,
-    H_ROLL,
     H_SOURCE,
     H_TOPIC,
     Ticket,
@@ -55,6 +54,7 @@ from timerwheel.wire import (
     message_id_of,
     moved_messages,
     record_revision,
+    record_roll,
     revision_hashes,
     topic_hash,
 )
@@ -414,8 +414,7 @@ def _describe(item: PendingItem, rec: Record, rules: TimerRules) -> None:
         item.deliver_at_ms = rules.delivery_time(rec, 0, check_max=False)
     except InvalidTimerMessage:
         item.deliver_at_ms = None
-    raw_roll = rec.header(H_ROLL)
-    item.roll = int(raw_roll) if raw_roll and raw_roll.isdigit() else 0
+    item.roll = record_roll(rec)
     item.revision = record_revision(rec)
     item.key, item.value, item.headers = rec.key, rec.value, list(rec.headers)
 
