@@ -71,7 +71,7 @@ from timerwheel.config import TimerConfig
 from timerwheel.metrics import COUNTERS, GAUGES, HISTOGRAMS, Metrics
 from timerwheel.records import Headers, OutRecord, Record
 from timerwheel.store import Flag
-from timerwheel.wire import H_ERROR, H_ID, H_ROLL, H_TOPIC, TimerRules, message_id_of
+from timerwheel.wire import H_ERROR, H_ID, H_TOPIC, TimerRules, message_id_of, record_roll
 
 #: Links per batch span (the SDK's default span limit is also 128).
 MAX_LINKS = 128
@@ -375,8 +375,7 @@ def dequeue_put_batch(span: Span, cfg: TimerConfig, rules: TimerRules, entries: 
             if rec is None:
                 continue
             attrs = _message_attrs(rec)
-            raw_roll = rec.header(H_ROLL)
-            attrs["timerwheel.roll"] = int(raw_roll) if raw_roll else 0
+            attrs["timerwheel.roll"] = record_roll(rec)
             attrs["timerwheel.slot_time"] = entry.slot_time
             attrs["timerwheel.shard"] = entry.shard
             if item.kind in (kinds["CANCELLED"], kinds.get("DUPLICATE", -1)):
