@@ -12,11 +12,13 @@ import kafka.errors as kafka_errors
 import pytest
 from infra import ServerControl
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+from kafka.partitioner.default import murmur2
 from timerwheel.clock import SimulatedClock
 from timerwheel.records import OutRecord
 from timerwheel.transports.kafka import internals
 from timerwheel.transports.kafka.errors import KafkaLogError
 from timerwheel.transports.kafka.log import KafkaCommitLog
+from timerwheel.transports.kafka.producer import keyed_partitions
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,34 @@ def test_the_key_chooses_the_partition_when_none_is_given(log: KafkaCommitLog) -
     written = log.append([OutRecord(topic, b"same-key", b"%d" % i) for i in range(10)])
     assert len({partition for partition, _ in written}) == 1
     assert [offset for _, offset in written] == list(range(10))  # in order, no gaps
+
+
+def test_keyed_records_go_where_kafka_pythons_own_partitioner_puts_them(log: KafkaCommitLog) -> None:
+    """The appender gives kafka-python the partitions of a batch's keyed records, computed at once
+    (``producer.keyed_partitions``): each the one kafka-python's default partitioner (the Java
+    client's murmur2) picks. A record with a partition keeps it; one without a key still goes out."""
+    topic = new_topic(log, partitions=5)
+    keys = [b"k-%d" % i for i in range(300)] + [uuid.uuid4().bytes for _ in range(100)] + [b"", b"a-much-longer-key" * 7]
+    written = log.append([OutRecord(topic, k, b"v") for k in keys]
+                         + [OutRecord(topic, b"pinned", b"v", partition=3), OutRecord(topic, None, b"keyless")])
+    assert len(written) == len(keys) + 2
+    assert [p for p, _ in written[:len(keys)]] == [(murmur2(k) & 0x7FFFFFFF) % 5 for k in keys]
+    assert len({p for p, _ in written[:len(keys)]}) == 5
+    assert written[len(keys)][0] == 3
+
+
+def test_keyed_partitions_are_picked_only_for_keyed_records_of_known_topics() -> None:
+    """Pure logic: a record with a partition, without a key, or for a topic whose metadata is not
+    there yet is left to kafka-python; the others map through the topic's sorted partitions."""
+
+    class Producer:
+        def partitions_for(self, topic: str) -> set[int]:
+            return {"a": {0, 1, 2}, "b": set()}.get(topic, {7})
+
+    recs = [OutRecord("a", b"x", b""), OutRecord("a", b"y", b"", partition=1), OutRecord("a", None, b"v"),
+            OutRecord("b", b"x", b""), OutRecord("new", b"x", b""), OutRecord("c", b"x", b"")]
+    got = keyed_partitions(Producer(), recs, range(len(recs)), unready={"new"})
+    assert got == {0: (murmur2(b"x") & 0x7FFFFFFF) % 3, 5: 7}
 
 
 def test_a_clock_stamps_records_without_a_timestamp(kafka_bootstrap: str) -> None:

@@ -23,7 +23,7 @@ from timerwheel.records import OutRecord, Record
 from timerwheel.transports.local.frames import CorruptLogRecordError
 from timerwheel.transports.local.layout import InvalidTopicError
 from timerwheel.transports.local.log import LocalCommitLog
-from timerwheel.transports.local.partitioner import kafka_partition, kafka_partitions, murmur2
+from timerwheel.transports.partitioner import kafka_partition, kafka_partitions, murmur2
 
 
 def _drain(log: LocalCommitLog, topic: str, offsets: dict[int, int] | None = None) -> list[Record]:

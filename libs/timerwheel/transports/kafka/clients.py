@@ -100,9 +100,10 @@ class KafkaClients:
             return KafkaAdminClient(client_id=f"{self.client_id}-admin", **self.common())
 
 
-def send_record(producer: Any, r: OutRecord, timestamp_ms: int | None) -> Any:
+def send_record(producer: Any, r: OutRecord, timestamp_ms: int | None, partition: int | None = None) -> Any:
     """``producer.send`` of ``r`` (its future): the one mapping of an ``OutRecord`` onto kafka-python's
-    producer, plain (``producer.Appender``) or transactional (``transactions``)."""
+    producer, plain (``producer.Appender``) or transactional (``transactions``). ``partition``, if
+    given, stands for ``r.partition`` (the default partitioner's choice, computed by the caller)."""
     return producer.send(
         r.topic,
         # kafka-python refuses a record with neither key nor value (other clients allow it): such a
@@ -111,6 +112,6 @@ def send_record(producer: Any, r: OutRecord, timestamp_ms: int | None) -> Any:
         value=r.value if r.value is not None or r.key is not None else b"",
         key=r.key,
         headers=list(r.headers),
-        partition=r.partition,
+        partition=r.partition if partition is None else partition,
         timestamp_ms=timestamp_ms,
     )

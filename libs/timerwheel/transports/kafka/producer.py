@@ -47,6 +47,7 @@ from timerwheel.transports.kafka.admin import Topics
 from timerwheel.transports.kafka.clients import KafkaClients, send_record
 from timerwheel.transports.kafka.errors import REFUSED, KafkaLogError, refusal
 from timerwheel.transports.kafka.transactions import TransactionalProducer
+from timerwheel.transports.partitioner import kafka_partitions
 
 __all__ = ["ATOMIC_TRANSACTION_TIMEOUT_MS", "Appender"]
 
@@ -54,6 +55,28 @@ __all__ = ["ATOMIC_TRANSACTION_TIMEOUT_MS", "Appender"]
 #: left open by a crash holds the timer partition's W (see the module header) this long at most,
 #: plus the broker's abort sweep.
 ATOMIC_TRANSACTION_TIMEOUT_MS = 5_000
+
+
+def keyed_partitions(producer: Any, records: Sequence[OutRecord], indexes: Sequence[int],
+                     unready: set[str]) -> dict[int, int]:
+    """Index -> partition of the records of ``indexes`` with a key and no partition, whose topic's
+    partitions ``producer`` knows (not in ``unready``): where kafka-python's default partitioner
+    would put each (the sorted partitions, ``toPositive(murmur2(key)) % n``), computed for the
+    batch at once. kafka-python hashes a key in Python as it sends it: measured, 18 % of
+    dequeue-put's ``send`` time releasing a burst of 20,000 keyed records."""
+    by_topic: dict[str, list[int]] = {}
+    for i in indexes:
+        r = records[i]
+        if r.key is not None and r.partition is None and r.topic not in unready:
+            by_topic.setdefault(r.topic, []).append(i)
+    out: dict[int, int] = {}
+    for topic, idxs in by_topic.items():
+        known = sorted(producer.partitions_for(topic) or ())
+        if not known:
+            continue  # kafka-python decides (and waits for the topic), as for any record
+        picks = kafka_partitions([bytes(records[i].key or b"") for i in idxs], len(known))
+        out.update(zip(idxs, (known[p] for p in picks), strict=True))
+    return out
 
 
 class Appender:
@@ -144,13 +167,14 @@ class Appender:
         """``producer.send`` each of ``records[indexes]``, its future into ``futures``."""
         unready = {t for t in {records[i].topic for i in indexes} if not internals.has_metadata(producer, t)}
         self.metadata_waits += len(unready)
+        chosen = keyed_partitions(producer, records, indexes, unready)
         for i in indexes:
             r = records[i]
             ts = r.timestamp_ms
             if ts is None and self._clock is not None:
                 ts = self._clock.now_ms()
             try:
-                futures[i] = send_record(producer, r, ts)
+                futures[i] = send_record(producer, r, ts, chosen.get(i))
             except REFUSED as exc:
                 errors.append(f"{r.topic}: {exc}")
                 refused[i] = refusal(exc)

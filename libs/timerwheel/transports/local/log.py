@@ -40,8 +40,8 @@ from timerwheel.transports.local.layout import (
     commit_log_dir,
     valid_name,
 )
-from timerwheel.transports.local.partitioner import kafka_partitions
 from timerwheel.transports.local.segments import DEFAULT_SEGMENT_BYTES, PartitionLog
+from timerwheel.transports.partitioner import kafka_partitions
 from timerwheel.transports.readcache import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, ReadCache
 
 __all__ = ["LocalCommitLog", "StaleWriterError"]

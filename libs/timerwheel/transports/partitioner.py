@@ -1,5 +1,8 @@
-"""Kafka's default partitioner, bit for bit: the partition a keyed record goes to, so that the
-local log spreads keyed records as Kafka would (``toPositive(murmur2(key)) % partitions``).
+"""Kafka's default partitioner, bit for bit: the partition a keyed record goes to
+(``toPositive(murmur2(key)) % partitions``). The local log spreads keyed records with it as Kafka
+would; the Kafka appender gives kafka-python the partitions of a batch's keyed records computed
+with it at once (``kafka.producer.Appender``), rather than kafka-python's murmur2 in Python, a
+record at a time.
 """
 
 from __future__ import annotations
