@@ -77,7 +77,7 @@ COUNTERS: dict[str, str] = {
     "undecodable_batches": "timer-topic batches that could not be decoded, per partition",
     "dead_entries": "work-queue entries that could not be decoded, moved to the dead-entry stream",
     "early_records": "deliveries handed to dequeue-put further ahead of their time than the look-ahead "
-                     "explains (TW_LOOKAHEAD_MS, a burst's up to max_in_flight's worth more: its clock behind "
+                     "explains (TW_LOOKAHEAD_MS, a burst's longer one: its clock behind "
                      "the others'), held until due",
     "handovers": "shards handed over to the replica that ranks first for them, per shard and stage",
     "input_end_failures": "requests for the timer topic's end offsets that failed (W waits meanwhile)",

@@ -529,10 +529,10 @@ def test_a_cancel_written_after_a_recovery_that_lost_checkpointed_records_still_
 
 def test_a_burst_is_read_ahead_early_enough_to_be_held_before_its_time(stages: Stages) -> None:
     """A slot of many records is read earlier than TW_LOOKAHEAD_MS: as long ahead as they take to
-    move at LOOKAHEAD_RECORDS_PER_S (6,000 records: 1.2 s), so that dequeue-put holds them all
+    move at LOOKAHEAD_RECORDS_PER_S (3,000 records: 1.2 s), so that dequeue-put holds them all
     before they are due rather than from a second before on. A lone record is read a second
     ahead, as before. (Read a second ahead, a burst of 20,000 reached dequeue-put after its time.)"""
-    n = 6_000
+    n = 3_000
     burst = [stages.client.schedule("dest", b"b", deliver_at_ms=START + 3_000) for _ in range(n)]
     lone = stages.client.schedule("dest", b"lone", deliver_at_ms=START + 9_000)
     stages.run()
