@@ -150,3 +150,15 @@ def test_byte_bounds_refuse_bad_values_naming_the_variable() -> None:
         TimerConfig.from_env({"TW_QUEUE_BYTES": "16MB"})
     cfg = TimerConfig.from_env({"TW_QUEUE_BYTES": "8388608", "TW_BATCH_BYTES": "1048576", "TW_READ_CACHE_BYTES": "0"})
     assert (cfg.queue_bytes, cfg.batch_bytes, cfg.read_cache_bytes) == (8 * 2**20, 2**20, 0)
+
+
+def test_the_most_a_burst_is_read_ahead_is_the_look_ahead_and_max_in_flights_worth_within_the_roll_window() -> None:
+    """``lookahead_max_ms``: TW_LOOKAHEAD_MS + max_in_flight records at LOOKAHEAD_RECORDS_PER_S (a
+    second per 2,500), never past what the roll window allows TW_LOOKAHEAD_MS (window / 6 - 2
+    ticks, 60 s at most), and 0 when reading ahead is off."""
+    assert TimerConfig().lookahead_max_ms == 1_000 + 8_000  # 2-day window, max_in_flight 20,000
+    assert TimerConfig(max_in_flight=5_000).lookahead_max_ms == 3_000
+    assert TimerConfig(lookahead_ms=2_500, max_in_flight=1_000_000).lookahead_max_ms == 60_000
+    assert TimerConfig(roll_window_ms=20_000, tick_ms=100).lookahead_max_ms == 20_000 // 6 - 200  # 3,133
+    assert TimerConfig(roll_window_ms=20_000, tick_ms=100).effective_lookahead_ms == 1_000
+    assert TimerConfig(lookahead_ms=0).lookahead_max_ms == 0
