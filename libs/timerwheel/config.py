@@ -228,7 +228,7 @@ class TimerConfig:
              "must differ from the timer and dead-letter topics")
         need(1_000 <= self.transaction_timeout_ms <= 900_000, "transaction_timeout_ms",
              f"must be 1000..900000 (the broker's transaction.max.timeout.ms default), got {self.transaction_timeout_ms}")
-        lookahead_max = max(0, min(60_000, self.roll_window_ms // 6 - 2 * self.tick_ms))
+        lookahead_max = self.lookahead_bound_ms
         need(self.lookahead_ms == -1 or 0 <= self.lookahead_ms <= lookahead_max, "lookahead_ms",
              f"must be 0..{lookahead_max} (60000 at most, and roll_window_ms / 6 - 2 ticks) or -1 (the default), "
              f"got {self.lookahead_ms}")
@@ -318,7 +318,13 @@ class TimerConfig:
         """TW_LOOKAHEAD_MS, its default (-1) made DEFAULT_LOOKAHEAD_MS within what the roll window allows."""
         if self.lookahead_ms >= 0:
             return self.lookahead_ms
-        return max(0, min(DEFAULT_LOOKAHEAD_MS, self.roll_window_ms // 6 - 2 * self.tick_ms))
+        return min(DEFAULT_LOOKAHEAD_MS, self.lookahead_bound_ms)
+
+    @property
+    def lookahead_bound_ms(self) -> int:
+        """What the roll window allows any look-ahead: roll_window_ms / 6 - 2 ticks, 60 s at most
+        (design 3.1: W's cap ``c`` stays at least a sixth of the window)."""
+        return max(0, min(60_000, self.roll_window_ms // 6 - 2 * self.tick_ms))
 
     @property
     def lookahead_max_ms(self) -> int:
@@ -329,8 +335,7 @@ class TimerConfig:
         base = self.effective_lookahead_ms
         if base <= 0:
             return 0
-        cap = max(base, min(60_000, self.roll_window_ms // 6 - 2 * self.tick_ms))
-        return min(cap, base + self.max_in_flight * 1000 // LOOKAHEAD_RECORDS_PER_S)
+        return min(max(base, self.lookahead_bound_ms), base + self.max_in_flight * 1000 // LOOKAHEAD_RECORDS_PER_S)
 
     @property
     def effective_progress_topic(self) -> str:
