@@ -469,8 +469,10 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "TW_CANCEL_LEAD_MS": ("cancel_lead_ms", "int",
                           "how far W may run past the time up to which a shard's input is written, 0..60000 ms. "
                           "0: every cancel acknowledged before its target's delivery time meets it. N: only "
-                          "cancels acknowledged at least N ms before it are sure to, and deliveries come up to "
-                          "N ms sooner when enqueue-get lags"),
+                          "cancels acknowledged at least N ms before it are sure to, deliveries come up to "
+                          "N ms sooner when enqueue-get lags, and dequeue-put looks at the timer topic up to "
+                          "N ms before a record's time (it looks 20 ms before: N over 20 ms), "
+                          "so that the record leaves at its time, not after a look at it"),
     "TW_DELIVERY_GUARANTEE": ("delivery_guarantee", "str",
                               "at-least-once (the default) or exactly-once: each delivery, roll hop and dead "
                               "letter of dequeue-put committed with its progress record in one Kafka transaction "

@@ -8,6 +8,7 @@ log, ``W`` and R published by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -152,6 +153,33 @@ def test_the_watch_reads_on_shortly_before_a_record_is_due(rig: WatchRig, clock:
     put.step(0)
     assert put._watch.cancelled(0, "m9")  # read on, before m2's time
     assert rig.sent() == {"m1": SLOT + 11}
+
+
+@pytest.mark.parametrize("lead", [0, 50])
+def test_the_loose_mode_takes_the_look_before_the_records_time_and_they_leave_at_it(
+        rig: WatchRig, clock: SimulatedClock, lead: int) -> None:
+    """``TW_CANCEL_LEAD_MS`` = N: an observation taken up to N ms before a record's time grants it
+    (``Watch.look_ahead``, READ_ON_MS before the time), so it leaves at its time, without a look at
+    the timer topic at it; a cancel acknowledged after that look may miss, the trade the setting
+    documents. Strict (0): each leaves at the first look after its time, and the cancel wins."""
+    rig.config = dataclasses.replace(rig.config, cancel_lead_ms=lead)
+    put = rig.stage("a")
+    end = rig.timer_records(3)
+    rig.publish_input(START, end - 1)  # W far behind: only the watch releases them
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 60), record(3, "dest", SLOT + 62))
+    sent: dict[str, int] = {}
+    while clock.now_ms() <= SLOT + 70:
+        if clock.now_ms() == SLOT + 45:
+            rig.cancel("m3", SLOT + 62)  # after the look READ_ON_MS before m2's time, before m3's
+        put.step(0)
+        sent = rig.sent()
+        assert all(at >= due for mid, at in sent.items() for due in [{"m1": 10, "m2": 60, "m3": 62}[mid] + SLOT])
+        clock.advance(1)
+    if lead:
+        assert sent == {"m1": SLOT + 10, "m2": SLOT + 60, "m3": SLOT + 62}
+    else:
+        assert sent == {"m1": SLOT + 11, "m2": SLOT + 61}
+    assert rig.done() == 3
 
 
 def test_a_cancel_above_the_checkpointed_input_drops_the_held_record(rig: WatchRig, clock: SimulatedClock) -> None:

@@ -276,13 +276,15 @@ class DequeuePut(QueueStage):
     def _read_on(self) -> None:
         """Once the first held record is due within READ_ON_MS, the watch reads what has arrived
         on the timer partitions (``Watch.read_on``), once per such time: the look at its time
-        then has only the last moments to read, not all the input since the watch last looked."""
+        then has only the last moments to read, not all the input since the watch last looked.
+        In the loose mode the watch takes its observation then too (``Watch.look_ahead``)."""
         if not self._heap:
             return
         due = self._heap[0][0]
         if due != self._read_on_for and due - self.ctx.clock.now_ms() <= READ_ON_MS:
             self._read_on_for = due
             self._watch.read_on(READ_ON_MS / 1000)
+            self._watch.look_ahead(due)
 
     # ---------------------------------------------------------------- shard ownership (exactly-once)
 
@@ -352,14 +354,15 @@ class DequeuePut(QueueStage):
 
     def _wait_s(self) -> float:
         """How long a step may wait for new entries: until just past the first held record's time
-        by this clock (the watch needs an observation after it), READ_ON_MS before it first (so
-        that the watch reads on, ``_read_on``); while one is due and waits for
+        by this clock (the watch needs an observation after it; in the loose mode, at it: one at
+        its time grants ``TW_CANCEL_LEAD_MS`` past it), READ_ON_MS before it first (so that the
+        watch reads on, ``_read_on``); while one is due and waits for
         its gate, until the watch may grant more (``Watch.next_look_s``) if the last gate left
         records waiting for it, at most CKPT_POLL_S (``W`` may pass them meanwhile)."""
         if not self._heap:
             return float("inf")
         due = self._heap[0][0]
-        ahead = due + 1 - self.ctx.clock.now_ms()
+        ahead = due + (self.ctx.config.cancel_lead_ms <= 0) - self.ctx.clock.now_ms()
         if ahead > 0:
             if ahead > READ_ON_MS and due != self._read_on_for:
                 return (ahead - READ_ON_MS) / 1000  # wake to read on first (``_read_on``)

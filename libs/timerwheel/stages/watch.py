@@ -22,7 +22,9 @@ kept every cancel from an offset at or below the checkpoint's ``O`` on. It is gr
 ``t`` sits in a roll slot at least a third of the window before ``t``, its hop is in Kafka once R
 passed that slot, and ``t < R0 + w_cap`` says R had before ``t0`` (so the hop is below ``E``). An
 open transaction on a partition holds the consumer at its last stable offset, below ``E``: the
-record waits (late, never wrong). ROLL items still wait for ``W``; so does everything when the
+record waits (late, never wrong). In the loose mode (``TW_CANCEL_LEAD_MS`` = N) an observation
+grants up to ``t0 + N`` instead, and is taken shortly before the records' time (``look_ahead``),
+so that they leave at it: a cancel acknowledged in the last N ms may then miss. ROLL items still wait for ``W``; so does everything when the
 watch cannot tell (no observation yet, the broker restarting, a checkpoint whose ``O`` went back
 after a lossy recovery: the consumer is moved back and the watch covers again once it reads on).
 
@@ -155,6 +157,28 @@ class Watch:
             if sw.consumer is not None and mono - sw.polled_at >= idle_s:
                 self._poll(sw, sw.consumer, READ_ON_WAIT_S)
 
+    def look_ahead(self, due_ms: int) -> None:
+        """The loose mode (``TW_CANCEL_LEAD_MS`` = N > 0): an observation taken now grants up to
+        N ms past it, so one taken shortly before ``due_ms`` (``DequeuePut._read_on``) lets the
+        records due then leave at their time, with no look at the timer topic's ends at it. Asked
+        for every shard the watch follows whose grant does not reach past ``due_ms`` yet (one
+        ListOffsets for all, at most every OBSERVE_S a shard), and read up to its ends. Nothing to
+        do in the strict mode, or when N does not reach from now to ``due_ms``: the look at their
+        time decides then, as always."""
+        lead = self.ctx.config.cancel_lead_ms
+        if lead <= 0 or self.ctx.clock.now_ms() + lead <= due_ms:
+            return
+        mono = time.monotonic()
+        ready = [sw for sw in self._shards.values() if sw.consumer is not None and sw.shard is not None
+                 and (sw.grant or 0) <= due_ms]
+        asking = [sw for sw in ready if sw.seen is None and self._may_ask(sw, mono)]
+        if asking:
+            self._wanted = {sw.shard_id for sw in asking}
+            self._observe(asking[0])
+        for sw in ready:
+            assert sw.consumer is not None and sw.shard is not None
+            self._settle(sw, sw.consumer, w_cap_ms(self.ctx.config, sw.shard), patient=True)
+
     def markers(self, shard_id: int, message_id: str, revision: int) -> list[Record]:
         """The cancels and reschedules of ``(message_id, revision)`` read on the shard's timer
         partitions (from where the checkpoint's TimerLog ends)."""
@@ -195,7 +219,7 @@ class Watch:
         """Once the pursued observation's ends are reached, what it grants is granted."""
         seen = sw.seen
         if seen is not None and self._reach(sw, consumer, seen.ends, patient):
-            sw.grant = max(sw.grant or 0, min(seen.t0, seen.read_ms + cap))
+            sw.grant = max(sw.grant or 0, min(seen.t0 + self.ctx.config.cancel_lead_ms, seen.read_ms + cap))
             sw.seen = None
 
     def _follow_from(self, sw: ShardWatch, ckpt: EnqueueCheckpoint) -> Consumer | None:
