@@ -135,6 +135,10 @@ HOLD_RETRY_MAX_MS = 60_000
 EARLY_WAIT_MAX_S = 5.0
 #: How long before the first held record's time the watch reads on (``DequeuePut._read_on``).
 READ_ON_MS = 20
+#: The last ms before a held record's release are slept out (``DequeuePut._wait_out``), not waited
+#: in the queue's blocking read: Redis ends a blocking read's timeout up to ~2 ms late (measured:
+#: releases began 1.7-3 ms past their time, against the 1 ms the watch needs).
+FINE_WAIT_MS = 3
 #: How often the release gate reads a shard's dequeue.ckpt for its owner's epoch (``_owner_epoch``).
 OWNER_EPOCH_EVERY_S = 0.1
 #: Held entries are touched (their pending idle time reset) once held this long, this often: a
@@ -270,8 +274,23 @@ class DequeuePut(QueueStage):
             self.ctx.idle_wait(self.stage, min(timeout_s, self._wait_s(), 0.2))
         else:
             taken += super().step(min(timeout_s, self._wait_s()))
+            self._wait_out(timeout_s)
         self._read_on()
         return taken + self._release()
+
+    def _release_at(self) -> int | None:
+        """When the first held record may be released: just past its time by this clock (the watch
+        needs an observation after it), at it in the loose mode (one at its time grants
+        ``TW_CANCEL_LEAD_MS`` past it)."""
+        return self._heap[0][0] + (self.ctx.config.cancel_lead_ms <= 0) if self._heap else None
+
+    def _wait_out(self, timeout_s: float) -> None:
+        """Sleep out the last FINE_WAIT_MS (at most ``timeout_s``) to the first held record's
+        release: an idle wait (new work, or a simulated clock's move, ends it)."""
+        at = self._release_at()
+        left = at - self.ctx.clock.now_ms() if at is not None else 0
+        if timeout_s > 0 and 0 < left <= FINE_WAIT_MS:
+            self.ctx.idle_wait(self.stage, min(timeout_s, left / 1000))
 
     def _read_on(self) -> None:
         """Once the first held record is due within READ_ON_MS, the watch reads what has arrived
@@ -353,20 +372,20 @@ class DequeuePut(QueueStage):
         return shard in self._owner.owned
 
     def _wait_s(self) -> float:
-        """How long a step may wait for new entries: until just past the first held record's time
-        by this clock (the watch needs an observation after it; in the loose mode, at it: one at
-        its time grants ``TW_CANCEL_LEAD_MS`` past it), READ_ON_MS before it first (so that the
-        watch reads on, ``_read_on``); while one is due and waits for
+        """How long a step may wait for new entries: until FINE_WAIT_MS before the first held
+        record's release (``_release_at``; the rest is slept out, ``_wait_out``), READ_ON_MS before
+        it first (so that the watch reads on, ``_read_on``); while one is due and waits for
         its gate, until the watch may grant more (``Watch.next_look_s``) if the last gate left
         records waiting for it, at most CKPT_POLL_S (``W`` may pass them meanwhile)."""
-        if not self._heap:
+        at = self._release_at()
+        if at is None:
             return float("inf")
         due = self._heap[0][0]
-        ahead = due + (self.ctx.config.cancel_lead_ms <= 0) - self.ctx.clock.now_ms()
+        ahead = at - self.ctx.clock.now_ms()
         if ahead > 0:
             if ahead > READ_ON_MS and due != self._read_on_for:
                 return (ahead - READ_ON_MS) / 1000  # wake to read on first (``_read_on``)
-            return ahead / 1000
+            return max(0, ahead - FINE_WAIT_MS) / 1000  # the rest slept out (``_wait_out``)
         if not self._watching:
             return CKPT_POLL_S
         return min(CKPT_POLL_S, *(self._watch.next_look_s(s) for s in self._watching))
