@@ -24,9 +24,10 @@ passed that slot, and ``t < R0 + w_cap`` says R had before ``t0`` (so the hop is
 open transaction on a partition holds the consumer at its last stable offset, below ``E``: the
 record waits (late, never wrong). In the loose mode (``TW_CANCEL_LEAD_MS`` = N) an observation
 grants up to ``t0 + N`` instead, and is taken shortly before the records' time (``look_ahead``),
-so that they leave at it: a cancel acknowledged in the last N ms may then miss. ROLL items still wait for ``W``; so does everything when the
-watch cannot tell (no observation yet, the broker restarting, a checkpoint whose ``O`` went back
-after a lossy recovery: the consumer is moved back and the watch covers again once it reads on).
+so that they leave at it: a cancel acknowledged in the last N ms may then miss. ROLL items still
+wait for ``W``; so does everything when the watch cannot tell (no observation yet, the broker
+restarting, a checkpoint whose ``O`` went back after a lossy recovery: the consumer is moved back
+and the watch covers again once it reads on).
 
 Cost, only while records wait for their gate: one ListOffsets for every shard whose records wait
 at most every OBSERVE_S (``want``: one request serves them all), and the
