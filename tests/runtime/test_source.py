@@ -114,6 +114,24 @@ def test_the_local_log_has_ids_and_gives_one_to_a_topic_made_before_them(tmp_pat
     assert LocalCommitLog(tmp_path / "log").cluster_id() != before
 
 
+def test_the_source_is_recorded_from_the_one_read_of_the_deployment_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On two mounts of one volume, both nodes record the source at once: a second open of the file
+    while the other node replaces it can find it missing (a failed e2e start, "deployment file ...
+    does not exist"). ``check_source`` records it beside the settings it read, without opening the
+    file again."""
+    from timerwheel.store import deployment
+
+    cfg = _config(tmp_path)
+    log = LocalCommitLog(tmp_path / "log")
+    log.ensure_topic(cfg.timer_topic, 2)
+    check_settings(cfg.data_dir, DeploymentSettings.of(cfg), fsync=False)
+    monkeypatch.setattr(deployment, "load_settings", lambda data_dir: None)  # the name missing at a second open
+    current = check_source(cfg, log, adopt=True, production=False)
+    monkeypatch.undo()
+    assert load_source(cfg.data_dir) == current and current.timer_topic_id
+
+
 def test_a_stage_refuses_shards_of_a_timer_topic_made_again_in_one_line(
         tmp_path: Path, kafka: KafkaCommitLog, kafka_bootstrap: str, redis_url: str) -> None:
     """The quick start rerun on a new broker with the same TW_DATA_DIR: enqueue-get resumed at the

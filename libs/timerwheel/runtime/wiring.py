@@ -164,11 +164,12 @@ def check_source(cfg: TimerConfig, commit_log: CommitLog, *, adopt: bool, produc
                 f"data directory {cfg.data_dir} holds shards whose checkpoints are beyond the end of timer topic "
                 f"{cfg.timer_topic!r} ({'; '.join(beyond[:4])}{'; ...' if len(beyond) > 4 else ''}): it is not the "
                 f"topic they were written from (made again, or another cluster's): {_rebase_advice(cfg, production)}")
-    if adopt and stored != current and load_settings(cfg.data_dir) is not None:
+    settings = load_settings(cfg.data_dir) if adopt and stored != current else None
+    if settings is not None:
         if shards and stored is not None:  # the same source: keep what was known, add what is
             current = Source(current.cluster_id or stored.cluster_id, current.timer_topic_id or stored.timer_topic_id)
         if current != stored:
-            store_source(cfg.data_dir, current, fsync=cfg.fsync)
+            store_source(cfg.data_dir, current, fsync=cfg.fsync, settings=settings)
     return current
 
 

@@ -126,9 +126,13 @@ def load_source(data_dir: str | os.PathLike[str]) -> Source | None:
     return Source(*ids)
 
 
-def store_source(data_dir: str | os.PathLike[str], source: Source, *, fsync: bool = True) -> None:
-    """Record ``source`` in the deployment file (atomically replaced; ``check_settings`` wrote it)."""
-    stored = load_settings(data_dir)
+def store_source(data_dir: str | os.PathLike[str], source: Source, *, fsync: bool = True,
+                 settings: DeploymentSettings | None = None) -> None:
+    """Record ``source`` in the deployment file (atomically replaced; ``check_settings`` wrote it)
+    beside ``settings``, the file's as the caller just read them (else read here: through a FUSE or
+    NFS mount, a second open while another node replaces the file can find it missing; seen on
+    two mounts of one volume, both nodes recording the source at once)."""
+    stored = settings if settings is not None else load_settings(data_dir)
     if stored is None:
         raise TimerwheelError(f"deployment file {settings_path(data_dir)} does not exist: no source can be recorded")
     _rewrite(data_dir, stored, source, fsync)
