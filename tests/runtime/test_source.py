@@ -118,17 +118,25 @@ def test_the_source_is_recorded_from_the_one_read_of_the_deployment_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On two mounts of one volume, both nodes record the source at once: a second open of the file
     while the other node replaces it can find it missing (a failed e2e start, "deployment file ...
-    does not exist"). ``check_source`` records it beside the settings it read, without opening the
-    file again."""
+    does not exist"; or, with the source read apart from the settings, a start that skipped recording
+    it). ``check_source`` reads the file once and records the source beside the settings it read."""
     from timerwheel.store import deployment
 
     cfg = _config(tmp_path)
     log = LocalCommitLog(tmp_path / "log")
     log.ensure_topic(cfg.timer_topic, 2)
     check_settings(cfg.data_dir, DeploymentSettings.of(cfg), fsync=False)
-    monkeypatch.setattr(deployment, "load_settings", lambda data_dir: None)  # the name missing at a second open
+    opens = []
+    first_read = deployment._load
+
+    def once(data_dir: str) -> object:  # the name missing at any second open
+        opens.append(data_dir)
+        return first_read(data_dir) if len(opens) == 1 else None
+
+    monkeypatch.setattr(deployment, "_load", once)
     current = check_source(cfg, log, adopt=True, production=False)
     monkeypatch.undo()
+    assert len(opens) == 1, "check_source opened the deployment file more than once"
     assert load_source(cfg.data_dir) == current and current.timer_topic_id
 
 

@@ -47,13 +47,14 @@ def add_inspect(sub: Any) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from timerwheel.runtime.inspect import inspect_shards
-    from timerwheel.store.deployment import load_settings, load_source
+    from timerwheel.store.deployment import load_deployment
 
     cfg = build_config(args)
     shards = _open_shards(cfg, args.shards)
     try:
         report = inspect_shards(cfg, shards, SystemClock().now_ms())
-        stored, source = load_settings(cfg.data_dir), load_source(cfg.data_dir)
+        deployment = load_deployment(cfg.data_dir)
+        stored, source = deployment if deployment is not None else (None, None)
         if stored is not None:
             report["settings"] = asdict(stored)
         if source is not None:

@@ -28,7 +28,7 @@ from timerwheel.stages.ownership import Ownership
 from timerwheel.stages.published import TORN_READ_PATIENCE_S
 from timerwheel.store import checkpoint
 from timerwheel.store.checkpoint import CorruptCheckpointError
-from timerwheel.store.deployment import SETTINGS_FILE, Source, load_settings, load_source, store_source
+from timerwheel.store.deployment import SETTINGS_FILE, Source, load_deployment, store_source
 from timerwheel.store.layout import found_shards, open_reader_if_exists, open_shard, shard_dir
 from timerwheel.store.shard import ENQUEUE_CKPT
 from timerwheel.transports.base import CommitLog, LeaseStore, MemberStore, WorkQueue
@@ -149,7 +149,8 @@ def check_source(cfg: TimerConfig, commit_log: CommitLog, *, adopt: bool, produc
     recorded when none is, when no shard exists yet, or to fill in an id the log could not tell
     before."""
     current = Source(commit_log.cluster_id(), commit_log.topic_id(cfg.timer_topic))
-    stored = load_source(cfg.data_dir)
+    deployment = load_deployment(cfg.data_dir)  # one read: another node may replace the file meanwhile
+    stored = deployment[1] if deployment is not None else None
     shards = found_shards(cfg.data_dir)
     if shards:
         wrong = stored.differences(current) if stored is not None else []
@@ -164,12 +165,11 @@ def check_source(cfg: TimerConfig, commit_log: CommitLog, *, adopt: bool, produc
                 f"data directory {cfg.data_dir} holds shards whose checkpoints are beyond the end of timer topic "
                 f"{cfg.timer_topic!r} ({'; '.join(beyond[:4])}{'; ...' if len(beyond) > 4 else ''}): it is not the "
                 f"topic they were written from (made again, or another cluster's): {_rebase_advice(cfg, production)}")
-    settings = load_settings(cfg.data_dir) if adopt and stored != current else None
-    if settings is not None:
+    if adopt and deployment is not None and stored != current:
         if shards and stored is not None:  # the same source: keep what was known, add what is
             current = Source(current.cluster_id or stored.cluster_id, current.timer_topic_id or stored.timer_topic_id)
         if current != stored:
-            store_source(cfg.data_dir, current, fsync=cfg.fsync, settings=settings)
+            store_source(cfg.data_dir, current, fsync=cfg.fsync, settings=deployment[0])
     return current
 
 

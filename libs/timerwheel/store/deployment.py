@@ -114,16 +114,24 @@ def _load(data_dir: str | os.PathLike[str]) -> tuple[DeploymentSettings, dict[st
 
 def load_source(data_dir: str | os.PathLike[str]) -> Source | None:
     """The stored source, or None if the deployment file records none (or does not exist)."""
+    stored = load_deployment(data_dir)
+    return None if stored is None else stored[1]
+
+
+def load_deployment(data_dir: str | os.PathLike[str]) -> tuple[DeploymentSettings, Source | None] | None:
+    """The stored settings and source (None where none is recorded), from one read of the
+    deployment file, or None if there is none yet."""
     stored = _load(data_dir)
     if stored is None:
         return None
-    raw = stored[1].get("source")
+    settings, body = stored
+    raw = body.get("source")
     if raw is None:
-        return None
+        return settings, None
     ids = [raw.get(name) for name in Source.__dataclass_fields__] if isinstance(raw, dict) else [0]
     if any(v is not None and not isinstance(v, str) for v in ids):
         raise TimerwheelError(f"deployment file {settings_path(data_dir)} is unreadable: bad field source")
-    return Source(*ids)
+    return settings, Source(*ids)
 
 
 def store_source(data_dir: str | os.PathLike[str], source: Source, *, fsync: bool = True,
@@ -230,14 +238,15 @@ def store_window(data_dir: str | os.PathLike[str], wanted: DeploymentSettings, *
 
     Only for ``timerwheel rebuild-wheel --change-window`` once it has rebuilt the shards: any other
     difference (shard count, timer topic, format version) is refused as ``check_settings`` does."""
-    stored = load_settings(data_dir)
-    if stored is None:
+    deployment = load_deployment(data_dir)
+    if deployment is None:
         check_settings(data_dir, wanted, fsync=fsync)
         return None
+    stored, source = deployment
     fixed = {n: getattr(wanted, n) for n in DeploymentSettings.__dataclass_fields__ if n not in WINDOW_FIELDS}
     _refuse(data_dir, stored, DeploymentSettings(**fixed, **{n: getattr(stored, n) for n in WINDOW_FIELDS}))
     if stored != wanted:
-        _rewrite(data_dir, wanted, load_source(data_dir), fsync)
+        _rewrite(data_dir, wanted, source, fsync)
     return stored
 
 
