@@ -155,6 +155,30 @@ def test_the_watch_reads_on_shortly_before_a_record_is_due(rig: WatchRig, clock:
     assert rig.sent() == {"m1": SLOT + 11}
 
 
+def test_the_read_on_reads_from_the_newest_checkpointed_input_not_from_where_the_watch_left_off(
+        rig: WatchRig, clock: SimulatedClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer idle since long ago (a burst written ahead, taken into the TimerLog since) moves up
+    to the newest checkpoint's input offsets before it reads on: what is below them (a cancel here)
+    is in the TimerLog, and reading it again took 29 ms past a burst's time in the peers' row."""
+    mono = [100.0]
+    monkeypatch.setattr(watch, "time", SimpleNamespace(monotonic=lambda: mono[0]))
+    put = rig.stage("a")
+    rig.publish_input(START, rig.timer_records(1))
+    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 50))
+    clock.set(SLOT + 11)
+    put.step(0)  # m1 leaves by the watch: its consumer reads from here on
+    assert rig.sent() == {"m1": SLOT + 11}
+    rig.cancel("m8", SLOT + 60)
+    rig.publish_input(START, rig.timer_records(5))  # taken into the TimerLog while the watch was idle
+    rig.cancel("m9", SLOT + 60)
+    mono[0] += 1.0
+    clock.set(SLOT + 50 - dequeue_put.READ_ON_MS)
+    put.step(0)
+    assert put._watch.cancelled(0, "m9"), "the read-on did not read what arrived above the checkpoint"
+    assert not put._watch.cancelled(0, "m8"), "the read-on read again what the TimerLog holds"
+    assert rig.sent() == {"m1": SLOT + 11}
+
+
 @pytest.mark.parametrize("lead", [0, 50])
 def test_the_loose_mode_takes_the_look_before_the_records_time_and_they_leave_at_it(
         rig: WatchRig, clock: SimulatedClock, lead: int) -> None:

@@ -107,7 +107,7 @@ from timerwheel.stages.owner import OwnedShard, ShardOwner
 from timerwheel.stages.ownership import Ownership
 from timerwheel.stages.published import CKPT_POLL_S, PublishedView
 from timerwheel.stages.watch import Watch
-from timerwheel.store import CorruptCheckpointError, Shard
+from timerwheel.store import CorruptCheckpointError, EnqueueCheckpoint, Shard
 from timerwheel.transports.base import CommitLog, WorkQueue
 from timerwheel.wire import (
     H_CANCEL,
@@ -302,8 +302,13 @@ class DequeuePut(QueueStage):
         due = self._heap[0][0]
         if due != self._read_on_for and due - self.ctx.clock.now_ms() <= READ_ON_MS:
             self._read_on_for = due
-            self._watch.read_on(READ_ON_MS / 1000)
+            self._watch.read_on(READ_ON_MS / 1000, self._newest_input)
             self._watch.look_ahead(due)
+
+    def _newest_input(self, shard_id: int) -> EnqueueCheckpoint | None:
+        """The shard's newest enqueue checkpoint (its ``W`` and input offsets ``O``), or None."""
+        view = self._view(shard_id)
+        return view.newest(self.ctx) if view is not None else None
 
     # ---------------------------------------------------------------- shard ownership (exactly-once)
 
@@ -605,7 +610,7 @@ class DequeuePut(QueueStage):
     def _gate_shard(self, shard_id: int, held: list[Held], now: int) -> None:
         """``_gate`` for the due records of one shard: raises before it decided any of them, or not at all."""
         view = self._view(shard_id)
-        ckpt = view.newest(self.ctx) if view is not None else None
+        ckpt = self._newest_input(shard_id)
         owner_epoch = self._owner_epoch(shard_id, view)
         stale: list[Held] = []
         ready: list[Held] = []

@@ -39,6 +39,7 @@ it never reads what the TimerLog holds already.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from timerwheel.log import stage_logger
@@ -149,14 +150,20 @@ class Watch:
             return READ_AGAIN_S
         return max(0.0, OBSERVE_S - (time.monotonic() - sw.asked_at))
 
-    def read_on(self, idle_s: float) -> None:
+    def read_on(self, idle_s: float, newest: Callable[[int], EnqueueCheckpoint | None]) -> None:
         """Read what has arrived on the timer partitions of each shard whose consumer was not
         polled for ``idle_s``, keeping the cancels met: called shortly before records are due, so
-        that the look at their time reads only the last moments' input, not all since the last."""
+        that the look at their time reads only the last moments' input, not all since the last.
+        Each consumer first moves up to the ``O`` of its shard's ``newest`` checkpoint: one idle
+        since long ago (a burst written ahead) read the records the TimerLog had taken in since
+        then (29 ms of 20,000 records' burst, past their time, seen in the peers' burst row)."""
         mono = time.monotonic()
         for sw in self._shards.values():
             if sw.consumer is not None and mono - sw.polled_at >= idle_s:
-                self._poll(sw, sw.consumer, READ_ON_WAIT_S)
+                ckpt = newest(sw.shard_id)
+                consumer = self._follow_from(sw, ckpt) if ckpt is not None else sw.consumer
+                if consumer is not None:
+                    self._poll(sw, consumer, READ_ON_WAIT_S)
 
     def look_ahead(self, due_ms: int) -> None:
         """The loose mode (``TW_CANCEL_LEAD_MS`` = N > 0): an observation taken now grants up to
