@@ -22,6 +22,9 @@ receive time (and timerwheel's ``tw-delivered-at``).
 Rows (``TW_BENCH_PEERS_ONLY``, a comma list; sizes from ``TW_BENCH_PEERS_*``; each row runs its
 systems ``TW_BENCH_PEERS_ROUNDS`` (1) times, alternately; ``TW_BENCH_PEERS_SYSTEMS`` picks them):
 
+timerwheel runs ``DEQUEUE_PUT`` (1) dequeue-put replicas (``dequeue-put#2``, ...): the stage that
+appends the deliveries, which the operator's autoscaling scales out ahead of a scheduled spike.
+
 * ``steady``: ``RATE`` (500) msg/s for ``SECONDS`` (60), delays 2-10 s, due on whole seconds.
 * ``burst``: ``BURST`` (20,000) messages due in one second, written ``BURST_AHEAD_S`` (20) before.
 * ``kill``: ``KILL_RATE`` (200) msg/s for ``KILL_SECONDS`` (40), delays 2-10 s, whole seconds;
@@ -119,7 +122,12 @@ STAGE_ORDER = ("enqueue-put", "enqueue-get", "dequeue-get", "dequeue-getmsg", "d
 
 class Timerwheel:
     def __init__(self, kafka: str, redis_url: str, code: Code) -> None:
+        replicas = _env_int("DEQUEUE_PUT", 1)
         self.name = "timerwheel" if code == CURRENT else f"timerwheel ({code.name})"
+        if replicas > 1:
+            self.name += f" x{replicas} dequeue-put"
+        #: The stage processes, in start order: the five, then the further dequeue-put replicas.
+        self.stages = (*STAGE_ORDER, *(f"dequeue-put#{i}" for i in range(2, replicas + 1)))
         self.kafka = kafka
         self.pipe = new_pipeline(kafka, redis_url, code=code, tick_ms=100, batch_size=200)  # max_in_flight: 20,000
         self.dest = self.pipe.dest("peers")
@@ -127,6 +135,8 @@ class Timerwheel:
             self.pipe.create_timer_topic()
             self.pipe.create_topic(self.dest, PARTITIONS)
             self.pipe.start_all(120)
+            for name in self.stages[len(STAGE_ORDER):]:
+                self.pipe.start(name, timeout_s=120)
         except BaseException:
             close(self.pipe)
             raise
@@ -134,13 +144,13 @@ class Timerwheel:
         self.options = self.pipe.kafka_options
 
     def processes(self) -> dict[str, int]:
-        return {name: self.pipe.procs[name].pid for name in STAGE_ORDER}
+        return {name: self.pipe.procs[name].pid for name in self.stages}
 
     def tail(self) -> str:
         return str(self.pipe.tails())
 
     def kill_groups(self, mode: str) -> list[list[str]]:
-        return [[name] for name in STAGE_ORDER] if mode == "each" else [list(STAGE_ORDER)]
+        return [[name] for name in self.stages] if mode == "each" else [list(self.stages)]
 
     def kill(self, names: list[str]) -> None:
         for name in names:
@@ -149,7 +159,7 @@ class Timerwheel:
             self.pipe.kill(name)  # reaps it (SIGKILL again to a dead process, then wait)
 
     def restart(self, names: list[str]) -> None:
-        for name in STAGE_ORDER:  # enqueue-put first: it opens the shards the others read
+        for name in self.stages:  # enqueue-put first: it opens the shards the others read
             if name in names:
                 self.pipe.start(name, wait_ready=False)
 
