@@ -155,8 +155,8 @@ class Watch:
         polled for ``idle_s``, keeping the cancels met: called shortly before records are due, so
         that the look at their time reads only the last moments' input, not all since the last.
         Each consumer first moves up to the ``O`` of its shard's ``newest`` checkpoint: one idle
-        since long ago (a burst written ahead) read the records the TimerLog had taken in since
-        then (29 ms of 20,000 records' burst, past their time, seen in the peers' burst row)."""
+        since long ago (a burst written ahead) read again what the TimerLog had taken in since
+        then, and in the peers' burst row that ran 11 ms past the burst's time."""
         mono = time.monotonic()
         for sw in self._shards.values():
             if sw.consumer is not None and mono - sw.polled_at >= idle_s:
