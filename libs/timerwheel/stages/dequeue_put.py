@@ -610,7 +610,7 @@ class DequeuePut(QueueStage):
     def _gate_shard(self, shard_id: int, held: list[Held], now: int) -> None:
         """``_gate`` for the due records of one shard: raises before it decided any of them, or not at all."""
         view = self._view(shard_id)
-        ckpt = self._newest_input(shard_id)
+        ckpt = view.newest(self.ctx) if view is not None else None
         owner_epoch = self._owner_epoch(shard_id, view)
         stale: list[Held] = []
         ready: list[Held] = []
