@@ -131,19 +131,27 @@ def test_a_record_waiting_for_the_watch_is_looked_at_again_as_soon_as_the_watch_
     assert rig.sent() == {"m1": SLOT + 11, "m2": SLOT + 13}
 
 
-def test_the_watch_reads_on_shortly_before_a_record_is_due(rig: WatchRig, clock: SimulatedClock,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """READ_ON_MS before the first held record's time the watch reads what arrived (a cancel here),
-    so that the look at its time has only the last moments to read; not earlier, and only for a
-    consumer idle that long."""
+def _m1_left_by_the_watch(rig: WatchRig, clock: SimulatedClock,
+                          monkeypatch: pytest.MonkeyPatch) -> tuple[DequeuePut, list[float]]:
+    """The stage with m1 released by the watch at SLOT + 11 (its consumer reads from there on) and
+    m2 held for SLOT + 50; the watch's monotonic clock, moved by hand."""
     mono = [100.0]
     monkeypatch.setattr(watch, "time", SimpleNamespace(monotonic=lambda: mono[0]))
     put = rig.stage("a")
     rig.publish_input(START, rig.timer_records(1))
     rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 50))
     clock.set(SLOT + 11)
-    put.step(0)  # m1 leaves by the watch: its consumer reads from here on
+    put.step(0)
     assert rig.sent() == {"m1": SLOT + 11}
+    return put, mono
+
+
+def test_the_watch_reads_on_shortly_before_a_record_is_due(rig: WatchRig, clock: SimulatedClock,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """READ_ON_MS before the first held record's time the watch reads what arrived (a cancel here),
+    so that the look at its time has only the last moments to read; not earlier, and only for a
+    consumer idle that long."""
+    put, mono = _m1_left_by_the_watch(rig, clock, monkeypatch)
     rig.cancel("m9", SLOT + 60)
     mono[0] += 1.0
     clock.set(SLOT + 50 - dequeue_put.READ_ON_MS - 1)
@@ -160,14 +168,7 @@ def test_the_read_on_reads_from_the_newest_checkpointed_input_not_from_where_the
     """A consumer idle since long ago (a burst written ahead, taken into the TimerLog since) moves up
     to the newest checkpoint's input offsets before it reads on: what is below them (a cancel here)
     is in the TimerLog, and reading it again took 29 ms past a burst's time in the peers' row."""
-    mono = [100.0]
-    monkeypatch.setattr(watch, "time", SimpleNamespace(monotonic=lambda: mono[0]))
-    put = rig.stage("a")
-    rig.publish_input(START, rig.timer_records(1))
-    rig.hand_over(record(1, "dest", SLOT + 10), record(2, "dest", SLOT + 50))
-    clock.set(SLOT + 11)
-    put.step(0)  # m1 leaves by the watch: its consumer reads from here on
-    assert rig.sent() == {"m1": SLOT + 11}
+    put, mono = _m1_left_by_the_watch(rig, clock, monkeypatch)
     rig.cancel("m8", SLOT + 60)
     rig.publish_input(START, rig.timer_records(5))  # taken into the TimerLog while the watch was idle
     rig.cancel("m9", SLOT + 60)
